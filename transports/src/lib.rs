@@ -1,0 +1,23 @@
+//! The data plane of rdt: [`Tensor`]s, devices and dtypes, the extraction of
+//! tensors from values, and the [`TensorTransport`] trait with its
+//! implementations.
+//!
+//! This crate knows nothing of actors: the framework (`rdt`) decides when
+//! and between whom tensors move; a transport decides how. See
+//! [`transport`] for the contract every transport implements.
+#![deny(missing_docs)]
+
+mod device;
+mod dtype;
+pub mod object_store;
+mod tensor;
+pub mod transport;
+pub mod value;
+pub mod wire;
+
+pub use device::Device;
+pub use dtype::{DType, Element};
+pub use object_store::ObjectStoreTransport;
+pub use tensor::{ExternalMemory, Tensor, TensorError, TensorMeta};
+pub use transport::{Exported, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError};
+pub use wire::Blob;

@@ -1,0 +1,404 @@
+//! [`Tensor`]: a typed, shaped view of shared storage.
+//!
+//! # Invariants
+//! 1. A tensor is contiguous and row-major; its storage holds exactly
+//!    `shape.product() * dtype.size()` bytes.
+//! 2. Cloning a tensor shares its storage (tensors are mutable and shared, as
+//!    in Ray Direct Transport): a write through one clone is seen by all.
+//! 3. Access to host bytes goes through the storage's lock, so concurrent
+//!    readers and writers in one process are serialized (no data race); the
+//!    order of writes between actors is the user's business, as in RDT.
+//! 4. Storage received from the wire ([`bytes::Bytes`]) is shared read-only
+//!    until the first write, which copies it once (copy on write).
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+
+use crate::{DType, Device, Element};
+
+/// Errors of tensor construction and access.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum TensorError {
+    /// The shape and the number of bytes disagree.
+    #[error("tensor of dtype {dtype} and shape {shape:?} needs {expected} bytes, but {actual} were given")]
+    SizeMismatch {
+        /// Element type.
+        dtype: DType,
+        /// Shape.
+        shape: Vec<usize>,
+        /// Bytes the shape needs.
+        expected: usize,
+        /// Bytes present.
+        actual: usize,
+    },
+    /// The element type asked for is not the tensor's.
+    #[error("tensor has dtype {actual}, not {expected}")]
+    DType {
+        /// Asked for.
+        expected: DType,
+        /// The tensor's.
+        actual: DType,
+    },
+    /// The operation needs host memory.
+    #[error("tensor is on {0}; this operation needs a CPU tensor (copy it to the host first)")]
+    NotHost(Device),
+    /// Two tensors that must agree do not.
+    #[error("tensors disagree: {0}")]
+    Mismatch(String),
+}
+
+/// Memory that lives outside the Rust allocator (a shared-memory mapping, a
+/// registered buffer). Dropping it releases the memory (unmaps, closes the
+/// import, notifies the exporter).
+pub trait ExternalMemory: Send + Sync + 'static {
+    /// Start of the bytes.
+    fn as_ptr(&self) -> *mut u8;
+    /// Number of bytes.
+    fn len(&self) -> usize;
+    /// Is it empty?
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// A short description for debugging (`"shm memfd 3"`).
+    fn describe(&self) -> String;
+}
+
+enum Memory {
+    Owned(Vec<u8>),
+    Shared(Bytes),
+    External(Box<dyn ExternalMemory>),
+}
+
+/// The bytes behind one or more tensors.
+pub struct Storage {
+    device: Device,
+    mem: RwLock<Memory>,
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &*self.mem.read() {
+            Memory::Owned(v) => format!("owned {} B", v.len()),
+            Memory::Shared(b) => format!("shared {} B", b.len()),
+            Memory::External(e) => e.describe(),
+        };
+        write!(f, "Storage({}, {kind})", self.device)
+    }
+}
+
+impl Storage {
+    fn host(mem: Memory) -> Arc<Self> {
+        Arc::new(Storage {
+            device: Device::Cpu,
+            mem: RwLock::new(mem),
+        })
+    }
+
+    fn len(&self) -> usize {
+        match &*self.mem.read() {
+            Memory::Owned(v) => v.len(),
+            Memory::Shared(b) => b.len(),
+            Memory::External(e) => e.len(),
+        }
+    }
+}
+
+/// Metadata of a tensor: everything but its bytes. This is what travels
+/// through the driver for direct transports.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    /// Element type.
+    pub dtype: DType,
+    /// Shape (row-major, contiguous).
+    pub shape: Vec<usize>,
+    /// Where the storage is.
+    pub device: Device,
+}
+
+impl TensorMeta {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// Number of bytes.
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+}
+
+/// A contiguous tensor on a device, sharing its storage with its clones.
+#[derive(Clone)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Arc<[usize]>,
+    storage: Arc<Storage>,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("storage", &self.storage)
+            .finish()
+    }
+}
+
+fn check_size(dtype: DType, shape: &[usize], actual: usize) -> Result<(), TensorError> {
+    let expected = shape.iter().product::<usize>() * dtype.size();
+    if expected != actual {
+        return Err(TensorError::SizeMismatch {
+            dtype,
+            shape: shape.to_vec(),
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+impl Tensor {
+    /// A CPU tensor that takes ownership of `bytes`.
+    pub fn from_bytes(dtype: DType, shape: &[usize], bytes: Vec<u8>) -> Result<Self, TensorError> {
+        check_size(dtype, shape, bytes.len())?;
+        Ok(Self::with_storage(dtype, shape, Storage::host(Memory::Owned(bytes))))
+    }
+
+    /// A CPU tensor sharing `bytes` read-only until its first write
+    /// (invariant 4). No copy is made here.
+    pub fn from_shared_bytes(dtype: DType, shape: &[usize], bytes: Bytes) -> Result<Self, TensorError> {
+        check_size(dtype, shape, bytes.len())?;
+        Ok(Self::with_storage(dtype, shape, Storage::host(Memory::Shared(bytes))))
+    }
+
+    /// A tensor over external memory (a shared-memory mapping, say). The
+    /// memory is released when the last tensor sharing it is dropped.
+    pub fn from_external(
+        dtype: DType,
+        shape: &[usize],
+        device: Device,
+        mem: Box<dyn ExternalMemory>,
+    ) -> Result<Self, TensorError> {
+        check_size(dtype, shape, mem.len())?;
+        let storage = Arc::new(Storage {
+            device,
+            mem: RwLock::new(Memory::External(mem)),
+        });
+        Ok(Self::with_storage(dtype, shape, storage))
+    }
+
+    fn with_storage(dtype: DType, shape: &[usize], storage: Arc<Storage>) -> Self {
+        Tensor {
+            dtype,
+            shape: shape.into(),
+            storage,
+        }
+    }
+
+    /// A CPU tensor holding a copy of `data`.
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self, TensorError> {
+        Self::from_bytes(T::DTYPE, shape, bytemuck::cast_slice(data).to_vec())
+    }
+
+    /// A CPU tensor of zeros.
+    pub fn zeros(dtype: DType, shape: &[usize]) -> Self {
+        let n = shape.iter().product::<usize>() * dtype.size();
+        Self::from_bytes(dtype, shape, vec![0u8; n]).expect("size computed from shape")
+    }
+
+    /// A CPU tensor with every element equal to `value`.
+    pub fn full<T: Element>(value: T, shape: &[usize]) -> Self {
+        let n: usize = shape.iter().product();
+        Self::from_slice(&vec![value; n], shape).expect("size computed from shape")
+    }
+
+    /// A CPU tensor `0, 1, 2, ...` of `n` elements.
+    pub fn arange<T: Element>(n: usize) -> Self {
+        let v: Vec<T> = (0..n).map(|i| T::from_f64(i as f64)).collect();
+        Self::from_slice(&v, &[n]).expect("size computed from shape")
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// Number of bytes.
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+    /// Device of the storage.
+    pub fn device(&self) -> &Device {
+        &self.storage.device
+    }
+    /// Everything but the bytes.
+    pub fn meta(&self) -> TensorMeta {
+        TensorMeta {
+            dtype: self.dtype,
+            shape: self.shape.to_vec(),
+            device: self.storage.device.clone(),
+        }
+    }
+
+    /// An identifier of the storage, equal for tensors that share bytes in
+    /// this process. Used to check that a hand-over made no copy.
+    pub fn storage_id(&self) -> usize {
+        Arc::as_ptr(&self.storage) as usize
+    }
+
+    /// Do the two tensors share storage?
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage)
+    }
+
+    /// How many tensors (clones) share this storage right now, this one
+    /// included. Stores use it to tell whether anyone else still holds it.
+    pub fn storage_refs(&self) -> usize {
+        Arc::strong_count(&self.storage)
+    }
+
+    /// Reads the host bytes under the storage's read lock.
+    pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R, TensorError> {
+        self.require_host()?;
+        let mem = self.storage.mem.read();
+        let bytes: &[u8] = match &*mem {
+            Memory::Owned(v) => v,
+            Memory::Shared(b) => b,
+            // SAFETY: the external memory is valid for `len` bytes while it
+            // lives, and it lives while `mem` (the read guard) is held.
+            Memory::External(e) => unsafe { std::slice::from_raw_parts(e.as_ptr(), e.len()) },
+        };
+        Ok(f(bytes))
+    }
+
+    /// Writes the host bytes under the storage's write lock (copying shared
+    /// wire bytes first, invariant 4). Every clone sees the write.
+    pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, TensorError> {
+        self.require_host()?;
+        let mut mem = self.storage.mem.write();
+        if let Memory::Shared(b) = &*mem {
+            let owned = b.to_vec();
+            *mem = Memory::Owned(owned);
+        }
+        let bytes: &mut [u8] = match &mut *mem {
+            Memory::Owned(v) => v,
+            Memory::Shared(_) => unreachable!("converted above"),
+            // SAFETY: as in `with_bytes`; the write guard excludes every
+            // other access through this storage in this process.
+            Memory::External(e) => unsafe { std::slice::from_raw_parts_mut(e.as_ptr(), e.len()) },
+        };
+        Ok(f(bytes))
+    }
+
+    /// The bytes as an immutable [`Bytes`]: no copy if the storage already
+    /// is wire bytes, otherwise one copy.
+    pub fn to_bytes(&self) -> Result<Bytes, TensorError> {
+        self.require_host()?;
+        if let Memory::Shared(b) = &*self.storage.mem.read() {
+            return Ok(b.clone());
+        }
+        self.with_bytes(Bytes::copy_from_slice)
+    }
+
+    fn require_host(&self) -> Result<(), TensorError> {
+        if !self.storage.device.is_cpu() {
+            return Err(TensorError::NotHost(self.storage.device.clone()));
+        }
+        debug_assert_eq!(self.storage.len(), self.nbytes());
+        Ok(())
+    }
+
+    fn require_dtype<T: Element>(&self) -> Result<(), TensorError> {
+        if T::DTYPE != self.dtype {
+            return Err(TensorError::DType {
+                expected: T::DTYPE,
+                actual: self.dtype,
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies the elements out.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>, TensorError> {
+        self.require_dtype::<T>()?;
+        self.with_bytes(|b| bytemuck::pod_collect_to_vec::<u8, T>(b))
+    }
+
+    /// Sets every element to `value`.
+    pub fn fill_<T: Element>(&self, value: T) -> Result<(), TensorError> {
+        self.require_dtype::<T>()?;
+        self.with_bytes_mut(|b| {
+            let one = bytemuck::bytes_of(&value);
+            for chunk in b.chunks_exact_mut(one.len()) {
+                chunk.copy_from_slice(one);
+            }
+        })
+    }
+
+    /// Adds `value` to every element.
+    pub fn add_scalar_<T: Element>(&self, value: T) -> Result<(), TensorError> {
+        self.require_dtype::<T>()?;
+        self.with_bytes_mut(|b| {
+            let size = std::mem::size_of::<T>();
+            for chunk in b.chunks_exact_mut(size) {
+                let x: T = bytemuck::pod_read_unaligned(chunk);
+                let y = T::from_f64(x.to_f64() + value.to_f64());
+                chunk.copy_from_slice(bytemuck::bytes_of(&y));
+            }
+        })
+    }
+
+    /// Sum of all elements, as `f64`, for any numeric element type.
+    pub fn sum(&self) -> Result<f64, TensorError> {
+        macro_rules! sum_as {
+            ($t:ty, $b:expr) => {
+                $b.chunks_exact(std::mem::size_of::<$t>())
+                    .map(|c| bytemuck::pod_read_unaligned::<$t>(c) as f64)
+                    .sum::<f64>()
+            };
+        }
+        let dtype = self.dtype;
+        self.with_bytes(|b| match dtype {
+            DType::F32 => sum_as!(f32, b),
+            DType::F64 => sum_as!(f64, b),
+            DType::I8 => sum_as!(i8, b),
+            DType::I16 => sum_as!(i16, b),
+            DType::I32 => sum_as!(i32, b),
+            DType::I64 => sum_as!(i64, b),
+            DType::U8 | DType::Bool => sum_as!(u8, b),
+            DType::U32 => sum_as!(u32, b),
+            DType::U64 => sum_as!(u64, b),
+            // Storage-only types: sum the raw 16-bit words; good enough for
+            // checksums, documented as such.
+            DType::F16 | DType::BF16 => sum_as!(u16, b),
+        })
+    }
+
+    /// Are dtype, shape and bytes identical?
+    pub fn equal(&self, other: &Tensor) -> Result<bool, TensorError> {
+        if self.dtype != other.dtype || self.shape != other.shape {
+            return Ok(false);
+        }
+        if self.shares_storage(other) {
+            return Ok(true);
+        }
+        let a = self.to_bytes()?;
+        other.with_bytes(|b| a[..] == b[..])
+    }
+
+    /// A new CPU tensor with a copy of the bytes (its own storage).
+    pub fn deep_copy(&self) -> Result<Tensor, TensorError> {
+        let bytes = self.with_bytes(|b| b.to_vec())?;
+        Tensor::from_bytes(self.dtype, &self.shape, bytes)
+    }
+}

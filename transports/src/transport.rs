@@ -1,0 +1,207 @@
+//! The [`TensorTransport`] trait: the contract between the framework and a
+//! transport.
+//!
+//! The framework decides *when* tensors move and between *whom*; a transport
+//! decides *how*. A transport never sees actors, refs or the owner table:
+//! it sees an object key, tensors, peers and transfer ids.
+//!
+//! # The contract
+//! 1. **Export (producer, every transport).** When a method returns a value
+//!    whose ref uses this transport, the producer calls [`export`] once with
+//!    the value's tensors. The returned [`Exported`] travels to the driver in
+//!    the call's result and from there to every consumer. It holds the
+//!    tensors' metadata, and:
+//!    - for [`Sidedness::ThroughDriver`] transports (the object store), the
+//!      tensor bytes themselves ([`Exported::inline`]): the producer keeps
+//!      nothing;
+//!    - for [`Sidedness::OneSided`] transports (`shm`, CUDA IPC, NIXL),
+//!      opaque handles ([`Exported::handles`]) that let a consumer pull the
+//!      bytes without the producer's participation;
+//!    - for [`Sidedness::TwoSided`] transports (`tcp`, NCCL), metadata only.
+//!
+//!    Except for through-driver transports the producer keeps the tensors in
+//!    its local store until the object is freed.
+//! 2. **Move (consumer, and producer for two-sided).** When a ref reaches a
+//!    consumer, the driver orders the move:
+//!    - two-sided: the producer gets a send order ([`send`]) and the
+//!      consumer a receive order ([`receive`]) carrying the same
+//!      [`TransferId`]; both ends post, in the order the driver issued the
+//!      orders, so a transport may pair them by id or by order;
+//!    - one-sided and through-driver: only the consumer acts ([`receive`]),
+//!      using what [`export`] published.
+//!
+//!    [`receive`] returns the tensors in the order of `exported.metas`; it
+//!    must check that what arrived matches the metadata.
+//! 3. **Release (producer).** When the owner table frees the object, the
+//!    producer drops its tensors and calls [`release`] with the key, after
+//!    which the transport may reclaim exported resources. A one-sided
+//!    transport must not reclaim memory that a consumer still maps: the
+//!    consumer's tensors keep their mapping alive and release it on drop.
+//! 4. **Errors** name the transport and, where there is one, the peer
+//!    ([`TransportError`]). A transport that cannot serve a device says so in
+//!    [`check_device`] before anything is exported.
+//! 5. **No blocking.** Every operation is async and completes on socket I/O,
+//!    a CUDA event or a library's status: never by blocking an executor
+//!    thread for the transfer's duration.
+//!
+//! [`export`]: TensorTransport::export
+//! [`send`]: TensorTransport::send
+//! [`receive`]: TensorTransport::receive
+//! [`release`]: TensorTransport::release
+//! [`check_device`]: TensorTransport::check_device
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+
+use crate::{Blob, Device, Tensor, TensorMeta};
+
+/// Identifies an object in the producer's store (the framework's object id).
+pub type ObjectKey = u64;
+/// Pairs the two ends of one two-sided transfer.
+pub type TransferId = u64;
+
+/// Who acts in a move (see the module contract, point 2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Sidedness {
+    /// The bytes travel with the metadata, through the driver.
+    ThroughDriver,
+    /// Producer sends while consumer receives (tcp, NCCL).
+    TwoSided,
+    /// The consumer pulls with handles the producer published (shm, CUDA
+    /// IPC, NIXL).
+    OneSided,
+}
+
+/// What a producer publishes about an object's tensors.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Exported {
+    /// One entry per tensor.
+    pub metas: Vec<TensorMeta>,
+    /// Transport-specific handles (one-sided transports).
+    pub handles: Vec<u8>,
+    /// Tensor bytes (through-driver transports), one per tensor.
+    pub inline: Vec<Blob>,
+}
+
+impl Exported {
+    /// Total tensor bytes described.
+    pub fn nbytes(&self) -> usize {
+        self.metas.iter().map(|m| m.nbytes()).sum()
+    }
+}
+
+/// The other end of a move, as the framework knows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peer {
+    /// Framework id of the peer's actor (for messages).
+    pub actor: u64,
+    /// Human-readable name of the peer (for errors).
+    pub name: String,
+    /// Host the peer runs on.
+    pub host: String,
+    /// The peer's endpoint for this transport, as it published it.
+    pub endpoint: String,
+}
+
+/// A transport failed.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[error("{transport} transport{}: {message}", .peer.as_ref().map(|p| format!(" (peer {p})")).unwrap_or_default())]
+pub struct TransportError {
+    /// Name of the transport.
+    pub transport: String,
+    /// The peer involved, if any.
+    pub peer: Option<String>,
+    /// What happened and, where it helps, what to do.
+    pub message: String,
+}
+
+impl TransportError {
+    /// An error of `transport` with no peer.
+    pub fn new(transport: &str, message: impl Into<String>) -> Self {
+        TransportError {
+            transport: transport.to_string(),
+            peer: None,
+            message: message.into(),
+        }
+    }
+    /// An error of `transport` involving `peer`.
+    pub fn with_peer(transport: &str, peer: &Peer, message: impl Into<String>) -> Self {
+        TransportError {
+            transport: transport.to_string(),
+            peer: Some(peer.name.clone()),
+            message: message.into(),
+        }
+    }
+}
+
+/// A way to move tensors between processes. See the module docs for the
+/// contract.
+pub trait TensorTransport: Send + Sync + 'static {
+    /// The name used in `#[rdt::method(tensor_transport = "...")]`.
+    fn name(&self) -> &'static str;
+
+    /// Who acts in a move.
+    fn sidedness(&self) -> Sidedness;
+
+    /// Can this transport move tensors on `device`? The error says which
+    /// transport to use instead.
+    fn check_device(&self, device: &Device) -> Result<(), TransportError>;
+
+    /// This process's endpoint for peers (an address to connect to), if the
+    /// transport has one.
+    fn endpoint(&self) -> Option<String> {
+        None
+    }
+
+    /// Producer: publish `tensors` of object `key` (contract point 1).
+    fn export<'a>(&'a self, key: ObjectKey, tensors: &'a [Tensor]) -> BoxFuture<'a, Result<Exported, TransportError>>;
+
+    /// Producer of a two-sided transport: send `tensors` to `to` as transfer
+    /// `xfer` (contract point 2).
+    fn send<'a>(&'a self, to: &'a Peer, xfer: TransferId, tensors: &'a [Tensor]) -> BoxFuture<'a, Result<(), TransportError>> {
+        let _ = (xfer, tensors);
+        Box::pin(async move {
+            Err(TransportError::with_peer(
+                self.name(),
+                to,
+                "this transport is not two-sided; the producer has nothing to send",
+            ))
+        })
+    }
+
+    /// Consumer: obtain the tensors `exported` describes from `from`
+    /// (contract point 2).
+    fn receive<'a>(&'a self, from: &'a Peer, xfer: TransferId, exported: &'a Exported) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>>;
+
+    /// Producer: the object was freed (contract point 3).
+    fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
+        let _ = key;
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// Checks that `got` matches `expected` (contract point 2), as every
+/// transport's `receive` must.
+pub fn check_received(transport: &str, expected: &[TensorMeta], got: &[Tensor]) -> Result<(), TransportError> {
+    if expected.len() != got.len() {
+        return Err(TransportError::new(
+            transport,
+            format!("expected {} tensors, received {}", expected.len(), got.len()),
+        ));
+    }
+    for (i, (m, t)) in expected.iter().zip(got).enumerate() {
+        if m.dtype != t.dtype() || m.shape != t.shape() {
+            return Err(TransportError::new(
+                transport,
+                format!(
+                    "tensor #{i}: expected {} {:?}, received {} {:?}",
+                    m.dtype,
+                    m.shape,
+                    t.dtype(),
+                    t.shape()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}

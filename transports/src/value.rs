@@ -1,0 +1,248 @@
+//! Values with tensors inside: extraction and reinsertion (DESIGN §5).
+//!
+//! [`encode`] serializes any `Serialize` value with postcard while a
+//! thread-local *sink* is active: each [`Tensor`] met on the way is replaced
+//! by a placeholder index and collected. [`decode`] deserializes while a
+//! *source* of tensors is active and puts them back by index.
+//!
+//! # Invariants
+//! 1. A tensor is collected once per storage: the same tensor (or clones of
+//!    it) appearing several times in one value is moved once and comes back
+//!    as clones sharing one storage.
+//! 2. Outside [`encode`]/[`decode`], `Tensor` serializes self-contained
+//!    (dtype, shape and bytes), so user code may serialize tensors with any
+//!    serde format.
+//! 3. The contexts are thread-local and restored on exit, so encoding is
+//!    re-entrant and never observed by another thread.
+
+use std::cell::RefCell;
+
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::{DType, Tensor};
+
+/// A value split into its serialized non-tensor part and its tensors.
+#[derive(Clone, Debug, Default)]
+pub struct Payload {
+    /// postcard bytes of the value, with tensors replaced by indices.
+    pub data: Bytes,
+    /// The tensors, in placeholder order.
+    pub tensors: Vec<Tensor>,
+}
+
+/// Errors of [`encode`] and [`decode`].
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ValueError {
+    /// serde failed.
+    #[error("{0}")]
+    Serde(String),
+    /// A placeholder names a tensor that is not there.
+    #[error("value refers to tensor #{index} but only {count} tensors came with it")]
+    MissingTensor {
+        /// Index in the value.
+        index: u32,
+        /// Tensors present.
+        count: usize,
+    },
+}
+
+const PLACEHOLDER: &str = "__rdt_tensor";
+
+enum Ctx {
+    Sink(Vec<Tensor>),
+    Source(Vec<Tensor>),
+}
+
+thread_local! {
+    static CTX: RefCell<Option<Ctx>> = const { RefCell::new(None) };
+    // postcard drops custom error messages; the missing index goes here.
+    static MISSING: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+struct Restore(Option<Ctx>);
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let prev = self.0.take();
+        CTX.with(|c| *c.borrow_mut() = prev);
+    }
+}
+
+fn enter(ctx: Ctx) -> Restore {
+    Restore(CTX.with(|c| c.borrow_mut().replace(ctx)))
+}
+
+fn take_ctx() -> Option<Ctx> {
+    CTX.with(|c| c.borrow_mut().take())
+}
+
+/// Serializes `value`, pulling its tensors out.
+pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Payload, ValueError> {
+    let guard = enter(Ctx::Sink(Vec::new()));
+    let data = postcard::to_stdvec(value).map_err(|e| ValueError::Serde(e.to_string()));
+    let tensors = match take_ctx() {
+        Some(Ctx::Sink(t)) => t,
+        _ => Vec::new(),
+    };
+    drop(guard);
+    Ok(Payload {
+        data: Bytes::from(data?),
+        tensors,
+    })
+}
+
+/// Deserializes a value, putting `tensors` back in place of placeholders.
+pub fn decode<T: DeserializeOwned>(data: &[u8], tensors: &[Tensor]) -> Result<T, ValueError> {
+    let _guard = enter(Ctx::Source(tensors.to_vec()));
+    MISSING.with(|m| m.set(None));
+    postcard::from_bytes(data).map_err(|e| match MISSING.with(|m| m.take()) {
+        Some(index) => ValueError::MissingTensor {
+            index,
+            count: tensors.len(),
+        },
+        None => ValueError::Serde(e.to_string()),
+    })
+}
+
+#[derive(Serialize, Deserialize)]
+struct SelfContained {
+    dtype: DType,
+    shape: Vec<usize>,
+    #[serde(with = "serde_bytes_compat")]
+    bytes: Vec<u8>,
+}
+
+/// Serialize a byte vector as bytes (not as a sequence of numbers).
+mod serde_bytes_compat {
+    use serde::{Deserializer, Serializer};
+    pub fn serialize<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(b)
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Vec<u8>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("bytes")
+            }
+            fn visit_bytes<E>(self, v: &[u8]) -> Result<Vec<u8>, E> {
+                Ok(v.to_vec())
+            }
+            fn visit_byte_buf<E>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
+                Ok(v)
+            }
+        }
+        d.deserialize_byte_buf(V)
+    }
+}
+
+impl Serialize for Tensor {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let index = CTX.with(|c| match &mut *c.borrow_mut() {
+            Some(Ctx::Sink(v)) => {
+                // Invariant 1: one entry per storage.
+                let i = match v.iter().position(|t| t.shares_storage(self) && t.shape() == self.shape() && t.dtype() == self.dtype()) {
+                    Some(i) => i,
+                    None => {
+                        v.push(self.clone());
+                        v.len() - 1
+                    }
+                };
+                Some(i as u32)
+            }
+            _ => None,
+        });
+        match index {
+            Some(i) => s.serialize_newtype_struct(PLACEHOLDER, &i),
+            None => {
+                let bytes = self
+                    .with_bytes(|b| b.to_vec())
+                    .map_err(serde::ser::Error::custom)?;
+                SelfContained {
+                    dtype: self.dtype(),
+                    shape: self.shape().to_vec(),
+                    bytes,
+                }
+                .serialize(s)
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Tensor {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let in_source = CTX.with(|c| matches!(&*c.borrow(), Some(Ctx::Source(_))));
+        if in_source {
+            #[derive(Deserialize)]
+            #[serde(rename = "__rdt_tensor")]
+            struct Index(u32);
+            let Index(i) = Index::deserialize(d)?;
+            CTX.with(|c| match &*c.borrow() {
+                Some(Ctx::Source(v)) => v
+                    .get(i as usize)
+                    .cloned()
+                    .ok_or_else(|| {
+                        MISSING.with(|m| m.set(Some(i)));
+                        serde::de::Error::custom(format!("tensor #{i} is missing"))
+                    }),
+                _ => Err(serde::de::Error::custom("tensor source vanished")),
+            })
+        } else {
+            let sc = SelfContained::deserialize(d)?;
+            Tensor::from_bytes(sc.dtype, &sc.shape, sc.bytes).map_err(serde::de::Error::custom)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[derive(Serialize, Deserialize)]
+    struct Nested {
+        name: String,
+        weights: HashMap<String, Tensor>,
+        extra: Option<Vec<Tensor>>,
+        step: u64,
+    }
+
+    #[test]
+    fn nested_round_trip_keeps_storage() {
+        let a = Tensor::full(1.5f32, &[4]);
+        let b = Tensor::arange::<i64>(10);
+        let mut weights = HashMap::new();
+        weights.insert("a".to_string(), a.clone());
+        weights.insert("b".to_string(), b.clone());
+        let v = Nested {
+            name: "x".into(),
+            weights,
+            extra: Some(vec![a.clone()]),
+            step: 7,
+        };
+        let p = encode(&v).unwrap();
+        assert_eq!(p.tensors.len(), 2, "the repeated tensor is collected once");
+        let back: Nested = decode(&p.data, &p.tensors).unwrap();
+        assert_eq!(back.step, 7);
+        assert!(back.weights["a"].shares_storage(&a));
+        assert!(back.extra.unwrap()[0].shares_storage(&a));
+        assert_eq!(back.weights["b"].to_vec::<i64>().unwrap(), (0..10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn missing_tensor_is_an_error() {
+        let p = encode(&vec![Tensor::full(1u8, &[1])]).unwrap();
+        let e = decode::<Vec<Tensor>>(&p.data, &[]).unwrap_err();
+        assert_eq!(e, ValueError::MissingTensor { index: 0, count: 0 });
+    }
+
+    #[test]
+    fn self_contained_outside_context() {
+        let t = Tensor::from_slice(&[1.0f64, 2.0], &[2]).unwrap();
+        let bytes = postcard::to_stdvec(&t).unwrap();
+        let back: Tensor = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(back.to_vec::<f64>().unwrap(), vec![1.0, 2.0]);
+        assert!(!back.shares_storage(&t));
+    }
+}
