@@ -1,1 +1,75 @@
-pub fn x(){}
+//! # rdt: direct tensor transport between Rust actors
+//!
+//! Actors live in their own worker processes, hosted on actix. Calls return
+//! [`ObjectRef`]s at once; a ref passed to another actor's method arrives
+//! as the value, its tensors moved by the transport the producing method
+//! named with `#[rdt::method(tensor_transport = "...")]` — device to device
+//! where the transport allows, through the driver (`object_store`) otherwise.
+//! The driver's owner table counts refs and frees objects when nothing needs
+//! them.
+//!
+//! ```no_run
+#![doc = include_str!("../../examples/doc_counter.rs")]
+//! ```
+#![deny(missing_docs)]
+
+mod actor;
+mod error;
+mod object_ref;
+mod owner;
+mod protocol;
+mod runtime;
+mod transport;
+mod worker;
+
+pub use actor::Actor;
+pub use error::{Error, Result, TransportError};
+pub use object_ref::{ActorId, Arg, Call, ObjectId, ObjectRef, RawHandle};
+pub use rdt_macros::{actor, main, method};
+pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
+pub use runtime::{Runtime, RuntimeBuilder, Spawn};
+pub use transport::Transport;
+pub use worker::{init, wait_tensor_freed, wait_tensor_freed_timeout};
+
+/// The data-plane crate: tensors, the transport trait, value extraction.
+pub use rdt_transport as data;
+
+/// What most programs need.
+pub mod prelude {
+    pub use crate::{actor, method, Arg, Error, ObjectRef, Result, Runtime, Tensor, Transport};
+    pub use crate::{DType, Device};
+}
+
+/// Used by generated code; not a public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::actor::{encode_return, ActorRegistration, CallArgs, ACTOR_TYPES};
+    pub use crate::object_ref::{Call, RawHandle};
+    pub use crate::worker::{boot_if_worker, run_worker};
+    pub use futures::future::LocalBoxFuture;
+    pub use futures::FutureExt;
+    pub use linkme;
+    pub use rdt_transport::value::Payload;
+    pub use tokio;
+
+    /// Emits a pre-`main` hook that turns the process into a worker when the
+    /// driver started it as one (so test binaries, whose `main` libtest
+    /// owns, work too). Written with `link_section` in this crate's edition.
+    #[macro_export]
+    #[doc(hidden)]
+    macro_rules! __worker_bootstrap {
+        () => {
+            const _: () = {
+                #[used]
+                #[cfg_attr(target_os = "linux", link_section = ".init_array")]
+                static __RDT_WORKER_BOOT: extern "C" fn() = {
+                    extern "C" fn __rdt_worker_boot() {
+                        $crate::__private::boot_if_worker();
+                    }
+                    __rdt_worker_boot
+                };
+            };
+        };
+    }
+    pub use crate::__worker_bootstrap as worker_bootstrap;
+}

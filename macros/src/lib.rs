@@ -1,1 +1,420 @@
-pub fn x(){}
+//! Procedural macros of rdt. Use them through the `rdt` crate:
+//! `#[rdt::actor]`, `#[rdt::method(...)]`, `#[rdt::main]`.
+//!
+//! Generated code names only `::rdt::...` (its hidden `__private` module
+//! re-exports what it needs), so users need no other dependency.
+#![deny(missing_docs)]
+
+use proc_macro::TokenStream;
+use proc_macro2::{Span, TokenStream as TokenStream2};
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{parse_macro_input, FnArg, ImplItem, Item, ItemFn, ItemImpl, ItemStruct, LitStr, Pat, ReturnType, Type};
+
+/// The transport names `#[rdt::method(tensor_transport = ...)]` accepts,
+/// with the `rdt::Transport` variant each maps to.
+const TRANSPORTS: &[(&str, &str)] = &[
+    ("object_store", "ObjectStore"),
+    ("tcp", "Tcp"),
+    ("shm", "Shm"),
+    ("nccl", "Nccl"),
+    ("nixl", "Nixl"),
+    ("cuda_ipc", "CudaIpc"),
+];
+
+fn valid_names() -> String {
+    TRANSPORTS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+}
+
+/// Marks an actor: put it on the struct (generates the typed handle
+/// `<Name>Handle` and the worker bootstrap) and on its `impl` block
+/// (generates dispatch, the handle's methods and the registration).
+///
+/// In the `impl` block, `fn new(args: A) -> Self` (or `-> Result<Self, E>`,
+/// async or not, with zero or one argument) is the constructor run in the
+/// worker; every method with a `self` receiver becomes a remote method.
+#[proc_macro_attribute]
+pub fn actor(attr: TokenStream, item: TokenStream) -> TokenStream {
+    if !attr.is_empty() {
+        return syn::Error::new(Span::call_site(), "#[rdt::actor] takes no arguments")
+            .to_compile_error()
+            .into();
+    }
+    let item = parse_macro_input!(item as Item);
+    let out = match item {
+        Item::Struct(s) => actor_struct(s),
+        Item::Impl(i) => actor_impl(i),
+        other => Err(syn::Error::new(
+            other.span(),
+            "#[rdt::actor] goes on an actor's struct and on its impl block",
+        )),
+    };
+    out.unwrap_or_else(|e| e.to_compile_error()).into()
+}
+
+/// Options of a remote method, inside an `#[rdt::actor]` impl block:
+/// `#[rdt::method(tensor_transport = "tcp")]` keeps the returned tensors in
+/// the producing actor and moves them with that transport when the ref is
+/// passed to another actor. Valid names: object_store, tcp, shm, nccl, nixl,
+/// cuda_ipc.
+#[proc_macro_attribute]
+pub fn method(_attr: TokenStream, item: TokenStream) -> TokenStream {
+    let item2: TokenStream2 = item.into();
+    let err = syn::Error::new(
+        Span::call_site(),
+        "#[rdt::method] only works on a method inside an #[rdt::actor] impl block",
+    )
+    .to_compile_error();
+    quote!(#err #item2).into()
+}
+
+/// Turns `async fn main()` into a program whose re-executed copies become
+/// rdt workers: calls `rdt::init()` first, then runs the body on a
+/// multi-threaded tokio runtime.
+#[proc_macro_attribute]
+pub fn main(_attr: TokenStream, item: TokenStream) -> TokenStream {
+    let f = parse_macro_input!(item as ItemFn);
+    if f.sig.asyncness.is_none() {
+        return syn::Error::new(f.sig.fn_token.span(), "#[rdt::main] needs an `async fn main`")
+            .to_compile_error()
+            .into();
+    }
+    let attrs = &f.attrs;
+    let vis = &f.vis;
+    let name = &f.sig.ident;
+    let ret = &f.sig.output;
+    let body = &f.block;
+    quote! {
+        #(#attrs)*
+        #vis fn #name() #ret {
+            ::rdt::init();
+            ::rdt::__private::tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("rdt: could not build the tokio runtime")
+                .block_on(async move #body)
+        }
+    }
+    .into()
+}
+
+fn actor_struct(s: ItemStruct) -> syn::Result<TokenStream2> {
+    if !s.generics.params.is_empty() {
+        return Err(syn::Error::new(s.generics.span(), "rdt actors cannot be generic"));
+    }
+    let name = &s.ident;
+    let vis = &s.vis;
+    let handle = format_ident!("{}Handle", name);
+    let doc = format!("Typed client handle of the [`{name}`] actor: each remote method returns an [`rdt::Call`] to submit with `.remote()`.");
+    Ok(quote! {
+        #s
+
+        #[doc = #doc]
+        #[derive(Clone, Debug)]
+        #vis struct #handle {
+            raw: ::rdt::__private::RawHandle,
+        }
+
+        impl ::core::convert::From<::rdt::__private::RawHandle> for #handle {
+            fn from(raw: ::rdt::__private::RawHandle) -> Self {
+                #handle { raw }
+            }
+        }
+
+        #[allow(dead_code)]
+        impl #handle {
+            /// The actor's id (for collective groups and logs).
+            pub fn id(&self) -> ::rdt::ActorId {
+                self.raw.id()
+            }
+            /// The actor's name.
+            pub fn name(&self) -> &str {
+                self.raw.name()
+            }
+            /// Kills the actor's process.
+            pub fn kill(&self) {
+                self.raw.kill()
+            }
+            /// The worker's process id.
+            pub fn pid(&self) -> ::core::option::Option<u32> {
+                self.raw.pid()
+            }
+            /// The untyped handle.
+            pub fn raw(&self) -> &::rdt::RawHandle {
+                &self.raw
+            }
+        }
+
+        ::rdt::__private::worker_bootstrap!();
+    })
+}
+
+struct Method {
+    ident: syn::Ident,
+    index: u32,
+    asyncness: bool,
+    args: Vec<(String, Type)>,
+    value_ty: Type,
+    is_result: bool,
+    transport: syn::Ident,
+    docs: Vec<syn::Attribute>,
+}
+
+/// If `ty` is `Result<T, ..>` (by last path segment), returns `T`.
+fn result_ok_type(ty: &Type) -> Option<Type> {
+    let Type::Path(p) = ty else { return None };
+    let seg = p.path.segments.last()?;
+    if seg.ident != "Result" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(a) = &seg.arguments else { return None };
+    match a.args.first()? {
+        syn::GenericArgument::Type(t) => Some(t.clone()),
+        _ => None,
+    }
+}
+
+fn is_method_attr(a: &syn::Attribute) -> bool {
+    a.path().segments.last().map(|s| s.ident == "method").unwrap_or(false)
+}
+
+fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<syn::Ident> {
+    let mut transport = format_ident!("ObjectStore");
+    for a in attrs.iter().filter(|a| is_method_attr(a)) {
+        if matches!(a.meta, syn::Meta::Path(_)) {
+            continue;
+        }
+        a.parse_nested_meta(|meta| {
+            if meta.path.is_ident("tensor_transport") {
+                let lit: LitStr = meta.value()?.parse()?;
+                let name = lit.value();
+                match TRANSPORTS.iter().find(|(n, _)| *n == name) {
+                    Some((_, v)) => {
+                        transport = format_ident!("{}", v);
+                        Ok(())
+                    }
+                    None => Err(syn::Error::new(
+                        lit.span(),
+                        format!("unknown tensor transport \"{name}\"; valid names are: {}", valid_names()),
+                    )),
+                }
+            } else {
+                Err(meta.error("unknown option of #[rdt::method]; the only option is tensor_transport = \"...\""))
+            }
+        })?;
+    }
+    Ok(transport)
+}
+
+fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
+    if imp.trait_.is_some() {
+        return Err(syn::Error::new(
+            imp.span(),
+            "#[rdt::actor] goes on the inherent impl block (`impl MyActor { .. }`), not on a trait impl",
+        ));
+    }
+    if !imp.generics.params.is_empty() {
+        return Err(syn::Error::new(imp.generics.span(), "rdt actors cannot be generic"));
+    }
+    let ty_ident = match &*imp.self_ty {
+        Type::Path(p) if p.qself.is_none() => p.path.segments.last().map(|s| s.ident.clone()),
+        _ => None,
+    }
+    .ok_or_else(|| syn::Error::new(imp.self_ty.span(), "#[rdt::actor] needs `impl TypeName`"))?;
+    let self_ty = imp.self_ty.clone();
+    let handle = format_ident!("{}Handle", ty_ident);
+
+    let mut ctor: Option<(bool, Option<Type>, bool)> = None; // (async, arg type, returns Result)
+    let mut methods = Vec::new();
+    for item in &mut imp.items {
+        let ImplItem::Fn(f) = item else { continue };
+        let transport = parse_transport(&f.attrs)?;
+        f.attrs.retain(|a| !is_method_attr(a));
+        let has_self = matches!(f.sig.inputs.first(), Some(FnArg::Receiver(_)));
+        if !has_self {
+            if f.sig.ident == "new" {
+                let mut inputs = f.sig.inputs.iter();
+                let arg = match (inputs.next(), inputs.next()) {
+                    (None, _) => None,
+                    (Some(FnArg::Typed(t)), None) => Some((*t.ty).clone()),
+                    _ => {
+                        return Err(syn::Error::new(
+                            f.sig.inputs.span(),
+                            "an actor's `new` takes at most one argument (use a struct for several)",
+                        ))
+                    }
+                };
+                let is_result = match &f.sig.output {
+                    ReturnType::Type(_, t) => result_ok_type(t).is_some(),
+                    ReturnType::Default => {
+                        return Err(syn::Error::new(f.sig.span(), "an actor's `new` must return `Self`"))
+                    }
+                };
+                ctor = Some((f.sig.asyncness.is_some(), arg, is_result));
+            }
+            continue;
+        }
+        if let Some(FnArg::Receiver(r)) = f.sig.inputs.first() {
+            if r.reference.is_none() {
+                return Err(syn::Error::new(r.span(), "remote methods take `&mut self` or `&self`"));
+            }
+        }
+        if !f.sig.generics.params.is_empty() {
+            return Err(syn::Error::new(f.sig.generics.span(), "remote methods cannot be generic"));
+        }
+        let mut args = Vec::new();
+        for (i, input) in f.sig.inputs.iter().skip(1).enumerate() {
+            let FnArg::Typed(t) = input else { unreachable!("only the first input is a receiver") };
+            if let Type::Reference(_) | Type::ImplTrait(_) = &*t.ty {
+                return Err(syn::Error::new(
+                    t.ty.span(),
+                    "arguments of remote methods must be owned, concrete types (they are deserialized in the worker)",
+                ));
+            }
+            let name = match &*t.pat {
+                Pat::Ident(p) => p.ident.to_string(),
+                _ => format!("#{i}"),
+            };
+            args.push((name, (*t.ty).clone()));
+        }
+        let (value_ty, is_result) = match &f.sig.output {
+            ReturnType::Default => (syn::parse_quote!(()), false),
+            ReturnType::Type(_, t) => match result_ok_type(t) {
+                Some(ok) => (ok, true),
+                None => ((**t).clone(), false),
+            },
+        };
+        methods.push(Method {
+            ident: f.sig.ident.clone(),
+            index: methods.len() as u32,
+            asyncness: f.sig.asyncness.is_some(),
+            args,
+            value_ty,
+            is_result,
+            transport,
+            docs: f.attrs.iter().filter(|a| a.path().is_ident("doc")).cloned().collect(),
+        });
+    }
+    let Some((ctor_async, ctor_arg, ctor_result)) = ctor else {
+        return Err(syn::Error::new(
+            imp.self_ty.span(),
+            "an #[rdt::actor] impl needs a constructor: `fn new(args: A) -> Self` (async or not, at most one argument, may return Result<Self, E>)",
+        ));
+    };
+
+    let args_ty: Type = ctor_arg.clone().unwrap_or_else(|| syn::parse_quote!(()));
+    let call_new = if ctor_arg.is_some() {
+        quote!(<#self_ty>::new(args))
+    } else {
+        quote!({
+            let () = args;
+            <#self_ty>::new()
+        })
+    };
+    let await_new = if ctor_async { quote!(.await) } else { quote!() };
+    let construct_body = if ctor_result {
+        quote!(#call_new #await_new .map_err(|e| ::std::string::ToString::to_string(&e)))
+    } else {
+        quote!(::core::result::Result::Ok(#call_new #await_new))
+    };
+
+    let mut arms = Vec::new();
+    let mut names = Vec::new();
+    let mut handle_fns = Vec::new();
+    for m in &methods {
+        let Method {
+            ident,
+            index,
+            asyncness,
+            args,
+            value_ty,
+            is_result,
+            transport,
+            docs,
+        } = m;
+        let n = args.len();
+        let locals: Vec<_> = (0..n).map(|i| format_ident!("__a{}", i)).collect();
+        let decodes = args.iter().enumerate().map(|(i, (name, ty))| {
+            let l = &locals[i];
+            quote_spanned!(ty.span()=> let #l: #ty = __args.decode(#i, #name)?;)
+        });
+        let aw = if *asyncness { quote!(.await) } else { quote!() };
+        let unwrap = if *is_result {
+            quote!(let __ret = match __ret {
+                ::core::result::Result::Ok(v) => v,
+                ::core::result::Result::Err(e) => return ::core::result::Result::Err(__args.app_error(e)),
+            };)
+        } else {
+            quote!()
+        };
+        arms.push(quote! {
+            #index => {
+                __args.expect_len(#n)?;
+                #(#decodes)*
+                let __ret = self.#ident(#(#locals),*) #aw;
+                #unwrap
+                ::rdt::__private::encode_return(&__ret, &__args)
+            }
+        });
+        let name_str = ident.to_string();
+        names.push(quote!(#index => #name_str,));
+        let params = args.iter().enumerate().map(|(i, (_, ty))| {
+            let l = &locals[i];
+            quote!(#l: impl ::core::convert::Into<::rdt::Arg<#ty>>)
+        });
+        handle_fns.push(quote! {
+            #(#docs)*
+            #[allow(private_interfaces, clippy::too_many_arguments)]
+            pub fn #ident(&self, #(#params),*) -> ::rdt::Call<#value_ty> {
+                #[allow(unused_mut)]
+                let mut __c = ::rdt::__private::Call::new(&self.raw, #index, #name_str, ::rdt::Transport::#transport);
+                #(__c.push_arg(::core::convert::Into::into(#locals));)*
+                __c
+            }
+        });
+    }
+    let reg = format_ident!("__RDT_REGISTRATION_{}", ty_ident);
+
+    Ok(quote! {
+        #imp
+
+        impl ::rdt::Actor for #self_ty {
+            type Args = #args_ty;
+            type Handle = #handle;
+            const NAME: &'static str = ::core::concat!(::core::module_path!(), "::", ::core::stringify!(#ty_ident));
+
+            fn __construct(args: Self::Args) -> ::rdt::__private::LocalBoxFuture<'static, ::core::result::Result<Self, ::std::string::String>> {
+                ::std::boxed::Box::pin(async move { #construct_body })
+            }
+
+            #[allow(unused_variables, unreachable_code)]
+            fn __dispatch(&mut self, method: u32, __args: ::rdt::__private::CallArgs) -> ::rdt::__private::LocalBoxFuture<'_, ::rdt::Result<::rdt::__private::Payload>> {
+                ::std::boxed::Box::pin(async move {
+                    match method {
+                        #(#arms)*
+                        other => ::core::result::Result::Err(::rdt::Error::Protocol(::std::format!("{} has no method #{}", <Self as ::rdt::Actor>::NAME, other))),
+                    }
+                })
+            }
+
+            fn __method_name(method: u32) -> &'static str {
+                match method {
+                    #(#names)*
+                    _ => "<unknown method>",
+                }
+            }
+        }
+
+        impl #handle {
+            #(#handle_fns)*
+        }
+
+        #[::rdt::__private::linkme::distributed_slice(::rdt::__private::ACTOR_TYPES)]
+        #[linkme(crate = ::rdt::__private::linkme)]
+        #[allow(non_upper_case_globals)]
+        static #reg: ::rdt::__private::ActorRegistration = ::rdt::__private::ActorRegistration {
+            name: <#self_ty as ::rdt::Actor>::NAME,
+            run: ::rdt::__private::run_worker::<#self_ty>,
+        };
+    })
+}

@@ -1,0 +1,107 @@
+//! The [`Actor`] trait (implemented by `#[rdt::actor]`) and the link-time
+//! registry that lets a worker process construct an actor type by name.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::future::LocalBoxFuture;
+use rdt_transport::value::{self, Payload};
+use rdt_transport::Tensor;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::object_ref::RawHandle;
+
+/// An actor type. Implemented by `#[rdt::actor]` on an `impl` block; you do
+/// not implement it by hand.
+pub trait Actor: Sized + 'static {
+    /// The argument of the constructor (`fn new(args: Args) -> Self`).
+    type Args: Serialize + DeserializeOwned + Send + 'static;
+    /// The typed client handle generated for this actor.
+    type Handle: From<RawHandle> + Send + 'static;
+    /// Unique name of the type (its module path).
+    const NAME: &'static str;
+
+    #[doc(hidden)]
+    fn __construct(args: Self::Args) -> LocalBoxFuture<'static, std::result::Result<Self, String>>;
+
+    #[doc(hidden)]
+    fn __dispatch(&mut self, method: u32, args: CallArgs) -> LocalBoxFuture<'_, Result<Payload>>;
+
+    #[doc(hidden)]
+    fn __method_name(method: u32) -> &'static str;
+}
+
+/// Registration of an actor type, collected at link time.
+#[doc(hidden)]
+pub struct ActorRegistration {
+    /// [`Actor::NAME`].
+    pub name: &'static str,
+    /// Runs the worker for this type; never returns.
+    pub run: fn() -> !,
+}
+
+#[doc(hidden)]
+#[linkme::distributed_slice]
+pub static ACTOR_TYPES: [ActorRegistration];
+
+/// The resolved arguments of one call, handed to generated dispatch code.
+#[doc(hidden)]
+pub struct CallArgs {
+    pub(crate) actor: Arc<str>,
+    pub(crate) method: &'static str,
+    pub(crate) values: Vec<(Bytes, Vec<Tensor>)>,
+}
+
+impl CallArgs {
+    /// Decodes argument `i` (named `name` in the signature).
+    pub fn decode<T: DeserializeOwned>(&self, i: usize, name: &str) -> Result<T> {
+        let (data, tensors) = self.values.get(i).ok_or_else(|| Error::Protocol(format!(
+            "{}.{} got {} arguments; argument {i} ({name}) is missing",
+            self.actor,
+            self.method,
+            self.values.len()
+        )))?;
+        value::decode(data, tensors).map_err(|e| Error::Decode {
+            what: format!("argument {name} of {}.{} as {}", self.actor, self.method, std::any::type_name::<T>()),
+            message: e.to_string(),
+        })
+    }
+
+    /// Checks the argument count.
+    pub fn expect_len(&self, n: usize) -> Result<()> {
+        if self.values.len() != n {
+            return Err(Error::Protocol(format!(
+                "{}.{} takes {n} arguments but the call carried {}",
+                self.actor,
+                self.method,
+                self.values.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The error for a method that returned `Err(e)`.
+    pub fn app_error(&self, e: impl std::fmt::Display) -> Error {
+        Error::Application {
+            actor: self.actor.to_string(),
+            method: self.method.to_string(),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// Encodes a method's return value (generated code calls this).
+#[doc(hidden)]
+pub fn encode_return<T: Serialize>(v: &T, args: &CallArgs) -> Result<Payload> {
+    value::encode(v).map_err(|e| Error::Decode {
+        what: format!("the return value of {}.{}", args.actor, args.method),
+        message: e.to_string(),
+    })
+}
+
+/// Placeholder so that an unused `Deserialize` import in generated code
+/// never warns.
+#[doc(hidden)]
+pub fn __assert_args<T: for<'de> Deserialize<'de>>() {}

@@ -1,0 +1,137 @@
+//! The error type of rdt. Every variant says what happened and, where the
+//! caller can do something about it, what to do.
+
+use serde::{Deserialize, Serialize};
+
+pub use rdt_transport::TransportError;
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in rdt. Errors cross process boundaries, so
+/// they are plain data (`Clone + Serialize`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum Error {
+    /// A method returned `Err`.
+    #[error("{actor}.{method} returned an error: {message}")]
+    Application {
+        /// The actor.
+        actor: String,
+        /// The method.
+        method: String,
+        /// The error's `Display`.
+        message: String,
+    },
+    /// A method panicked. The actor keeps running with the state it had.
+    #[error("{actor}.{method} panicked: {message}")]
+    Panic {
+        /// The actor.
+        actor: String,
+        /// The method.
+        method: String,
+        /// The panic payload, if it was a string.
+        message: String,
+    },
+    /// A call did not run because one of its arguments is an error.
+    #[error("argument object {object} is an error, so the call did not run; original error: {cause}")]
+    Dependency {
+        /// The failed object.
+        object: u64,
+        /// Its error.
+        cause: Box<Error>,
+    },
+    /// An actor's process died (or its connection broke).
+    #[error("actor {actor} died: {detail}; calls to it and objects it held fail from now on (spawn a new actor to continue)")]
+    ActorDied {
+        /// The actor.
+        actor: String,
+        /// Exit status or how the connection ended.
+        detail: String,
+    },
+    /// A transport failed to move tensors.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A transport name that rdt does not know.
+    #[error("unknown tensor transport {name:?}; valid names are: {valid}")]
+    UnknownTransport {
+        /// The name given.
+        name: String,
+        /// The valid names.
+        valid: String,
+    },
+    /// A known transport that this build or machine cannot provide.
+    #[error("tensor transport {name:?} is not available: {reason}")]
+    TransportUnavailable {
+        /// The transport.
+        name: String,
+        /// Why, and what to use instead.
+        reason: String,
+    },
+    /// `get` from the driver of an object on a collective transport.
+    #[error("object {object} lives on the collective transport {transport:?}, and the driver is in no collective group; fetch it with `Runtime::get_via_object_store` (the object-store path) or pass the ref to an actor in the group")]
+    CollectiveGet {
+        /// The object.
+        object: u64,
+        /// Its transport.
+        transport: String,
+    },
+    /// A wait ran past its deadline.
+    #[error("timed out after {after_ms} ms waiting for {what}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The deadline.
+        after_ms: u64,
+    },
+    /// A value, argument or message did not decode.
+    #[error("{what} does not decode: {message}")]
+    Decode {
+        /// What was decoded.
+        what: String,
+        /// serde's message.
+        message: String,
+    },
+    /// The object was freed (its last ref was dropped) before it was used.
+    #[error("object {object} was freed (every ObjectRef to it was dropped); keep a ref alive while you need the value")]
+    Freed {
+        /// The object.
+        object: u64,
+    },
+    /// The peer broke the control protocol.
+    #[error("control protocol violated: {0}")]
+    Protocol(String),
+    /// An I/O error on the control plane.
+    #[error("I/O error: {0}")]
+    Io(String),
+    /// A worker process could not be started or did not join.
+    #[error("could not start a worker: {0}")]
+    Spawn(String),
+    /// A tensor operation failed.
+    #[error("tensor: {0}")]
+    Tensor(String),
+    /// The runtime was shut down.
+    #[error("the runtime is shut down")]
+    Shutdown,
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io(e.to_string())
+    }
+}
+
+impl From<rdt_transport::TensorError> for Error {
+    fn from(e: rdt_transport::TensorError) -> Self {
+        Error::Tensor(e.to_string())
+    }
+}
+
+impl Error {
+    /// The innermost error: the original cause behind dependency errors.
+    pub fn root_cause(&self) -> &Error {
+        match self {
+            Error::Dependency { cause, .. } => cause.root_cause(),
+            other => other,
+        }
+    }
+}

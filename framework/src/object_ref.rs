@@ -1,0 +1,214 @@
+//! [`ObjectRef`], call arguments ([`Arg`]) and the call builder ([`Call`]).
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use rdt_transport::value::{self, Payload};
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::runtime::Inner;
+use crate::transport::Transport;
+
+/// Id of an object in the owner table.
+pub type ObjectId = u64;
+
+/// A typed reference to a value that a method produced (or will produce),
+/// or that was `put`. Cloning and dropping a ref in the driver drive the
+/// owner table's count: the object is freed once no ref and no pending call
+/// needs it.
+pub struct ObjectRef<T> {
+    pub(crate) id: ObjectId,
+    pub(crate) rt: Arc<Inner>,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> ObjectRef<T> {
+    /// Wraps an id whose count the caller already took.
+    pub(crate) fn adopt(id: ObjectId, rt: Arc<Inner>) -> Self {
+        ObjectRef {
+            id,
+            rt,
+            _t: PhantomData,
+        }
+    }
+
+    /// The object's id.
+    pub fn id(&self) -> ObjectId {
+        self.id
+    }
+
+    pub(crate) fn erase(self) -> AnyRef {
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped, so the Arc is moved out exactly once.
+        let rt = unsafe { std::ptr::read(&me.rt) };
+        AnyRef { id: me.id, rt }
+    }
+}
+
+impl<T> Clone for ObjectRef<T> {
+    fn clone(&self) -> Self {
+        self.rt.state.lock().table.inc(self.id);
+        ObjectRef::adopt(self.id, self.rt.clone())
+    }
+}
+
+impl<T> Drop for ObjectRef<T> {
+    fn drop(&mut self) {
+        self.rt.release_ref(self.id);
+    }
+}
+
+impl<T> std::fmt::Debug for ObjectRef<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ObjectRef<{}>({})", std::any::type_name::<T>(), self.id)
+    }
+}
+
+impl<T> AsRef<ObjectRef<T>> for ObjectRef<T> {
+    fn as_ref(&self) -> &ObjectRef<T> {
+        self
+    }
+}
+
+/// An untyped ref: holds one count.
+pub(crate) struct AnyRef {
+    pub id: ObjectId,
+    pub rt: Arc<Inner>,
+}
+
+impl Drop for AnyRef {
+    fn drop(&mut self) {
+        self.rt.release_ref(self.id);
+    }
+}
+
+/// A method argument: a value, or a ref to a value of the same type
+/// (produced by any actor). Built by `From`, so handle methods take
+/// `impl Into<Arg<T>>`: pass `value`, `ref_` or `&ref_`.
+pub enum Arg<T> {
+    /// Sent with the call (tensors through the object-store path).
+    Value(T),
+    /// Resolved by the framework before the method runs; tensors move over
+    /// the object's transport.
+    Ref(ObjectRef<T>),
+}
+
+impl<T> From<T> for Arg<T> {
+    fn from(v: T) -> Self {
+        Arg::Value(v)
+    }
+}
+
+impl<T> From<ObjectRef<T>> for Arg<T> {
+    fn from(r: ObjectRef<T>) -> Self {
+        Arg::Ref(r)
+    }
+}
+
+impl<T> From<&ObjectRef<T>> for Arg<T> {
+    fn from(r: &ObjectRef<T>) -> Self {
+        Arg::Ref(r.clone())
+    }
+}
+
+pub(crate) enum ArgOut {
+    Value(Result<Payload>),
+    Ref(AnyRef),
+}
+
+/// Identifies a spawned actor for calls; generated handles wrap it.
+#[derive(Clone)]
+pub struct RawHandle {
+    pub(crate) rt: Arc<Inner>,
+    pub(crate) actor: u64,
+    pub(crate) name: Arc<str>,
+}
+
+impl std::fmt::Debug for RawHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.name)
+    }
+}
+
+/// Driver-side id of an actor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ActorId(pub u64);
+
+impl RawHandle {
+    /// The actor's id.
+    pub fn id(&self) -> ActorId {
+        ActorId(self.actor)
+    }
+    /// The actor's name (`Type#id`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Kills the actor's process (SIGKILL). Its pending calls and the
+    /// objects it holds fail; the rest of the runtime is unaffected.
+    pub fn kill(&self) {
+        self.rt.kill_actor(self.actor);
+    }
+    /// The worker process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.rt.actor_pid(self.actor)
+    }
+}
+
+/// A method call being built. `remote()` submits it and returns the ref to
+/// its result at once.
+#[must_use = "a call does nothing until `.remote()`"]
+pub struct Call<T> {
+    handle: RawHandle,
+    method: u32,
+    method_name: &'static str,
+    args: Vec<ArgOut>,
+    transport: Transport,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T> Call<T> {
+    #[doc(hidden)]
+    pub fn new(handle: &RawHandle, method: u32, method_name: &'static str, transport: Transport) -> Self {
+        Call {
+            handle: handle.clone(),
+            method,
+            method_name,
+            args: Vec::new(),
+            transport,
+            _t: PhantomData,
+        }
+    }
+
+    #[doc(hidden)]
+    pub fn push_arg<A: Serialize>(&mut self, arg: Arg<A>) {
+        self.args.push(match arg {
+            Arg::Value(v) => ArgOut::Value(value::encode(&v).map_err(|e| Error::Decode {
+                what: format!("an argument of {}.{}", self.handle.name, self.method_name),
+                message: e.to_string(),
+            })),
+            Arg::Ref(r) => ArgOut::Ref(r.erase()),
+        });
+    }
+
+    /// Overrides the transport of this call's returned tensors by name
+    /// (Ray's `.options(tensor_transport=...)`). An unknown name is an error
+    /// listing the valid ones.
+    pub fn tensor_transport(self, name: &str) -> Result<Self> {
+        Ok(self.transport(name.parse()?))
+    }
+
+    /// Overrides the transport of this call's returned tensors.
+    pub fn transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// Submits the call. Returns at once; the result arrives in the owner
+    /// table.
+    pub fn remote(self) -> ObjectRef<T> {
+        let rt = self.handle.rt.clone();
+        let id = rt.submit(self.handle.actor, self.method, self.method_name, self.args, self.transport);
+        ObjectRef::adopt(id, rt)
+    }
+}

@@ -1,0 +1,728 @@
+//! The driver: [`Runtime`], worker processes, the control connections.
+//!
+//! # Invariants
+//! 1. Every worker is spawned from a *reaper thread* that lives exactly as
+//!    long as the worker and waits for its exit. The worker asks the kernel
+//!    for SIGKILL when that thread (hence the driver) dies
+//!    (`PR_SET_PDEATHSIG`), and it exits when its control connection closes:
+//!    workers never outlive the driver, whether it returns, panics or is
+//!    killed.
+//! 2. The driver-side state (owner table, actors, pending calls) sits behind
+//!    one mutex that is never held across an `.await`; sends under it only
+//!    queue frames.
+//! 3. A worker's death (connection end) fails its pending calls, its spawn,
+//!    its fetches and its objects at once (see `owner` invariant 4).
+//! 4. Background tasks hold the runtime weakly, so dropping the last
+//!    `Runtime` and `ObjectRef` kills the workers (`ChildGuard`).
+
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rdt_transport::object_store;
+use rdt_transport::value::{self, Payload};
+use rdt_transport::{Blob, Exported};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{oneshot, watch};
+
+use crate::actor::Actor;
+use crate::error::{Error, Result};
+use crate::object_ref::{ArgOut, ObjectRef, RawHandle};
+use crate::owner::{ActorInfo, Actors, ObjState, OwnerTable};
+use crate::protocol::{self, CallMsg, ToDriver, ToWorker, WireArg, WireValue};
+use crate::transport::Transport;
+use crate::worker::env as wenv;
+
+/// Settings of a runtime. `Runtime::start()` uses the defaults.
+#[derive(Clone, Debug)]
+pub struct RuntimeBuilder {
+    spawn_timeout: Duration,
+    max_frame_bytes: usize,
+    shutdown_grace: Duration,
+}
+
+impl Default for RuntimeBuilder {
+    fn default() -> Self {
+        RuntimeBuilder {
+            spawn_timeout: Duration::from_secs(60),
+            max_frame_bytes: 8 << 30,
+            shutdown_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+impl RuntimeBuilder {
+    /// How long a worker may take to start, join and construct its actor
+    /// (default 60 s).
+    pub fn spawn_timeout(mut self, d: Duration) -> Self {
+        self.spawn_timeout = d;
+        self
+    }
+    /// Largest control frame accepted or sent (default 8 GiB). Values sent
+    /// through the object store must fit in one frame.
+    pub fn max_frame_bytes(mut self, n: usize) -> Self {
+        self.max_frame_bytes = n;
+        self
+    }
+    /// How long `shutdown` waits for workers to exit before killing them
+    /// (default 5 s).
+    pub fn shutdown_grace(mut self, d: Duration) -> Self {
+        self.shutdown_grace = d;
+        self
+    }
+
+    /// Starts the runtime: a private directory (mode 0700) with the control
+    /// socket, and a fresh secret. Must be called inside a tokio runtime.
+    pub async fn start(self) -> Result<Runtime> {
+        let dir = tempfile::Builder::new().prefix("rdt-").tempdir()?;
+        // tempfile creates the directory with mode 0700; say so explicitly.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        let sock = dir.path().join("control.sock");
+        let listener = UnixListener::bind(&sock)?;
+        let inner = Arc::new(Inner {
+            config: self,
+            secret: protocol::new_secret(),
+            _dir: dir,
+            sock,
+            state: Mutex::new(State::default()),
+            next: AtomicU64::new(1),
+        });
+        tokio::spawn(accept_loop(listener, Arc::downgrade(&inner)));
+        Ok(Runtime { inner })
+    }
+}
+
+/// The driver's handle on an rdt runtime: spawns actors, gets and puts
+/// values. Cheap to clone.
+#[derive(Clone)]
+pub struct Runtime {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    config: RuntimeBuilder,
+    secret: [u8; 32],
+    _dir: tempfile::TempDir,
+    sock: PathBuf,
+    pub(crate) state: Mutex<State>,
+    next: AtomicU64,
+}
+
+struct PendingCall {
+    actor: u64,
+    result: u64,
+    args: Vec<u64>,
+}
+
+struct Joined {
+    conn: protocol::Sender,
+}
+
+struct Process {
+    pid: u32,
+    exit: watch::Receiver<Option<String>>,
+    _guard: ChildGuard,
+}
+
+/// Kills a worker process on drop unless it already exited.
+struct ChildGuard {
+    pid: u32,
+    exit: watch::Receiver<Option<String>>,
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if self.exit.borrow().is_none() {
+            // SAFETY: plain syscall; the pid is our child and has not been
+            // reaped (the reaper publishes the exit before reaping completes
+            // only after wait returns, so a recycled pid is not possible
+            // while `exit` is None).
+            unsafe {
+                libc::kill(self.pid as i32, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct State {
+    pub(crate) table: OwnerTable,
+    actors: Actors,
+    processes: HashMap<u64, Process>,
+    calls: HashMap<u64, PendingCall>,
+    joining: HashMap<u64, oneshot::Sender<Joined>>,
+    spawning: HashMap<u64, oneshot::Sender<Result<()>>>,
+    fetches: HashMap<u64, (u64, oneshot::Sender<Result<WireValue>>)>,
+}
+
+impl Runtime {
+    /// Starts a runtime with the defaults (embedded, local).
+    pub async fn start() -> Result<Runtime> {
+        RuntimeBuilder::default().start().await
+    }
+
+    /// Settings other than the defaults.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+
+    /// Spawns an actor in a new worker process. Await the returned builder
+    /// (after optional settings) to get the actor's typed handle.
+    pub fn spawn<A: Actor>(&self, args: A::Args) -> Spawn<A> {
+        Spawn {
+            rt: self.clone(),
+            args,
+            gpus: 0,
+            name: None,
+        }
+    }
+
+    /// Waits for an object and returns its value. Waits until the producer
+    /// replies or dies; see [`Runtime::get_timeout`] for a deadline.
+    pub async fn get<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
+        let r = r.borrow();
+        let wv = self.inner.wait_value(r.id).await?;
+        let sided = wv.transport.parse::<Transport>().map(|t| t.sidedness());
+        match sided {
+            Ok(rdt_transport::Sidedness::ThroughDriver) | Err(_) => decode_wire(&wv, r.id),
+            Ok(rdt_transport::Sidedness::TwoSided) => Err(Error::CollectiveGet {
+                object: r.id,
+                transport: wv.transport.clone(),
+            }),
+            Ok(rdt_transport::Sidedness::OneSided) => self.get_via_object_store(r).await,
+        }
+    }
+
+    /// [`Runtime::get`] with a deadline.
+    pub async fn get_timeout<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>, deadline: Duration) -> Result<T> {
+        let id = r.borrow().id;
+        tokio::time::timeout(deadline, self.get(r))
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("object {id}"),
+                after_ms: deadline.as_millis() as u64,
+            })?
+    }
+
+    /// Gets a value through the object-store path whatever its transport:
+    /// the producer serializes it, tensors included, to the driver.
+    pub async fn get_via_object_store<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
+        let id = r.borrow().id;
+        let wv = self.inner.wait_value(id).await?;
+        if wv.transport == Transport::ObjectStore.name() {
+            return decode_wire(&wv, id);
+        }
+        let (tx, rx) = oneshot::channel();
+        let req = self.inner.next_id();
+        {
+            let mut st = self.inner.state.lock();
+            let producer = st.table.objects.get(&id).and_then(|e| e.producer);
+            let Some(p) = producer else {
+                return Err(Error::Freed { object: id });
+            };
+            if let Some(d) = st.actors.get(&p).and_then(|a| a.dead.clone()) {
+                return Err(Error::ActorDied {
+                    actor: st.actors[&p].name.clone(),
+                    detail: d,
+                });
+            }
+            st.fetches.insert(req, (p, tx));
+            send_to(&st.actors, p, &ToWorker::Fetch { object: id, req });
+        }
+        let wv = rx.await.map_err(|_| Error::Shutdown)??;
+        decode_wire(&wv, id)
+    }
+
+    /// Stores `value` in the driver (object-store path) and returns a ref to
+    /// it, to pass to any actor.
+    pub fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
+        let payload = value::encode(value).map_err(|e| Error::Decode {
+            what: "the value given to put".into(),
+            message: e.to_string(),
+        })?;
+        let wv = inline_value(payload)?;
+        let id = self.inner.next_id();
+        self.inner.state.lock().table.insert_done(id, None, ObjState::Ready(wv));
+        Ok(ObjectRef::adopt(id, self.inner.clone()))
+    }
+
+    /// Number of objects the owner table holds (for tests and leak checks).
+    pub fn live_objects(&self) -> usize {
+        self.inner.state.lock().table.len()
+    }
+
+    /// Asks every worker to exit, waits up to the grace period, then kills
+    /// the rest.
+    pub async fn shutdown(&self) {
+        let exits: Vec<watch::Receiver<Option<String>>> = {
+            let st = self.inner.state.lock();
+            for (id, a) in &st.actors {
+                if a.dead.is_none() {
+                    send_to(&st.actors, *id, &ToWorker::Shutdown);
+                }
+            }
+            st.processes.values().map(|p| p.exit.clone()).collect()
+        };
+        let wait_all = async {
+            for mut e in exits {
+                let _ = e.wait_for(|s| s.is_some()).await;
+            }
+        };
+        let _ = tokio::time::timeout(self.inner.config.shutdown_grace, wait_all).await;
+        let procs: Vec<Process> = self.inner.state.lock().processes.drain().map(|(_, p)| p).collect();
+        drop(procs); // ChildGuard kills what is left
+    }
+}
+
+fn decode_wire<T: DeserializeOwned>(wv: &WireValue, id: u64) -> Result<T> {
+    let tensors = object_store::unpack(&wv.exported)?;
+    value::decode(&wv.data.0, &tensors).map_err(|e| Error::Decode {
+        what: format!("object {id} as {}", std::any::type_name::<T>()),
+        message: e.to_string(),
+    })
+}
+
+/// A value with its tensors inline (object-store path).
+pub(crate) fn inline_value(p: Payload) -> Result<WireValue> {
+    let mut exported = Exported::default();
+    for t in &p.tensors {
+        if !t.device().is_cpu() {
+            return Err(rdt_transport::TransportError::new("object_store", format!("tensor on {} cannot go inline", t.device())).into());
+        }
+        exported.metas.push(t.meta());
+        exported.inline.push(Blob(t.to_bytes().map_err(|e| Error::Decode {
+            what: "a tensor".into(),
+            message: e.to_string(),
+        })?));
+    }
+    Ok(WireValue {
+        data: Blob(p.data),
+        transport: Transport::ObjectStore.name().to_string(),
+        exported,
+    })
+}
+
+fn send_to(actors: &Actors, to: u64, msg: &ToWorker) {
+    if let Some(c) = actors.get(&to).and_then(|a| a.conn.as_ref()) {
+        if let Err(e) = c.send(msg) {
+            tracing::error!("could not encode a message for actor {to}: {e}");
+        }
+    }
+}
+
+/// A pending spawn; await it.
+#[must_use = "await the spawn to start the actor"]
+pub struct Spawn<A: Actor> {
+    rt: Runtime,
+    args: A::Args,
+    gpus: u32,
+    name: Option<String>,
+}
+
+impl<A: Actor> Spawn<A> {
+    /// Number of GPUs to give the worker (through `CUDA_VISIBLE_DEVICES`).
+    pub fn gpus(mut self, n: u32) -> Self {
+        self.gpus = n;
+        self
+    }
+    /// A name for logs and errors (default `Type#id`).
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+}
+
+impl<A: Actor> std::future::IntoFuture for Spawn<A> {
+    type Output = Result<A::Handle>;
+    type IntoFuture = futures::future::BoxFuture<'static, Result<A::Handle>>;
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(async move {
+            let args = postcard::to_stdvec(&self.args).map_err(|e| Error::Decode {
+                what: format!("constructor argument of {}", A::NAME),
+                message: e.to_string(),
+            })?;
+            let short = A::NAME.rsplit("::").next().unwrap_or(A::NAME);
+            let raw = self.rt.inner.spawn_raw(A::NAME, short, self.name, args, self.gpus).await?;
+            Ok(A::Handle::from(raw))
+        })
+    }
+}
+
+impl Inner {
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn release_ref(&self, id: u64) {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        st.table.dec(id, &st.actors);
+    }
+
+    pub(crate) fn actor_pid(&self, actor: u64) -> Option<u32> {
+        self.state.lock().processes.get(&actor).map(|p| p.pid)
+    }
+
+    pub(crate) fn kill_actor(&self, actor: u64) {
+        if let Some(pid) = self.actor_pid(actor) {
+            // SAFETY: plain syscall on our child's pid.
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL);
+            }
+        }
+    }
+
+    async fn wait_value(&self, id: u64) -> Result<WireValue> {
+        loop {
+            let rx = {
+                let mut st = self.state.lock();
+                let Some(e) = st.table.objects.get_mut(&id) else {
+                    return Err(Error::Freed { object: id });
+                };
+                match &e.state {
+                    ObjState::Ready(v) => return Ok(v.clone()),
+                    ObjState::Failed(err) => return Err(err.clone()),
+                    ObjState::Pending => {
+                        let (tx, rx) = oneshot::channel();
+                        e.getters.push(tx);
+                        rx
+                    }
+                }
+            };
+            // A dropped sender means the runtime went away.
+            rx.await.map_err(|_| Error::Shutdown)?;
+        }
+    }
+
+    pub(crate) fn submit(self: &Arc<Self>, actor: u64, method: u32, method_name: &str, args: Vec<ArgOut>, transport: Transport) -> u64 {
+        let id = self.next_id();
+        let call = self.next_id();
+        let mut wire_args = Vec::with_capacity(args.len());
+        let mut arg_ids = Vec::new();
+        let mut early: Option<Error> = None;
+        for a in &args {
+            match a {
+                ArgOut::Value(Ok(p)) => match inline_value(p.clone()) {
+                    Ok(v) => wire_args.push(WireArg::Value(v)),
+                    Err(e) => early = early.or(Some(e)),
+                },
+                ArgOut::Value(Err(e)) => early = early.or(Some(e.clone())),
+                ArgOut::Ref(r) => {
+                    wire_args.push(WireArg::Ref(r.id));
+                    arg_ids.push(r.id);
+                }
+            }
+        }
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let dead = match st.actors.get(&actor) {
+            None => Some(Error::Protocol(format!("no actor with id {actor}"))),
+            Some(a) => a.dead.as_ref().map(|d| Error::ActorDied {
+                actor: a.name.clone(),
+                detail: d.clone(),
+            }),
+        };
+        if let Some(e) = early.or(dead) {
+            st.table.insert_done(id, Some(actor), ObjState::Failed(e));
+        } else {
+            st.table.insert_pending(id, actor, transport.name());
+            for &a in &arg_ids {
+                st.table.need(a, actor, &st.actors);
+            }
+            st.calls.insert(
+                call,
+                PendingCall {
+                    actor,
+                    result: id,
+                    args: arg_ids,
+                },
+            );
+            tracing::trace!(call, method = method_name, "submit");
+            send_to(
+                &st.actors,
+                actor,
+                &ToWorker::Call(CallMsg {
+                    call,
+                    method,
+                    args: wire_args,
+                    result: id,
+                    transport: transport.name().to_string(),
+                }),
+            );
+        }
+        drop(guard);
+        // Releases the arguments' refs after `need` counted them (outside
+        // the lock: dropping a ref takes it).
+        drop(args);
+        id
+    }
+
+    async fn spawn_raw(self: &Arc<Self>, type_name: &str, short: &str, name: Option<String>, args: Vec<u8>, gpus: u32) -> Result<RawHandle> {
+        let id = self.next_id();
+        let name = name.unwrap_or_else(|| format!("{short}#{id}"));
+        let (jtx, jrx) = oneshot::channel();
+        let (stx, srx) = oneshot::channel();
+        {
+            let mut st = self.state.lock();
+            st.joining.insert(id, jtx);
+            st.spawning.insert(id, stx);
+            st.actors.insert(
+                id,
+                ActorInfo {
+                    name: name.clone(),
+                    conn: None,
+                    dead: None,
+                    host: String::new(),
+                    endpoints: HashMap::new(),
+                },
+            );
+        }
+        let mut cmd = std::process::Command::new(std::env::current_exe()?);
+        cmd.env(wenv::WORKER_ID, id.to_string())
+            .env(wenv::SOCKET, &self.sock)
+            .env(wenv::SECRET, hex::encode(self.secret))
+            .env(wenv::ACTOR_TYPE, type_name)
+            .env(wenv::ACTOR_NAME, &name)
+            .env(wenv::PARENT_PID, std::process::id().to_string())
+            .env(wenv::MAX_FRAME, self.config.max_frame_bytes.to_string())
+            .stdin(std::process::Stdio::null());
+        if gpus > 0 {
+            cmd.env(wenv::GPUS, gpus.to_string());
+        }
+        // SAFETY: prctl is async-signal-safe; nothing else runs in the child
+        // between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let (pid, exit) = start_reaped(cmd)?;
+        self.state.lock().processes.insert(
+            id,
+            Process {
+                pid,
+                exit: exit.clone(),
+                _guard: ChildGuard { pid, exit: exit.clone() },
+            },
+        );
+        let fail = |this: &Arc<Self>, e: Error| {
+            this.kill_actor(id);
+            let mut st = this.state.lock();
+            st.joining.remove(&id);
+            st.spawning.remove(&id);
+            if let Some(a) = st.actors.get_mut(&id) {
+                a.dead = Some(e.to_string());
+                a.conn = None;
+            }
+            e
+        };
+        let deadline = tokio::time::Instant::now() + self.config.spawn_timeout;
+        let mut exit_w = exit.clone();
+        let joined = tokio::select! {
+            j = jrx => j.map_err(|_| Error::Spawn(format!("{name}: the runtime closed while it was joining"))),
+            _ = exit_w.wait_for(|s| s.is_some()) => Err(Error::Spawn(format!(
+                "{name}: the worker process {} before joining; its stderr above says why",
+                exit.borrow().clone().unwrap_or_default()))),
+            _ = tokio::time::sleep_until(deadline) => Err(Error::Spawn(format!(
+                "{name}: the worker did not join within {:?}; does the binary call rdt::init() (or use #[rdt::main]) first thing in main?",
+                self.config.spawn_timeout))),
+        };
+        let joined = joined.map_err(|e| fail(self, e))?;
+        joined
+            .conn
+            .send(&ToWorker::Spawn { args: Blob(args.into()) })
+            .map_err(|e| fail(self, e))?;
+        let constructed = tokio::select! {
+            r = srx => r.unwrap_or_else(|_| Err(Error::Spawn(format!("{name}: worker died while constructing the actor")))),
+            _ = tokio::time::sleep_until(deadline) => Err(Error::Spawn(format!("{name}: the actor was not constructed within {:?}", self.config.spawn_timeout))),
+        };
+        constructed.map_err(|e| fail(self, e))?;
+        Ok(RawHandle {
+            rt: self.clone(),
+            actor: id,
+            name: name.into(),
+        })
+    }
+
+    fn on_message(&self, actor: u64, msg: ToDriver) {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        match msg {
+            ToDriver::Spawned(r) => {
+                if let Some(tx) = st.spawning.remove(&actor) {
+                    let _ = tx.send(r);
+                }
+            }
+            ToDriver::CallDone { call, result } => {
+                let Some(pc) = st.calls.remove(&call) else {
+                    tracing::warn!("actor {actor} finished unknown call {call}; ignored");
+                    return;
+                };
+                st.table.call_done(pc.result, result, &pc.args, &st.actors);
+            }
+            ToDriver::Fetched { req, result } => {
+                if let Some((_, tx)) = st.fetches.remove(&req) {
+                    let _ = tx.send(result);
+                }
+            }
+            ToDriver::Hello { .. } => tracing::warn!("actor {actor} said hello twice; ignored"),
+        }
+    }
+
+    fn on_death(&self, actor: u64, detail: String) {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let Some(info) = st.actors.get_mut(&actor) else { return };
+        if info.dead.is_some() {
+            return;
+        }
+        info.dead = Some(detail.clone());
+        info.conn = None;
+        let err = Error::ActorDied {
+            actor: info.name.clone(),
+            detail,
+        };
+        tracing::warn!("{err}");
+        if let Some(tx) = st.spawning.remove(&actor) {
+            let _ = tx.send(Err(err.clone()));
+        }
+        let failed: Vec<u64> = st.calls.iter().filter(|(_, c)| c.actor == actor).map(|(k, _)| *k).collect();
+        for c in failed {
+            let pc = st.calls.remove(&c).expect("listed above");
+            st.table.call_done(pc.result, Err(err.clone()), &pc.args, &st.actors);
+        }
+        let fetches: Vec<u64> = st.fetches.iter().filter(|(_, (a, _))| *a == actor).map(|(k, _)| *k).collect();
+        for f in fetches {
+            if let Some((_, tx)) = st.fetches.remove(&f) {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+        st.table.actor_died(actor, &err, &st.actors);
+    }
+}
+
+/// Spawns `cmd` from a thread that then waits for it (invariant 1).
+fn start_reaped(mut cmd: std::process::Command) -> Result<(u32, watch::Receiver<Option<String>>)> {
+    let (tx, rx) = watch::channel(None);
+    let (ptx, prx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("rdt-reaper".into())
+        .spawn(move || match cmd.spawn() {
+            Err(e) => {
+                let _ = ptx.send(Err(e));
+            }
+            Ok(mut child) => {
+                let _ = ptx.send(Ok(child.id()));
+                let status = match child.wait() {
+                    Ok(s) => describe_exit(s),
+                    Err(e) => format!("could not be waited for ({e})"),
+                };
+                let _ = tx.send(Some(status));
+            }
+        })?;
+    let pid = prx
+        .recv()
+        .map_err(|_| Error::Spawn("the reaper thread died".into()))?
+        .map_err(|e| Error::Spawn(format!("could not execute the current binary: {e}")))?;
+    Ok((pid, rx))
+}
+
+fn describe_exit(s: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(sig)) => format!("was killed by signal {sig}"),
+        _ => "ended".to_string(),
+    }
+}
+
+async fn accept_loop(listener: UnixListener, rt: Weak<Inner>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("control socket accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(inner) = rt.upgrade() else { return };
+        let secret = inner.secret;
+        let max = inner.config.max_frame_bytes;
+        drop(inner);
+        let rt = rt.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_worker(stream, rt, secret, max).await {
+                tracing::warn!("dropped a control connection: {e}");
+            }
+        });
+    }
+}
+
+async fn serve_worker(mut stream: UnixStream, rt: Weak<Inner>, secret: [u8; 32], max: usize) -> Result<()> {
+    protocol::authenticate_server(&mut stream, &secret).await?;
+    let (r, w) = stream.into_split();
+    let mut rx = protocol::Receiver::new(r, max);
+    let hello = tokio::time::timeout(protocol::HANDSHAKE_TIMEOUT, rx.recv::<ToDriver>())
+        .await
+        .map_err(|_| Error::Protocol("no hello in time".into()))??;
+    let Some(ToDriver::Hello {
+        worker,
+        pid: _,
+        host,
+        endpoints,
+    }) = hello
+    else {
+        return Err(Error::Protocol("first frame was not a hello".into()));
+    };
+    let conn = protocol::spawn_writer(w, max);
+    {
+        let inner = rt.upgrade().ok_or(Error::Shutdown)?;
+        let mut st = inner.state.lock();
+        let Some(tx) = st.joining.remove(&worker) else {
+            return Err(Error::Protocol(format!("hello from unknown worker {worker}")));
+        };
+        if let Some(a) = st.actors.get_mut(&worker) {
+            a.conn = Some(conn.clone());
+            a.host = host;
+            a.endpoints = endpoints.into_iter().collect();
+        }
+        let _ = tx.send(Joined { conn });
+    }
+    let end = loop {
+        match rx.recv::<ToDriver>().await {
+            Ok(Some(msg)) => match rt.upgrade() {
+                Some(inner) => inner.on_message(worker, msg),
+                None => return Ok(()),
+            },
+            Ok(None) => break "closed its control connection".to_string(),
+            Err(e) => break format!("broke its control connection ({e})"),
+        }
+    };
+    let Some(inner) = rt.upgrade() else { return Ok(()) };
+    // Prefer the exit status, if the process is gone, to the socket's story.
+    let exit = inner.state.lock().processes.get(&worker).map(|p| p.exit.clone());
+    let detail = match exit {
+        Some(mut e) => {
+            let _ = tokio::time::timeout(Duration::from_secs(1), e.wait_for(|s| s.is_some())).await;
+            let s = e.borrow().clone();
+            match s {
+                Some(s) => format!("its process {s}"),
+                None => format!("it {end}"),
+            }
+        }
+        None => format!("it {end}"),
+    };
+    inner.on_death(worker, detail);
+    Ok(())
+}

@@ -1,0 +1,525 @@
+//! Worker processes: boot, the actix host of the user's actor, the local
+//! object store.
+//!
+//! # Invariants
+//! 1. A worker is the driver's binary re-executed with the `RDT_WORKER_*`
+//!    environment. It becomes a worker before `main` (a constructor emitted
+//!    by `#[rdt::actor]`) or at `rdt::init()`, whichever comes first, and
+//!    never returns to user code.
+//! 2. Calls run one at a time, in arrival order: each is an actix message
+//!    whose handler is an `AtomicResponse`, and argument resolution happens
+//!    inside it, so a call waiting for an argument holds back the calls
+//!    behind it (Ray's actor ordering).
+//! 3. The control loop never waits for a method: deliveries, sends, frees
+//!    and fetches are served while a method runs.
+//! 4. A method's panic is caught and becomes the call's error; the actor
+//!    keeps the state it had at the panic.
+//! 5. The worker exits when the driver's connection ends (and the kernel
+//!    kills it if the driver dies first).
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use actix::prelude::*;
+use bytes::Bytes;
+use futures::FutureExt;
+use parking_lot::Mutex;
+use rdt_transport::{object_store, Blob, Peer, Sidedness, Tensor};
+use tokio::net::UnixStream;
+use tokio::sync::Notify;
+
+use crate::actor::{Actor as RdtActor, CallArgs, ACTOR_TYPES};
+use crate::error::{Error, Result};
+use crate::protocol::{self, CallMsg, Delivery, ToDriver, ToWorker, WireArg, WireValue};
+use crate::runtime::inline_value;
+use crate::transport::Transport;
+
+/// Names of the environment variables a worker is started with.
+pub(crate) mod env {
+    pub const WORKER_ID: &str = "RDT_WORKER_ID";
+    pub const SOCKET: &str = "RDT_WORKER_SOCKET";
+    pub const SECRET: &str = "RDT_WORKER_SECRET";
+    pub const ACTOR_TYPE: &str = "RDT_WORKER_ACTOR_TYPE";
+    pub const ACTOR_NAME: &str = "RDT_WORKER_ACTOR_NAME";
+    pub const PARENT_PID: &str = "RDT_WORKER_PARENT_PID";
+    pub const MAX_FRAME: &str = "RDT_WORKER_MAX_FRAME";
+    pub const GPUS: &str = "RDT_WORKER_GPUS";
+    pub const ALL: [&str; 8] = [WORKER_ID, SOCKET, SECRET, ACTOR_TYPE, ACTOR_NAME, PARENT_PID, MAX_FRAME, GPUS];
+}
+
+struct Boot {
+    worker: u64,
+    socket: String,
+    secret: Vec<u8>,
+    name: Arc<str>,
+    max_frame: usize,
+}
+
+/// Makes this process a worker if the driver started it as one (invariant
+/// 1); returns at once otherwise. Call it first thing in `main`
+/// (`#[rdt::main]` does).
+pub fn init() {
+    boot_if_worker();
+}
+
+#[doc(hidden)]
+pub fn boot_if_worker() {
+    let Ok(type_name) = std::env::var(env::ACTOR_TYPE) else { return };
+    match ACTOR_TYPES.iter().find(|r| r.name == type_name) {
+        Some(reg) => (reg.run)(),
+        None => {
+            let known: Vec<&str> = ACTOR_TYPES.iter().map(|r| r.name).collect();
+            eprintln!(
+                "rdt worker: actor type {type_name} is not registered in this binary (registered: {known:?}); \
+                 is the actor defined in a crate this binary links?"
+            );
+            std::process::exit(2);
+        }
+    }
+}
+
+fn read_boot() -> std::result::Result<Boot, String> {
+    let var = |k: &str| std::env::var(k).map_err(|_| format!("missing environment variable {k}"));
+    let boot = Boot {
+        worker: var(env::WORKER_ID)?.parse().map_err(|_| "bad worker id")?,
+        socket: var(env::SOCKET)?,
+        secret: hex::decode(var(env::SECRET)?).map_err(|_| "bad secret")?,
+        name: var(env::ACTOR_NAME)?.into(),
+        max_frame: var(env::MAX_FRAME)?.parse().map_err(|_| "bad frame limit")?,
+    };
+    let parent: i32 = var(env::PARENT_PID)?.parse().map_err(|_| "bad parent pid")?;
+    // SAFETY: plain syscalls.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        if libc::getppid() != parent {
+            return Err("the driver exited before this worker started".into());
+        }
+    }
+    for k in env::ALL {
+        // Children of the worker must not think they are workers.
+        std::env::remove_var(k);
+    }
+    Ok(boot)
+}
+
+/// Entry point of a worker hosting `A`; never returns.
+#[doc(hidden)]
+pub fn run_worker<A: RdtActor>() -> ! {
+    let boot = match read_boot() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("rdt worker: {e}");
+            std::process::exit(2);
+        }
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let sys = actix::System::new();
+    let code = sys.block_on(async move {
+        match worker_main::<A>(boot).await {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("rdt worker: {e}");
+                1
+            }
+        }
+    });
+    std::process::exit(code)
+}
+
+/// A value in the worker's store.
+#[derive(Clone)]
+struct StoredValue {
+    data: Bytes,
+    tensors: Vec<Tensor>,
+    transport: Transport,
+    /// Produced here (released through the transport on free).
+    produced: bool,
+}
+
+#[derive(Clone)]
+enum Slot {
+    Ready(StoredValue),
+    Failed(Error),
+}
+
+/// Objects this worker produced (direct transports) or received.
+#[derive(Default)]
+struct Store {
+    map: Mutex<HashMap<u64, Slot>>,
+    changed: Notify,
+}
+
+impl Store {
+    fn insert(&self, id: u64, slot: Slot) {
+        let mut m = self.map.lock();
+        // Never replace received data by a late error (owner invariant 4).
+        if matches!(slot, Slot::Failed(_)) && matches!(m.get(&id), Some(Slot::Ready(_))) {
+            return;
+        }
+        m.insert(id, slot);
+        drop(m);
+        self.changed.notify_waiters();
+    }
+
+    fn remove(&self, id: u64) -> Option<Slot> {
+        let s = self.map.lock().remove(&id);
+        self.changed.notify_waiters();
+        s
+    }
+
+    fn get(&self, id: u64) -> Option<Slot> {
+        self.map.lock().get(&id).cloned()
+    }
+
+    async fn wait_for(&self, id: u64) -> Slot {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(s) = self.get(id) {
+                return s;
+            }
+            notified.await;
+        }
+    }
+
+    fn holds_storage(&self, t: &Tensor) -> bool {
+        self.map.lock().values().any(|s| match s {
+            Slot::Ready(v) => v.tensors.iter().any(|x| x.shares_storage(t)),
+            Slot::Failed(_) => false,
+        })
+    }
+}
+
+struct WorkerShared {
+    name: Arc<str>,
+    store: Store,
+}
+
+static WORKER: OnceLock<Arc<WorkerShared>> = OnceLock::new();
+
+/// Inside an actor: waits until the local object store holds no reference
+/// to `tensor`'s storage, i.e. until the owner table freed every object
+/// that contained it (no driver ref and no pending call needs it). Returns
+/// at once for tensors the store never held (values sent through the object
+/// store are not kept by their producer).
+pub async fn wait_tensor_freed(tensor: &Tensor) -> Result<()> {
+    let Some(w) = WORKER.get() else {
+        return Err(Error::Protocol(
+            "wait_tensor_freed works inside an actor method; the driver holds no tensors in a store".into(),
+        ));
+    };
+    loop {
+        let notified = w.store.changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if !w.store.holds_storage(tensor) {
+            return Ok(());
+        }
+        notified.await;
+    }
+}
+
+/// [`wait_tensor_freed`] with a deadline.
+pub async fn wait_tensor_freed_timeout(tensor: &Tensor, deadline: Duration) -> Result<()> {
+    tokio::time::timeout(deadline, wait_tensor_freed(tensor))
+        .await
+        .map_err(|_| Error::Timeout {
+            what: "the tensor to be freed".into(),
+            after_ms: deadline.as_millis() as u64,
+        })?
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+async fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
+    let mut stream = UnixStream::connect(&boot.socket).await?;
+    protocol::authenticate_client(&mut stream, &boot.secret).await?;
+    let (r, w) = stream.into_split();
+    let tx = protocol::spawn_writer(w, boot.max_frame);
+    let mut rx = protocol::Receiver::new(r, boot.max_frame);
+    tx.send(&ToDriver::Hello {
+        worker: boot.worker,
+        pid: std::process::id(),
+        host: hostname(),
+        endpoints: Vec::new(),
+    })?;
+    let args = match rx.recv::<ToWorker>().await? {
+        Some(ToWorker::Spawn { args }) => args,
+        Some(other) => return Err(Error::Protocol(format!("expected a spawn order, got {other:?}"))),
+        None => return Ok(()),
+    };
+    let constructed = match postcard::from_bytes::<A::Args>(&args.0) {
+        Err(e) => Err(Error::Decode {
+            what: format!("constructor argument of {}", A::NAME),
+            message: e.to_string(),
+        }),
+        Ok(args) => match AssertUnwindSafe(A::__construct(args)).catch_unwind().await {
+            Ok(Ok(a)) => Ok(a),
+            Ok(Err(msg)) => Err(Error::Application {
+                actor: boot.name.to_string(),
+                method: "new".into(),
+                message: msg,
+            }),
+            Err(p) => Err(Error::Panic {
+                actor: boot.name.to_string(),
+                method: "new".into(),
+                message: panic_message(&p),
+            }),
+        },
+    };
+    let actor = match constructed {
+        Ok(a) => a,
+        Err(e) => {
+            tx.send(&ToDriver::Spawned(Err(e)))?;
+            // The driver kills us; until then, stay quiet.
+            while let Ok(Some(_)) = rx.recv::<ToWorker>().await {}
+            return Ok(());
+        }
+    };
+    let shared = Arc::new(WorkerShared {
+        name: boot.name.clone(),
+        store: Store::default(),
+    });
+    let _ = WORKER.set(shared.clone());
+    let addr = Host::<A> {
+        state: Some(Box::new(actor)),
+        shared: shared.clone(),
+    }
+    .start();
+    tx.send(&ToDriver::Spawned(Ok(())))?;
+    loop {
+        let msg = match rx.recv::<ToWorker>().await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        match msg {
+            ToWorker::Call(call) => {
+                let id = call.call;
+                let fut = addr.send(Invoke(call));
+                let tx = tx.clone();
+                actix_rt::spawn(async move {
+                    let done = fut.await.unwrap_or_else(|e| ToDriver::CallDone {
+                        call: id,
+                        result: Err(Error::Protocol(format!("actor mailbox: {e}"))),
+                    });
+                    let _ = tx.send(&done);
+                });
+            }
+            ToWorker::Deliver { object, value } => on_deliver(&shared, object, value),
+            ToWorker::SendTo { object, xfer, to } => on_send(&shared, object, xfer, to),
+            ToWorker::Free { object } => {
+                if let Some(Slot::Ready(v)) = shared.store.remove(object) {
+                    if v.produced {
+                        if let Ok(t) = v.transport.instance() {
+                            actix_rt::spawn(async move {
+                                if let Err(e) = t.release(object).await {
+                                    tracing::warn!("releasing object {object}: {e}");
+                                }
+                            });
+                        }
+                    }
+                }
+            }
+            ToWorker::Fetch { object, req } => {
+                let result = match shared.store.get(object) {
+                    Some(Slot::Ready(v)) => inline_value(rdt_transport::value::Payload {
+                        data: v.data,
+                        tensors: v.tensors,
+                    }),
+                    Some(Slot::Failed(e)) => Err(e),
+                    None => Err(Error::Freed { object }),
+                };
+                tx.send(&ToDriver::Fetched { req, result })?;
+            }
+            ToWorker::Shutdown => std::process::exit(0),
+            ToWorker::Spawn { .. } => tracing::warn!("second spawn order ignored"),
+        }
+    }
+}
+
+fn on_deliver(shared: &Arc<WorkerShared>, object: u64, value: std::result::Result<Delivery, Error>) {
+    let d = match value {
+        Err(e) => return shared.store.insert(object, Slot::Failed(e)),
+        Ok(d) => d,
+    };
+    let transport = match d.value.transport.parse::<Transport>().and_then(|t| t.instance().map(|i| (t, i))) {
+        Ok(t) => t,
+        Err(e) => return shared.store.insert(object, Slot::Failed(e)),
+    };
+    let data = d.value.data.0.clone();
+    if transport.1.sidedness() == Sidedness::ThroughDriver {
+        let slot = match object_store::unpack(&d.value.exported) {
+            Ok(tensors) => Slot::Ready(StoredValue {
+                data,
+                tensors,
+                transport: transport.0,
+                produced: false,
+            }),
+            Err(e) => Slot::Failed(e.into()),
+        };
+        return shared.store.insert(object, slot);
+    }
+    let shared = shared.clone();
+    actix_rt::spawn(async move {
+        let from = d.from.clone().unwrap_or_else(|| Peer {
+            actor: 0,
+            name: "driver".into(),
+            host: String::new(),
+            endpoint: String::new(),
+        });
+        let slot = match transport.1.receive(&from, d.xfer, &d.value.exported).await {
+            Ok(tensors) => Slot::Ready(StoredValue {
+                data,
+                tensors,
+                transport: transport.0,
+                produced: false,
+            }),
+            Err(e) => Slot::Failed(e.into()),
+        };
+        shared.store.insert(object, slot);
+    });
+}
+
+fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
+    let shared = shared.clone();
+    actix_rt::spawn(async move {
+        let v = match shared.store.get(object) {
+            Some(Slot::Ready(v)) => v,
+            _ => {
+                tracing::error!("asked to send object {object}, which this worker does not hold");
+                return;
+            }
+        };
+        let t = match v.transport.instance() {
+            Ok(t) => t,
+            Err(e) => return tracing::error!("{e}"),
+        };
+        if let Err(e) = t.send(&to, xfer, &v.tensors).await {
+            tracing::error!("sending object {object} to {}: {e}", to.name);
+        }
+    });
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".into()
+    }
+}
+
+struct Host<A: RdtActor> {
+    // Boxed: actix needs the actor `Unpin`, user types need not be.
+    state: Option<Box<A>>,
+    shared: Arc<WorkerShared>,
+}
+
+impl<A: RdtActor> actix::Actor for Host<A> {
+    type Context = actix::Context<Self>;
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // Calls queue here in order; never reject one (invariant 2).
+        ctx.set_mailbox_capacity(1 << 20);
+    }
+}
+
+struct Invoke(CallMsg);
+
+impl actix::Message for Invoke {
+    type Result = ToDriver;
+}
+
+impl<A: RdtActor> Handler<Invoke> for Host<A> {
+    type Result = AtomicResponse<Self, ToDriver>;
+
+    fn handle(&mut self, Invoke(msg): Invoke, _ctx: &mut Self::Context) -> Self::Result {
+        let mut state = self.state.take().expect("an atomic handler always puts the state back");
+        let shared = self.shared.clone();
+        let fut = async move {
+            let call = msg.call;
+            let result = run_call::<A>(&mut state, &shared, msg).await;
+            (state, ToDriver::CallDone { call, result })
+        };
+        AtomicResponse::new(Box::pin(fut.into_actor(self).map(|(state, done), this, _| {
+            this.state = Some(state);
+            done
+        })))
+    }
+}
+
+async fn run_call<A: RdtActor>(state: &mut A, shared: &WorkerShared, msg: CallMsg) -> Result<WireValue> {
+    let method = A::__method_name(msg.method);
+    let mut values = Vec::with_capacity(msg.args.len());
+    for a in msg.args {
+        match a {
+            WireArg::Value(v) => values.push((v.data.0.clone(), object_store::unpack(&v.exported)?)),
+            WireArg::Ref(id) => match shared.store.wait_for(id).await {
+                Slot::Ready(v) => values.push((v.data, v.tensors)),
+                Slot::Failed(e) => {
+                    return Err(Error::Dependency {
+                        object: id,
+                        cause: Box::new(e),
+                    })
+                }
+            },
+        }
+    }
+    let args = CallArgs {
+        actor: shared.name.clone(),
+        method,
+        values,
+    };
+    let payload = match AssertUnwindSafe(state.__dispatch(msg.method, args)).catch_unwind().await {
+        Ok(r) => r?,
+        Err(p) => {
+            return Err(Error::Panic {
+                actor: shared.name.to_string(),
+                method: method.to_string(),
+                message: panic_message(&p),
+            })
+        }
+    };
+    if payload.tensors.is_empty() {
+        return Ok(WireValue {
+            data: Blob(payload.data),
+            transport: Transport::ObjectStore.name().into(),
+            exported: Default::default(),
+        });
+    }
+    let transport: Transport = msg.transport.parse()?;
+    let inst = transport.instance()?;
+    for t in &payload.tensors {
+        inst.check_device(t.device())?;
+    }
+    let exported = inst.export(msg.result, &payload.tensors).await?;
+    if inst.sidedness() != Sidedness::ThroughDriver {
+        shared.store.insert(
+            msg.result,
+            Slot::Ready(StoredValue {
+                data: payload.data.clone(),
+                tensors: payload.tensors,
+                transport,
+                produced: true,
+            }),
+        );
+    }
+    Ok(WireValue {
+        data: Blob(payload.data),
+        transport: transport.name().into(),
+        exported,
+    })
+}

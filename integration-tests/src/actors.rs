@@ -1,0 +1,175 @@
+//! Test actors.
+
+use std::collections::HashMap;
+
+use rdt::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// A nested value: tensors inside a struct, a map, a vec and an option,
+/// next to plain CPU data.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Batch {
+    /// Plain data.
+    pub step: u64,
+    /// Named tensors.
+    pub weights: HashMap<String, Tensor>,
+    /// More tensors.
+    pub extra: Vec<Tensor>,
+    /// Maybe a tensor.
+    pub mask: Option<Tensor>,
+    /// Plain data.
+    pub label: String,
+}
+
+/// Produces tensors.
+#[rdt::actor]
+pub struct Producer {
+    kept: Vec<Tensor>,
+}
+
+#[rdt::actor]
+impl Producer {
+    fn new() -> Self {
+        Producer { kept: Vec::new() }
+    }
+
+    /// A tensor of `n` f32 equal to `v`.
+    async fn make(&mut self, v: f32, n: usize) -> Tensor {
+        Tensor::full(v, &[n])
+    }
+
+    /// Like `make`, over tcp.
+    #[rdt::method(tensor_transport = "tcp")]
+    async fn make_tcp(&mut self, v: f32, n: usize) -> Tensor {
+        Tensor::full(v, &[n])
+    }
+
+    /// A tensor it keeps a clone of (to check storage identity later).
+    async fn make_kept(&mut self, v: f32, n: usize) -> Tensor {
+        let t = Tensor::full(v, &[n]);
+        self.kept.push(t.clone());
+        t
+    }
+
+    /// Does `t` share storage with the tensor kept at `i`?
+    async fn is_kept(&mut self, t: Tensor, i: usize) -> bool {
+        self.kept.get(i).map(|k| k.shares_storage(&t)).unwrap_or(false)
+    }
+
+    /// A nested value.
+    async fn batch(&mut self, step: u64) -> Batch {
+        let mut weights = HashMap::new();
+        weights.insert("w1".to_string(), Tensor::full(1.0f32, &[8, 8]));
+        weights.insert("w2".to_string(), Tensor::arange::<i64>(16));
+        Batch {
+            step,
+            weights,
+            extra: vec![Tensor::full(2.0f64, &[3]), Tensor::full(3u8, &[5])],
+            mask: Some(Tensor::full(1u8, &[4])),
+            label: format!("batch-{step}"),
+        }
+    }
+
+    /// A map of tensors.
+    async fn weights(&mut self, n: usize) -> HashMap<String, Tensor> {
+        (0..n)
+            .map(|i| (format!("layer{i}"), Tensor::full(i as f32, &[1024])))
+            .collect()
+    }
+
+    /// Fails.
+    async fn fail(&mut self, msg: String) -> Result<Tensor, String> {
+        Err(msg)
+    }
+
+    /// Panics.
+    async fn boom(&mut self) -> Tensor {
+        panic!("boom on purpose")
+    }
+
+    /// Exits the process abruptly.
+    async fn die(&mut self) -> Tensor {
+        std::process::exit(7)
+    }
+
+    /// Waits until the store frees `t`'s storage (the kept tensor `i`).
+    async fn wait_freed(&mut self, i: usize, timeout_ms: u64) -> Result<bool, Error> {
+        let t = self.kept[i].clone();
+        match rdt::wait_tensor_freed_timeout(&t, std::time::Duration::from_millis(timeout_ms)).await {
+            Ok(()) => Ok(true),
+            Err(Error::Timeout { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Number of calls so far is not tracked; this just echoes.
+    async fn echo(&mut self, x: u64) -> u64 {
+        x
+    }
+}
+
+/// Consumes tensors.
+#[rdt::actor]
+pub struct Consumer {
+    seen: u64,
+    held: Vec<Tensor>,
+}
+
+#[rdt::actor]
+impl Consumer {
+    fn new() -> Self {
+        Consumer { seen: 0, held: Vec::new() }
+    }
+
+    /// Sum of a tensor.
+    async fn sum(&mut self, t: Tensor) -> rdt::Result<f64> {
+        self.seen += 1;
+        Ok(t.sum()?)
+    }
+
+    /// Sum of two tensors.
+    async fn sum2(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(f64, bool)> {
+        Ok((a.sum()? + b.sum()?, a.shares_storage(&b)))
+    }
+
+    /// Sum of every tensor in a batch, and its plain data.
+    async fn batch_sum(&mut self, b: Batch) -> rdt::Result<(u64, String, f64)> {
+        let mut s = 0.0;
+        for t in b.weights.values() {
+            s += t.sum()?;
+        }
+        for t in &b.extra {
+            s += t.sum()?;
+        }
+        if let Some(m) = &b.mask {
+            s += m.sum()?;
+        }
+        Ok((b.step, b.label, s))
+    }
+
+    /// Sum of a map of tensors.
+    async fn reduce(&mut self, w: HashMap<String, Tensor>) -> rdt::Result<f64> {
+        let mut s = 0.0;
+        for t in w.values() {
+            s += t.sum()?;
+        }
+        Ok(s)
+    }
+
+    /// Keeps the tensor (so its storage outlives the call).
+    async fn hold(&mut self, t: Tensor) -> usize {
+        self.held.push(t);
+        self.held.len()
+    }
+
+    /// Calls seen.
+    async fn seen(&mut self) -> u64 {
+        self.seen
+    }
+
+    /// Adds 1 to every element and returns the result.
+    async fn add_one(&mut self, t: Tensor) -> rdt::Result<Tensor> {
+        t.add_scalar_(1.0f32)?;
+        Ok(t)
+    }
+}
