@@ -29,7 +29,7 @@ pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
 pub use runtime::{Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;
-pub use worker::{init, wait_tensor_freed, wait_tensor_freed_timeout};
+pub use worker::{init, local_objects, wait_tensor_freed, wait_tensor_freed_timeout};
 
 /// The data-plane crate: tensors, the transport trait, value extraction.
 pub use rdt_transport as data;

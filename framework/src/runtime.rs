@@ -200,6 +200,12 @@ impl Runtime {
         }
     }
 
+    /// Waits until an object is ready (`Ok`) or failed (its error), without
+    /// moving its value anywhere (Ray's `wait` for one ref).
+    pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
+        self.inner.wait_value(r.borrow().id).await.map(|_| ())
+    }
+
     /// [`Runtime::get`] with a deadline.
     pub async fn get_timeout<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>, deadline: Duration) -> Result<T> {
         let id = r.borrow().id;

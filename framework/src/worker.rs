@@ -227,6 +227,12 @@ pub async fn wait_tensor_freed(tensor: &Tensor) -> Result<()> {
     }
 }
 
+/// Inside an actor: how many objects this worker's store holds (produced
+/// with a direct transport, or received). Outside an actor: 0.
+pub fn local_objects() -> usize {
+    WORKER.get().map(|w| w.store.map.lock().len()).unwrap_or(0)
+}
+
 /// [`wait_tensor_freed`] with a deadline.
 pub async fn wait_tensor_freed_timeout(tensor: &Tensor, deadline: Duration) -> Result<()> {
     tokio::time::timeout(deadline, wait_tensor_freed(tensor))

@@ -102,9 +102,25 @@ impl Producer {
         }
     }
 
-    /// Number of calls so far is not tracked; this just echoes.
+    /// Echoes.
     async fn echo(&mut self, x: u64) -> u64 {
         x
+    }
+
+    /// Objects in this worker's store.
+    async fn stored(&mut self) -> usize {
+        rdt::local_objects()
+    }
+
+    /// Writes `v` into the kept tensor `i` (to observe sharing).
+    async fn write_kept(&mut self, i: usize, v: f32) -> rdt::Result<()> {
+        self.kept[i].fill_(v)?;
+        Ok(())
+    }
+
+    /// First element of the kept tensor `i`.
+    async fn read_kept(&mut self, i: usize) -> rdt::Result<f32> {
+        Ok(self.kept[i].to_vec::<f32>()?[0])
     }
 }
 
@@ -165,6 +181,11 @@ impl Consumer {
     /// Calls seen.
     async fn seen(&mut self) -> u64 {
         self.seen
+    }
+
+    /// Objects in this worker's store.
+    async fn stored(&mut self) -> usize {
+        rdt::local_objects()
     }
 
     /// Adds 1 to every element and returns the result.

@@ -4,13 +4,34 @@
 //! registered in each of them and worker processes can host them.
 
 pub mod actors;
+pub mod capture;
 
 use std::future::Future;
 use std::time::Duration;
 
 /// Runs `f` with a deadline: a hang fails the test instead of stalling CI.
+///
+/// Two layers: a tokio timeout for hangs in async code, and a watchdog
+/// thread that aborts the whole process (failing the run loudly) if even
+/// that cannot fire, e.g. when a thread deadlocks the executor.
 pub async fn deadline<F: Future>(secs: u64, f: F) -> F::Output {
-    match tokio::time::timeout(Duration::from_secs(secs), f).await {
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = done.clone();
+    let watchdog = std::thread::spawn(move || {
+        let end = std::time::Instant::now() + Duration::from_secs(secs + 10);
+        while !flag.load(std::sync::atomic::Ordering::Acquire) {
+            let now = std::time::Instant::now();
+            if now >= end {
+                eprintln!("test exceeded its {secs} s deadline and its executor is stuck; aborting");
+                std::process::abort();
+            }
+            std::thread::park_timeout(end - now);
+        }
+    });
+    let out = tokio::time::timeout(Duration::from_secs(secs), f).await;
+    done.store(true, std::sync::atomic::Ordering::Release);
+    watchdog.thread().unpark();
+    match out {
         Ok(v) => v,
         Err(_) => panic!("test exceeded its {secs} s deadline"),
     }
