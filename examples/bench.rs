@@ -1,1 +1,288 @@
-fn main(){}
+//! The benchmark harness: `cargo run --release --example bench -- SUITE [--json PATH] [--quick]`.
+//!
+//! Every suite runs rdt's path and its baseline in the same run and prints
+//! the ratio. JSON output is an array of rows with the same schema for every
+//! suite: `suite, case, transport, device, bytes, iters, median_us, p90_us,
+//! gbps` (GB/s = 1e9 bytes per second, of `bytes` per median).
+//!
+//! Suites:
+//! - `control`: a bare Unix-socket echo round trip (8-byte length-prefixed
+//!   frames, a separate process, tokio client: the floor under any actor
+//!   call), a tiny actor call round trip, and a tiny-tensor pass (produce →
+//!   pass ref → consume → get).
+//! - `transports`: a full pass (produce → pass ref → consume → result) of
+//!   one tensor of 1 KiB, 1 MiB, 64 MiB and 256 MiB over every CPU
+//!   transport this build has, with the object-store path as the baseline.
+
+use std::time::{Duration, Instant};
+
+use rdt::prelude::*;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[rdt::actor]
+pub struct Source {
+    kept: Option<Tensor>,
+}
+
+#[rdt::actor]
+impl Source {
+    fn new() -> Self {
+        Source { kept: None }
+    }
+
+    async fn ping(&mut self, x: u64) -> u64 {
+        x
+    }
+
+    /// A tensor of `bytes` bytes, allocated once and handed out again
+    /// (weights-sync style: the same buffer every pass).
+    async fn tensor(&mut self, bytes: usize) -> Tensor {
+        match &self.kept {
+            Some(t) if t.nbytes() == bytes => t.clone(),
+            _ => {
+                let t = Tensor::full(1u8, &[bytes]);
+                self.kept = Some(t.clone());
+                t
+            }
+        }
+    }
+}
+
+#[rdt::actor]
+pub struct Sink;
+
+#[rdt::actor]
+impl Sink {
+    fn new() -> Self {
+        Sink
+    }
+
+    /// Reads the first and last byte: proves the consumer can use it.
+    async fn touch(&mut self, t: Tensor) -> rdt::Result<u64> {
+        let n = t.nbytes();
+        let (a, b) = t.with_bytes(|b| (b[0], b[n - 1]))?;
+        Ok(a as u64 + b as u64)
+    }
+}
+
+#[derive(Serialize, Clone, Debug)]
+struct Row {
+    suite: String,
+    case: String,
+    transport: String,
+    device: String,
+    bytes: u64,
+    iters: usize,
+    median_us: f64,
+    p90_us: f64,
+    gbps: f64,
+}
+
+fn row(suite: &str, case: &str, transport: &str, bytes: u64, mut samples: Vec<Duration>) -> Row {
+    samples.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let median = us(samples[samples.len() / 2]);
+    let p90 = us(samples[(samples.len() * 9 / 10).min(samples.len() - 1)]);
+    Row {
+        suite: suite.into(),
+        case: case.into(),
+        transport: transport.into(),
+        device: "cpu".into(),
+        bytes,
+        iters: samples.len(),
+        median_us: median,
+        p90_us: p90,
+        gbps: if bytes > 0 { bytes as f64 / (median / 1e6) / 1e9 } else { 0.0 },
+    }
+}
+
+const ECHO_ENV: &str = "RDT_BENCH_ECHO_SOCKET";
+
+/// The echo server process: length-prefixed frames back as they came.
+fn echo_server(path: &str) -> ! {
+    use std::io::{Read, Write};
+    let listener = std::os::unix::net::UnixListener::bind(path).expect("bind echo socket");
+    let (mut s, _) = listener.accept().expect("accept");
+    let mut len = [0u8; 8];
+    let mut buf = Vec::new();
+    while s.read_exact(&mut len).is_ok() {
+        let n = u64::from_be_bytes(len) as usize;
+        buf.resize(n, 0);
+        if s.read_exact(&mut buf).is_err() {
+            break;
+        }
+        let _ = s.write_all(&len);
+        let _ = s.write_all(&buf);
+    }
+    std::process::exit(0)
+}
+
+async fn bench_echo(iters: usize) -> Row {
+    let dir = tempfile_dir();
+    let path = format!("{dir}/echo.sock");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(ECHO_ENV, &path)
+        .spawn()
+        .expect("start echo server");
+    let mut s = loop {
+        match tokio::net::UnixStream::connect(&path).await {
+            Ok(s) => break s,
+            Err(_) => tokio::task::yield_now().await,
+        }
+    };
+    let payload = [7u8; 64];
+    let mut back = [0u8; 72];
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let t = Instant::now();
+        let mut frame = Vec::with_capacity(72);
+        frame.extend_from_slice(&(payload.len() as u64).to_be_bytes());
+        frame.extend_from_slice(&payload);
+        s.write_all(&frame).await.unwrap();
+        s.read_exact(&mut back).await.unwrap();
+        if i >= iters / 10 {
+            samples.push(t.elapsed());
+        }
+    }
+    drop(s);
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    row("control", "unix socket echo (64 B frame)", "-", 64, samples)
+}
+
+fn tempfile_dir() -> String {
+    let d = std::env::temp_dir().join(format!("rdt-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.to_string_lossy().into_owned()
+}
+
+async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
+    let iters = if quick { 200 } else { 2000 };
+    let mut rows = vec![bench_echo(iters).await];
+    let src = rt.spawn::<Source>(()).await?;
+    let sink = rt.spawn::<Sink>(()).await?;
+    let mut samples = Vec::new();
+    for i in 0..iters + iters / 10 {
+        let t = Instant::now();
+        let v = rt.get(src.ping(i as u64).remote()).await?;
+        assert_eq!(v, i as u64);
+        if i >= iters / 10 {
+            samples.push(t.elapsed());
+        }
+    }
+    rows.push(row("control", "tiny actor call round trip", "object_store", 8, samples));
+    for transport in cpu_transports() {
+        let mut samples = Vec::new();
+        for i in 0..iters + iters / 10 {
+            let t = Instant::now();
+            let r = src.tensor(16).transport(transport).remote();
+            let v = rt.get(sink.touch(&r).remote()).await?;
+            assert_eq!(v, 2);
+            drop(r);
+            if i >= iters / 10 {
+                samples.push(t.elapsed());
+            }
+        }
+        rows.push(row("control", "tiny tensor pass (16 B)", transport.name(), 16, samples));
+    }
+    Ok(rows)
+}
+
+fn cpu_transports() -> Vec<Transport> {
+    [Transport::ObjectStore, Transport::Tcp, Transport::Shm]
+        .into_iter()
+        .filter(|t| match t.instance() {
+            Ok(_) => true,
+            Err(e) => {
+                eprintln!("skipping {t}: {e}");
+                false
+            }
+        })
+        .collect()
+}
+
+async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
+    let src = rt.spawn::<Source>(()).await?;
+    let sink = rt.spawn::<Sink>(()).await?;
+    let mut rows = Vec::new();
+    let sizes: &[(usize, &str)] = &[(1 << 10, "1 KiB"), (1 << 20, "1 MiB"), (64 << 20, "64 MiB"), (256 << 20, "256 MiB")];
+    for &(bytes, label) in sizes {
+        let iters = match (quick, bytes) {
+            (true, b) if b >= 64 << 20 => 3,
+            (true, _) => 20,
+            (false, b) if b >= 64 << 20 => 10,
+            (false, b) if b >= 1 << 20 => 50,
+            _ => 500,
+        };
+        for transport in cpu_transports() {
+            // The tensor is allocated once by the first (unmeasured) pass.
+            let mut samples = Vec::new();
+            for i in 0..iters + 1 {
+                let t = Instant::now();
+                let r = src.tensor(bytes).transport(transport).remote();
+                let v = rt.get(sink.touch(&r).remote()).await?;
+                assert_eq!(v, 2);
+                drop(r);
+                if i > 0 {
+                    samples.push(t.elapsed());
+                }
+            }
+            rows.push(row("transports", &format!("pass {label}"), transport.name(), bytes as u64, samples));
+        }
+    }
+    Ok(rows)
+}
+
+fn print(rows: &[Row]) {
+    println!("{:<12} {:<34} {:<13} {:>12} {:>12} {:>12} {:>10}", "suite", "case", "transport", "bytes", "median µs", "p90 µs", "GB/s");
+    for r in rows {
+        println!(
+            "{:<12} {:<34} {:<13} {:>12} {:>12.1} {:>12.1} {:>10.3}",
+            r.suite, r.case, r.transport, r.bytes, r.median_us, r.p90_us, r.gbps
+        );
+    }
+    // Ratios against the baseline of each case.
+    let echo = rows.iter().find(|r| r.case.starts_with("unix socket echo"));
+    let call = rows.iter().find(|r| r.case == "tiny actor call round trip");
+    if let (Some(e), Some(c)) = (echo, call) {
+        println!("ratio: tiny actor call / bare socket echo = {:.2}x", c.median_us / e.median_us);
+    }
+    for r in rows.iter().filter(|r| r.transport != "object_store" && r.suite == "transports") {
+        if let Some(base) = rows.iter().find(|b| b.case == r.case && b.transport == "object_store") {
+            println!("ratio: {} {} is {:.2}x faster than object_store", r.case, r.transport, base.median_us / r.median_us);
+        }
+    }
+}
+
+#[rdt::main]
+async fn main() -> rdt::Result<()> {
+    if let Ok(path) = std::env::var(ECHO_ENV) {
+        echo_server(&path);
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let suite = args.first().cloned().unwrap_or_else(|| "control".into());
+    let json = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
+    let quick = args.iter().any(|a| a == "--quick");
+    let rt = Runtime::start().await?;
+    let rows = match suite.as_str() {
+        "control" => control(&rt, quick).await?,
+        "transports" => transports(&rt, quick).await?,
+        "all" => {
+            let mut r = control(&rt, quick).await?;
+            r.extend(transports(&rt, quick).await?);
+            r
+        }
+        other => {
+            eprintln!("unknown suite {other:?}; suites: control, transports, all");
+            std::process::exit(2);
+        }
+    };
+    print(&rows);
+    if let Some(path) = json {
+        std::fs::write(&path, serde_json::to_string_pretty(&rows).unwrap()).expect("write JSON");
+        println!("wrote {path}");
+    }
+    rt.shutdown().await;
+    Ok(())
+}
