@@ -93,7 +93,11 @@ fn row(suite: &str, case: &str, transport: &str, bytes: u64, mut samples: Vec<Du
         iters: samples.len(),
         median_us: median,
         p90_us: p90,
-        gbps: if bytes > 0 { bytes as f64 / (median / 1e6) / 1e9 } else { 0.0 },
+        gbps: if bytes > 0 {
+            bytes as f64 / (median / 1e6) / 1e9
+        } else {
+            0.0
+        },
     }
 }
 
@@ -171,7 +175,13 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             samples.push(t.elapsed());
         }
     }
-    rows.push(row("control", "tiny actor call round trip", "object_store", 8, samples));
+    rows.push(row(
+        "control",
+        "tiny actor call round trip",
+        "object_store",
+        8,
+        samples,
+    ));
     for transport in cpu_transports() {
         let mut samples = Vec::new();
         for i in 0..iters + iters / 10 {
@@ -184,7 +194,13 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
                 samples.push(t.elapsed());
             }
         }
-        rows.push(row("control", "tiny tensor pass (16 B)", transport.name(), 16, samples));
+        rows.push(row(
+            "control",
+            "tiny tensor pass (16 B)",
+            transport.name(),
+            16,
+            samples,
+        ));
     }
     Ok(rows)
 }
@@ -192,12 +208,11 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
 fn cpu_transports() -> Vec<Transport> {
     [Transport::ObjectStore, Transport::Tcp, Transport::Shm]
         .into_iter()
-        .filter(|t| match t.instance() {
-            Ok(_) => true,
-            Err(e) => {
-                eprintln!("skipping {t}: {e}");
-                false
+        .filter(|t| {
+            if !t.is_implemented() {
+                eprintln!("skipping {t}: not implemented in this build");
             }
+            t.is_implemented()
         })
         .collect()
 }
@@ -206,7 +221,12 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
     let src = rt.spawn::<Source>(()).await?;
     let sink = rt.spawn::<Sink>(()).await?;
     let mut rows = Vec::new();
-    let sizes: &[(usize, &str)] = &[(1 << 10, "1 KiB"), (1 << 20, "1 MiB"), (64 << 20, "64 MiB"), (256 << 20, "256 MiB")];
+    let sizes: &[(usize, &str)] = &[
+        (1 << 10, "1 KiB"),
+        (1 << 20, "1 MiB"),
+        (64 << 20, "64 MiB"),
+        (256 << 20, "256 MiB"),
+    ];
     for &(bytes, label) in sizes {
         let iters = match (quick, bytes) {
             (true, b) if b >= 64 << 20 => 3,
@@ -228,14 +248,23 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
                     samples.push(t.elapsed());
                 }
             }
-            rows.push(row("transports", &format!("pass {label}"), transport.name(), bytes as u64, samples));
+            rows.push(row(
+                "transports",
+                &format!("pass {label}"),
+                transport.name(),
+                bytes as u64,
+                samples,
+            ));
         }
     }
     Ok(rows)
 }
 
 fn print(rows: &[Row]) {
-    println!("{:<12} {:<34} {:<13} {:>12} {:>12} {:>12} {:>10}", "suite", "case", "transport", "bytes", "median µs", "p90 µs", "GB/s");
+    println!(
+        "{:<12} {:<34} {:<13} {:>12} {:>12} {:>12} {:>10}",
+        "suite", "case", "transport", "bytes", "median µs", "p90 µs", "GB/s"
+    );
     for r in rows {
         println!(
             "{:<12} {:<34} {:<13} {:>12} {:>12.1} {:>12.1} {:>10.3}",
@@ -246,11 +275,25 @@ fn print(rows: &[Row]) {
     let echo = rows.iter().find(|r| r.case.starts_with("unix socket echo"));
     let call = rows.iter().find(|r| r.case == "tiny actor call round trip");
     if let (Some(e), Some(c)) = (echo, call) {
-        println!("ratio: tiny actor call / bare socket echo = {:.2}x", c.median_us / e.median_us);
+        println!(
+            "ratio: tiny actor call / bare socket echo = {:.2}x",
+            c.median_us / e.median_us
+        );
     }
-    for r in rows.iter().filter(|r| r.transport != "object_store" && r.suite == "transports") {
-        if let Some(base) = rows.iter().find(|b| b.case == r.case && b.transport == "object_store") {
-            println!("ratio: {} {} is {:.2}x faster than object_store", r.case, r.transport, base.median_us / r.median_us);
+    for r in rows
+        .iter()
+        .filter(|r| r.transport != "object_store" && r.suite == "transports")
+    {
+        if let Some(base) = rows
+            .iter()
+            .find(|b| b.case == r.case && b.transport == "object_store")
+        {
+            println!(
+                "ratio: {} {} is {:.2}x faster than object_store",
+                r.case,
+                r.transport,
+                base.median_us / r.median_us
+            );
         }
     }
 }
@@ -262,7 +305,11 @@ async fn main() -> rdt::Result<()> {
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let suite = args.first().cloned().unwrap_or_else(|| "control".into());
-    let json = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
+    let json = args
+        .iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     let quick = args.iter().any(|a| a == "--quick");
     let rt = Runtime::start().await?;
     let rows = match suite.as_str() {

@@ -57,14 +57,21 @@ pub struct CallArgs {
 impl CallArgs {
     /// Decodes argument `i` (named `name` in the signature).
     pub fn decode<T: DeserializeOwned>(&self, i: usize, name: &str) -> Result<T> {
-        let (data, tensors) = self.values.get(i).ok_or_else(|| Error::Protocol(format!(
-            "{}.{} got {} arguments; argument {i} ({name}) is missing",
-            self.actor,
-            self.method,
-            self.values.len()
-        )))?;
+        let (data, tensors) = self.values.get(i).ok_or_else(|| {
+            Error::Protocol(format!(
+                "{}.{} got {} arguments; argument {i} ({name}) is missing",
+                self.actor,
+                self.method,
+                self.values.len()
+            ))
+        })?;
         value::decode(data, tensors).map_err(|e| Error::Decode {
-            what: format!("argument {name} of {}.{} as {}", self.actor, self.method, std::any::type_name::<T>()),
+            what: format!(
+                "argument {name} of {}.{} as {}",
+                self.actor,
+                self.method,
+                std::any::type_name::<T>()
+            ),
             message: e.to_string(),
         })
     }

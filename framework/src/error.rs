@@ -33,7 +33,9 @@ pub enum Error {
         message: String,
     },
     /// A call did not run because one of its arguments is an error.
-    #[error("argument object {object} is an error, so the call did not run; original error: {cause}")]
+    #[error(
+        "argument object {object} is an error, so the call did not run; original error: {cause}"
+    )]
     Dependency {
         /// The failed object.
         object: u64,
@@ -75,6 +77,34 @@ pub enum Error {
         /// Its transport.
         transport: String,
     },
+    /// A ref on a collective transport was passed to an actor that shares
+    /// no live group of that backend with the producer.
+    #[error("object {object} lives on the collective transport {transport:?}, and {consumer} shares no {transport} collective group with its producer {producer}; create one first with `Runtime::create_collective_group(&[producer.id(), consumer.id()], Transport::{backend})`, or use a one-sided transport")]
+    NotInGroup {
+        /// The object.
+        object: u64,
+        /// Its transport.
+        transport: String,
+        /// Rust name of the backend variant.
+        backend: String,
+        /// The producing actor.
+        producer: String,
+        /// The consuming actor.
+        consumer: String,
+    },
+    /// The collective group was torn down after a failed transfer.
+    #[error("collective group {group} ({transport}) was torn down after a failed transfer ({reason}); destroy it and create it again to keep using {transport} between its actors")]
+    GroupBroken {
+        /// The group.
+        group: u64,
+        /// Its backend.
+        transport: String,
+        /// The failure.
+        reason: String,
+    },
+    /// A collective-group operation was given bad input.
+    #[error("collective group: {0}")]
+    Group(String),
     /// A wait ran past its deadline.
     #[error("timed out after {after_ms} ms waiting for {what}")]
     Timeout {

@@ -27,7 +27,7 @@ pub use error::{Error, Result, TransportError};
 pub use object_ref::{ActorId, Arg, Call, ObjectId, ObjectRef, RawHandle};
 pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
-pub use runtime::{Runtime, RuntimeBuilder, Spawn};
+pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;
 pub use worker::{init, local_objects, wait_tensor_freed, wait_tensor_freed_timeout};
 

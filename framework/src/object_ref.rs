@@ -169,7 +169,12 @@ pub struct Call<T> {
 
 impl<T> Call<T> {
     #[doc(hidden)]
-    pub fn new(handle: &RawHandle, method: u32, method_name: &'static str, transport: Transport) -> Self {
+    pub fn new(
+        handle: &RawHandle,
+        method: u32,
+        method_name: &'static str,
+        transport: Transport,
+    ) -> Self {
         Call {
             handle: handle.clone(),
             method,
@@ -208,7 +213,13 @@ impl<T> Call<T> {
     /// table.
     pub fn remote(self) -> ObjectRef<T> {
         let rt = self.handle.rt.clone();
-        let id = rt.submit(self.handle.actor, self.method, self.method_name, self.args, self.transport);
+        let id = rt.submit(
+            self.handle.actor,
+            self.method,
+            self.method_name,
+            self.args,
+            self.transport,
+        );
         ObjectRef::adopt(id, rt)
     }
 }

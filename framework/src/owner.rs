@@ -191,7 +191,9 @@ impl OwnerTable {
             self.next_xfer += 1;
             self.next_xfer
         };
-        let Some(e) = self.objects.get_mut(&id) else { return };
+        let Some(e) = self.objects.get_mut(&id) else {
+            return;
+        };
         let sided = e.sidedness();
         let value = match &e.state {
             ObjState::Pending => return,
@@ -217,7 +219,9 @@ impl OwnerTable {
             if sided != Sidedness::ThroughDriver {
                 e.sent_elsewhere = true;
             }
-            let producer = e.producer.and_then(|p| actors.get(&p).map(|a| a.peer(p, &e.transport)));
+            let producer = e
+                .producer
+                .and_then(|p| actors.get(&p).map(|a| a.peer(p, &e.transport)));
             if sided == Sidedness::TwoSided {
                 if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
                     send(
@@ -256,7 +260,13 @@ impl OwnerTable {
     }
 
     /// A call finished: record its result and release its arguments.
-    pub fn call_done(&mut self, result: u64, outcome: Result<WireValue, Error>, args: &[u64], actors: &Actors) {
+    pub fn call_done(
+        &mut self,
+        result: u64,
+        outcome: Result<WireValue, Error>,
+        args: &[u64],
+        actors: &Actors,
+    ) {
         if let Some(e) = self.objects.get_mut(&result) {
             if matches!(e.state, ObjState::Pending) {
                 e.state = match outcome {
@@ -293,7 +303,8 @@ impl OwnerTable {
             return;
         }
         let e = self.objects.remove(&id).expect("checked above");
-        let direct = e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
+        let direct =
+            e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
         if direct {
             if let Some(p) = e.producer {
                 send(actors, p, &ToWorker::Free { object: id });

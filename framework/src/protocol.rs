@@ -8,8 +8,10 @@
 //!    fails is dropped and logged.
 //! 2. After the handshake a connection carries frames: an 8-byte big-endian
 //!    length, then a body made by [`rdt_transport::wire::to_frame`] (postcard
-//!    header, then out-of-band blobs). Bodies over the configured limit are
-//!    refused and close the connection.
+//!    header, then out-of-band blobs). A receiver refuses a body over the
+//!    configured limit and closes the connection; a sender refuses to queue
+//!    one and returns an error, which the caller turns into the error of the
+//!    call or object concerned.
 //! 3. Messages on one connection are handled in the order they were sent;
 //!    the driver relies on this to order deliveries before the calls that
 //!    need them.
@@ -17,13 +19,12 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use hmac::{Hmac, Mac};
 use rdt_transport::wire::{self, Frame};
 use rdt_transport::{Blob, Exported, Peer};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
 
@@ -141,6 +142,18 @@ pub enum ToDriver {
         /// The result value or the error.
         result: std::result::Result<WireValue, Error>,
     },
+    /// A transfer this worker took part in failed (for collective
+    /// transports the driver tears the group down).
+    TransferFailed {
+        /// Object id.
+        object: u64,
+        /// The other end.
+        peer: u64,
+        /// Transport name.
+        transport: String,
+        /// What happened.
+        message: String,
+    },
     /// Reply to `Fetch`.
     Fetched {
         /// Request id.
@@ -155,13 +168,25 @@ pub enum ToDriver {
 #[derive(Clone, Debug)]
 pub struct Sender {
     tx: mpsc::UnboundedSender<Frame>,
+    max_frame: usize,
 }
 
 impl Sender {
     /// Queues `msg`. A closed connection is not an error here: its reader
     /// notices and reports the death.
+    ///
+    /// A message larger than the frame limit is refused here, so the caller
+    /// can turn it into an error for the call or object concerned instead
+    /// of leaving the other end waiting.
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
         let frame = wire::to_frame(msg).map_err(|e| Error::Protocol(e.to_string()))?;
+        if frame.len() > self.max_frame {
+            return Err(Error::Protocol(format!(
+                "a {}-byte message exceeds the control frame limit of {} bytes; raise RuntimeBuilder::max_frame_bytes or move the tensors with a direct transport",
+                frame.len(),
+                self.max_frame
+            )));
+        }
         let _ = self.tx.send(frame);
         Ok(())
     }
@@ -175,7 +200,7 @@ pub fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(w: W, max_frame: usi
         'outer: while let Some(frame) = rx.recv().await {
             let mut next = Some(frame);
             while let Some(f) = next.take() {
-                if let Err(e) = write_frame(&mut w, f, max_frame).await {
+                if let Err(e) = write_frame(&mut w, f).await {
                     tracing::debug!("control connection writer stopped: {e}");
                     break 'outer;
                 }
@@ -187,15 +212,11 @@ pub fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(w: W, max_frame: usi
         }
         let _ = w.shutdown().await;
     });
-    Sender { tx }
+    Sender { tx, max_frame }
 }
 
-async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, f: Frame, max_frame: usize) -> std::io::Result<()> {
+async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, f: Frame) -> std::io::Result<()> {
     let len = f.len();
-    if len > max_frame {
-        tracing::error!("refusing to send a {len}-byte frame (limit {max_frame}); raise RuntimeBuilder::max_frame_bytes");
-        return Ok(());
-    }
     w.write_all(&(len as u64).to_be_bytes()).await?;
     w.write_all(&f.head).await?;
     for b in &f.blobs {
@@ -233,78 +254,45 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
     }
 }
 
-type HmacSha256 = Hmac<Sha256>;
-const NONCE: usize = 32;
-const TAG: usize = 32;
 /// How long a peer may take to authenticate.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-fn tag(secret: &[u8], label: &[u8], a: &[u8], b: &[u8]) -> [u8; TAG] {
-    let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(label);
-    mac.update(a);
-    mac.update(b);
-    mac.finalize().into_bytes().into()
-}
-
-fn verify(secret: &[u8], label: &[u8], a: &[u8], b: &[u8], got: &[u8]) -> bool {
-    let mut mac = HmacSha256::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(label);
-    mac.update(a);
-    mac.update(b);
-    mac.verify_slice(got).is_ok()
-}
+pub const HANDSHAKE_TIMEOUT: Duration = rdt_transport::auth::HANDSHAKE_TIMEOUT;
 
 /// A fresh random secret for a runtime.
 pub fn new_secret() -> [u8; 32] {
-    let mut s = [0u8; 32];
-    getrandom::getrandom(&mut s).expect("the OS random source works");
-    s
+    rdt_transport::auth::random32()
 }
 
-fn nonce() -> [u8; NONCE] {
-    new_secret()
-}
-
-/// Accepting side of the handshake (invariant 1).
-pub async fn authenticate_server<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<()> {
-    tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
-        let ns = nonce();
-        s.write_all(&ns).await?;
-        let mut buf = [0u8; NONCE + TAG];
-        s.read_exact(&mut buf).await?;
-        let (nc, t) = buf.split_at(NONCE);
-        if !verify(secret, b"rdt-client", &ns, nc, t) {
-            return Err(Error::Protocol("peer failed authentication (wrong runtime secret)".into()));
-        }
-        s.write_all(&tag(secret, b"rdt-server", nc, &ns)).await?;
-        s.flush().await?;
-        Ok(())
+/// Accepting side of the handshake (invariant 1), on a blocking thread with
+/// read and write deadlines; hands the stream back to tokio when done.
+pub async fn accept_unix(stream: UnixStream, secret: [u8; 32]) -> Result<UnixStream> {
+    let std = stream.into_std()?;
+    let std = tokio::task::spawn_blocking(move || -> Result<std::os::unix::net::UnixStream> {
+        let mut s = std;
+        s.set_nonblocking(false)?;
+        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        rdt_transport::auth::accept(&mut s, &secret).map_err(|e| Error::Protocol(e.to_string()))?;
+        s.set_read_timeout(None)?;
+        s.set_write_timeout(None)?;
+        s.set_nonblocking(true)?;
+        Ok(s)
     })
     .await
-    .map_err(|_| Error::Protocol("peer did not authenticate in time".into()))?
+    .map_err(|e| Error::Protocol(format!("handshake task: {e}")))??;
+    Ok(UnixStream::from_std(std)?)
 }
 
-/// Connecting side of the handshake (invariant 1).
-pub async fn authenticate_client<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, secret: &[u8]) -> Result<()> {
-    tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
-        let mut ns = [0u8; NONCE];
-        s.read_exact(&mut ns).await?;
-        let nc = nonce();
-        let mut out = [0u8; NONCE + TAG];
-        out[..NONCE].copy_from_slice(&nc);
-        out[NONCE..].copy_from_slice(&tag(secret, b"rdt-client", &ns, &nc));
-        s.write_all(&out).await?;
-        s.flush().await?;
-        let mut t = [0u8; TAG];
-        s.read_exact(&mut t).await?;
-        if !verify(secret, b"rdt-server", &nc, &ns, &t) {
-            return Err(Error::Protocol("server failed authentication (wrong runtime secret)".into()));
-        }
-        Ok(())
-    })
-    .await
-    .map_err(|_| Error::Protocol("server did not authenticate in time".into()))?
+/// Connecting side of the handshake (invariant 1), blocking; returns a
+/// non-blocking stream ready for tokio.
+pub fn connect_unix(path: &str, secret: &[u8]) -> Result<std::os::unix::net::UnixStream> {
+    let mut s = std::os::unix::net::UnixStream::connect(path)?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    rdt_transport::auth::connect(&mut s, secret).map_err(|e| Error::Protocol(e.to_string()))?;
+    s.set_read_timeout(None)?;
+    s.set_write_timeout(None)?;
+    s.set_nonblocking(true)?;
+    Ok(s)
 }
 
 #[cfg(test)]
@@ -312,15 +300,41 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn handshake_accepts_the_secret_and_refuses_others() {
+    async fn frames_round_trip_and_oversize_frames_are_refused() {
         tokio::time::timeout(Duration::from_secs(10), async {
-            let (mut a, mut b) = tokio::io::duplex(1024);
-            let (r1, r2) = tokio::join!(authenticate_server(&mut a, b"k1"), authenticate_client(&mut b, b"k1"));
-            r1.unwrap();
-            r2.unwrap();
-            let (mut a, mut b) = tokio::io::duplex(1024);
-            let (r1, _r2) = tokio::join!(authenticate_server(&mut a, b"k1"), authenticate_client(&mut b, b"k2"));
-            assert!(r1.is_err());
+            let (a, b) = tokio::io::duplex(1 << 20);
+            let tx = spawn_writer(a, 1 << 20);
+            let mut rx = Receiver::new(b, 1024);
+            tx.send(&ToDriver::Spawned(Ok(()))).unwrap();
+            assert!(matches!(
+                rx.recv::<ToDriver>().await.unwrap(),
+                Some(ToDriver::Spawned(Ok(())))
+            ));
+            tx.send(&ToWorker::Spawn {
+                args: Blob(bytes::Bytes::from(vec![0u8; 4096])),
+            })
+            .unwrap();
+            assert!(
+                rx.recv::<ToWorker>().await.is_err(),
+                "a frame over the limit is an error"
+            );
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn malformed_frame_is_an_error() {
+        use tokio::io::AsyncWriteExt;
+        tokio::time::timeout(Duration::from_secs(10), async {
+            let (mut a, b) = tokio::io::duplex(1024);
+            let mut rx = Receiver::new(b, 1024);
+            a.write_all(&5u64.to_be_bytes()).await.unwrap();
+            a.write_all(&[1, 2, 3, 4, 5]).await.unwrap();
+            assert!(matches!(
+                rx.recv::<ToWorker>().await,
+                Err(Error::Protocol(_))
+            ));
         })
         .await
         .unwrap();

@@ -34,7 +34,7 @@ use tokio::sync::{oneshot, watch};
 
 use crate::actor::Actor;
 use crate::error::{Error, Result};
-use crate::object_ref::{ArgOut, ObjectRef, RawHandle};
+use crate::object_ref::{ActorId, ArgOut, ObjectRef, RawHandle};
 use crate::owner::{ActorInfo, Actors, ObjState, OwnerTable};
 use crate::protocol::{self, CallMsg, ToDriver, ToWorker, WireArg, WireValue};
 use crate::transport::Transport;
@@ -46,6 +46,8 @@ pub struct RuntimeBuilder {
     spawn_timeout: Duration,
     max_frame_bytes: usize,
     shutdown_grace: Duration,
+    tcp_bind: String,
+    transfer_timeout: Duration,
 }
 
 impl Default for RuntimeBuilder {
@@ -54,6 +56,8 @@ impl Default for RuntimeBuilder {
             spawn_timeout: Duration::from_secs(60),
             max_frame_bytes: 8 << 30,
             shutdown_grace: Duration::from_secs(5),
+            tcp_bind: "127.0.0.1:0".into(),
+            transfer_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -78,12 +82,28 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Address the workers' `tcp` transport listens on (default
+    /// `127.0.0.1:0`: loopback, any port). Give a routable address for
+    /// workers on other hosts.
+    pub fn tcp_bind(mut self, addr: impl Into<String>) -> Self {
+        self.tcp_bind = addr.into();
+        self
+    }
+    /// How long a direct transfer may take before it fails (default 120 s).
+    pub fn transfer_timeout(mut self, d: Duration) -> Self {
+        self.transfer_timeout = d;
+        self
+    }
+
     /// Starts the runtime: a private directory (mode 0700) with the control
     /// socket, and a fresh secret. Must be called inside a tokio runtime.
     pub async fn start(self) -> Result<Runtime> {
         let dir = tempfile::Builder::new().prefix("rdt-").tempdir()?;
         // tempfile creates the directory with mode 0700; say so explicitly.
-        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )?;
         let sock = dir.path().join("control.sock");
         let listener = UnixListener::bind(&sock)?;
         let inner = Arc::new(Inner {
@@ -160,6 +180,25 @@ pub(crate) struct State {
     joining: HashMap<u64, oneshot::Sender<Joined>>,
     spawning: HashMap<u64, oneshot::Sender<Result<()>>>,
     fetches: HashMap<u64, (u64, oneshot::Sender<Result<WireValue>>)>,
+    groups: HashMap<u64, Group>,
+}
+
+/// A collective group: actors that may move objects of its backend between
+/// each other.
+struct Group {
+    backend: Transport,
+    members: std::collections::HashSet<u64>,
+    broken: Option<String>,
+}
+
+/// Identifies a collective group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GroupId(pub u64);
+
+impl std::fmt::Display for GroupId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
 }
 
 impl Runtime {
@@ -207,7 +246,11 @@ impl Runtime {
     }
 
     /// [`Runtime::get`] with a deadline.
-    pub async fn get_timeout<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>, deadline: Duration) -> Result<T> {
+    pub async fn get_timeout<T: DeserializeOwned>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        deadline: Duration,
+    ) -> Result<T> {
         let id = r.borrow().id;
         tokio::time::timeout(deadline, self.get(r))
             .await
@@ -219,7 +262,10 @@ impl Runtime {
 
     /// Gets a value through the object-store path whatever its transport:
     /// the producer serializes it, tensors included, to the driver.
-    pub async fn get_via_object_store<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
+    pub async fn get_via_object_store<T: DeserializeOwned>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+    ) -> Result<T> {
         let id = r.borrow().id;
         let wv = self.inner.wait_value(id).await?;
         if wv.transport == Transport::ObjectStore.name() {
@@ -254,9 +300,85 @@ impl Runtime {
             message: e.to_string(),
         })?;
         let wv = inline_value(payload)?;
+        let size = wv.data.0.len() + wv.exported.nbytes();
+        if size > self.inner.config.max_frame_bytes {
+            return Err(Error::Protocol(format!(
+                "a {size}-byte value exceeds the control frame limit of {} bytes; raise RuntimeBuilder::max_frame_bytes",
+                self.inner.config.max_frame_bytes
+            )));
+        }
         let id = self.inner.next_id();
-        self.inner.state.lock().table.insert_done(id, None, ObjState::Ready(wv));
+        self.inner
+            .state
+            .lock()
+            .table
+            .insert_done(id, None, ObjState::Ready(wv));
         Ok(ObjectRef::adopt(id, self.inner.clone()))
+    }
+
+    /// Creates a collective group of `backend` (a collective transport:
+    /// `tcp`, `nccl`) over `actors`. Refs on that transport may then be
+    /// passed between members. An actor may belong to groups of different
+    /// backends; a group can be destroyed and created again.
+    pub async fn create_collective_group(
+        &self,
+        actors: &[ActorId],
+        backend: Transport,
+    ) -> Result<GroupId> {
+        if !backend.is_collective() {
+            return Err(Error::Group(format!(
+                "{backend} is not a collective transport (collective: tcp, nccl); one-sided transports need no group"
+            )));
+        }
+        if !backend.is_implemented() {
+            return Err(Error::TransportUnavailable {
+                name: backend.name().into(),
+                reason: "this build of rdt does not implement it yet".into(),
+            });
+        }
+        if actors.is_empty() {
+            return Err(Error::Group(
+                "a collective group needs at least one actor".into(),
+            ));
+        }
+        let mut st = self.inner.state.lock();
+        let mut members = std::collections::HashSet::new();
+        for a in actors {
+            let info = st
+                .actors
+                .get(&a.0)
+                .ok_or_else(|| Error::Group(format!("no actor with id {}", a.0)))?;
+            if let Some(d) = &info.dead {
+                return Err(Error::ActorDied {
+                    actor: info.name.clone(),
+                    detail: d.clone(),
+                });
+            }
+            if !members.insert(a.0) {
+                return Err(Error::Group(format!("actor {} is listed twice", info.name)));
+            }
+        }
+        let id = self.inner.next_id();
+        st.groups.insert(
+            id,
+            Group {
+                backend,
+                members,
+                broken: None,
+            },
+        );
+        Ok(GroupId(id))
+    }
+
+    /// Destroys a collective group. Objects already moved stay where they
+    /// are; later passes between its actors need a new group.
+    pub async fn destroy_collective_group(&self, group: GroupId) -> Result<()> {
+        match self.inner.state.lock().groups.remove(&group.0) {
+            Some(_) => Ok(()),
+            None => Err(Error::Group(format!(
+                "no collective group {group} (already destroyed?)"
+            ))),
+        }
     }
 
     /// Number of objects the owner table holds (for tests and leak checks).
@@ -282,7 +404,14 @@ impl Runtime {
             }
         };
         let _ = tokio::time::timeout(self.inner.config.shutdown_grace, wait_all).await;
-        let procs: Vec<Process> = self.inner.state.lock().processes.drain().map(|(_, p)| p).collect();
+        let procs: Vec<Process> = self
+            .inner
+            .state
+            .lock()
+            .processes
+            .drain()
+            .map(|(_, p)| p)
+            .collect();
         drop(procs); // ChildGuard kills what is left
     }
 }
@@ -300,13 +429,19 @@ pub(crate) fn inline_value(p: Payload) -> Result<WireValue> {
     let mut exported = Exported::default();
     for t in &p.tensors {
         if !t.device().is_cpu() {
-            return Err(rdt_transport::TransportError::new("object_store", format!("tensor on {} cannot go inline", t.device())).into());
+            return Err(rdt_transport::TransportError::new(
+                "object_store",
+                format!("tensor on {} cannot go inline", t.device()),
+            )
+            .into());
         }
         exported.metas.push(t.meta());
-        exported.inline.push(Blob(t.to_bytes().map_err(|e| Error::Decode {
-            what: "a tensor".into(),
-            message: e.to_string(),
-        })?));
+        exported
+            .inline
+            .push(Blob(t.to_bytes().map_err(|e| Error::Decode {
+                what: "a tensor".into(),
+                message: e.to_string(),
+            })?));
     }
     Ok(WireValue {
         data: Blob(p.data),
@@ -355,7 +490,11 @@ impl<A: Actor> std::future::IntoFuture for Spawn<A> {
                 message: e.to_string(),
             })?;
             let short = A::NAME.rsplit("::").next().unwrap_or(A::NAME);
-            let raw = self.rt.inner.spawn_raw(A::NAME, short, self.name, args, self.gpus).await?;
+            let raw = self
+                .rt
+                .inner
+                .spawn_raw(A::NAME, short, self.name, args, self.gpus)
+                .await?;
             Ok(A::Handle::from(raw))
         })
     }
@@ -407,7 +546,14 @@ impl Inner {
         }
     }
 
-    pub(crate) fn submit(self: &Arc<Self>, actor: u64, method: u32, method_name: &str, args: Vec<ArgOut>, transport: Transport) -> u64 {
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        actor: u64,
+        method: u32,
+        method_name: &str,
+        args: Vec<ArgOut>,
+        transport: Transport,
+    ) -> u64 {
         let id = self.next_id();
         let call = self.next_id();
         let mut wire_args = Vec::with_capacity(args.len());
@@ -435,7 +581,8 @@ impl Inner {
                 detail: d.clone(),
             }),
         };
-        if let Some(e) = early.or(dead) {
+        let early = early.or(dead).or_else(|| check_groups(st, actor, &arg_ids));
+        if let Some(e) = early {
             st.table.insert_done(id, Some(actor), ObjState::Failed(e));
         } else {
             st.table.insert_pending(id, actor, transport.name());
@@ -451,17 +598,20 @@ impl Inner {
                 },
             );
             tracing::trace!(call, method = method_name, "submit");
-            send_to(
-                &st.actors,
-                actor,
-                &ToWorker::Call(CallMsg {
-                    call,
-                    method,
-                    args: wire_args,
-                    result: id,
-                    transport: transport.name().to_string(),
-                }),
-            );
+            let msg = ToWorker::Call(CallMsg {
+                call,
+                method,
+                args: wire_args,
+                result: id,
+                transport: transport.name().to_string(),
+            });
+            if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
+                if let Err(e) = conn.send(&msg) {
+                    // Too large to send: the call fails, nothing waits.
+                    let pc = st.calls.remove(&call).expect("inserted above");
+                    st.table.call_done(pc.result, Err(e), &pc.args, &st.actors);
+                }
+            }
         }
         drop(guard);
         // Releases the arguments' refs after `need` counted them (outside
@@ -470,7 +620,14 @@ impl Inner {
         id
     }
 
-    async fn spawn_raw(self: &Arc<Self>, type_name: &str, short: &str, name: Option<String>, args: Vec<u8>, gpus: u32) -> Result<RawHandle> {
+    async fn spawn_raw(
+        self: &Arc<Self>,
+        type_name: &str,
+        short: &str,
+        name: Option<String>,
+        args: Vec<u8>,
+        gpus: u32,
+    ) -> Result<RawHandle> {
         let id = self.next_id();
         let name = name.unwrap_or_else(|| format!("{short}#{id}"));
         let (jtx, jrx) = oneshot::channel();
@@ -498,6 +655,11 @@ impl Inner {
             .env(wenv::ACTOR_NAME, &name)
             .env(wenv::PARENT_PID, std::process::id().to_string())
             .env(wenv::MAX_FRAME, self.config.max_frame_bytes.to_string())
+            .env(wenv::TCP_BIND, &self.config.tcp_bind)
+            .env(
+                wenv::TRANSFER_TIMEOUT_MS,
+                self.config.transfer_timeout.as_millis().to_string(),
+            )
             .stdin(std::process::Stdio::null());
         if gpus > 0 {
             cmd.env(wenv::GPUS, gpus.to_string());
@@ -518,7 +680,10 @@ impl Inner {
             Process {
                 pid,
                 exit: exit.clone(),
-                _guard: ChildGuard { pid, exit: exit.clone() },
+                _guard: ChildGuard {
+                    pid,
+                    exit: exit.clone(),
+                },
             },
         );
         let fail = |this: &Arc<Self>, e: Error| {
@@ -546,7 +711,9 @@ impl Inner {
         let joined = joined.map_err(|e| fail(self, e))?;
         joined
             .conn
-            .send(&ToWorker::Spawn { args: Blob(args.into()) })
+            .send(&ToWorker::Spawn {
+                args: Blob(args.into()),
+            })
             .map_err(|e| fail(self, e))?;
         let constructed = tokio::select! {
             r = srx => r.unwrap_or_else(|_| Err(Error::Spawn(format!("{name}: worker died while constructing the actor")))),
@@ -581,6 +748,35 @@ impl Inner {
                     let _ = tx.send(result);
                 }
             }
+            ToDriver::TransferFailed {
+                object,
+                peer,
+                transport,
+                message,
+            } => {
+                let name = |a: u64| {
+                    st.actors
+                        .get(&a)
+                        .map(|i| i.name.clone())
+                        .unwrap_or_else(|| format!("actor {a}"))
+                };
+                let reason = format!(
+                    "{transport} transfer of object {object} between {} and {} failed: {message}",
+                    name(actor),
+                    name(peer)
+                );
+                tracing::warn!("{reason}");
+                for (id, g) in st.groups.iter_mut() {
+                    if g.backend.name() == transport
+                        && g.members.contains(&actor)
+                        && g.members.contains(&peer)
+                        && g.broken.is_none()
+                    {
+                        tracing::warn!("tearing down collective group {id}");
+                        g.broken = Some(reason.clone());
+                    }
+                }
+            }
             ToDriver::Hello { .. } => tracing::warn!("actor {actor} said hello twice; ignored"),
         }
     }
@@ -588,7 +784,9 @@ impl Inner {
     fn on_death(&self, actor: u64, detail: String) {
         let mut st = self.state.lock();
         let st = &mut *st;
-        let Some(info) = st.actors.get_mut(&actor) else { return };
+        let Some(info) = st.actors.get_mut(&actor) else {
+            return;
+        };
         if info.dead.is_some() {
             return;
         }
@@ -602,12 +800,23 @@ impl Inner {
         if let Some(tx) = st.spawning.remove(&actor) {
             let _ = tx.send(Err(err.clone()));
         }
-        let failed: Vec<u64> = st.calls.iter().filter(|(_, c)| c.actor == actor).map(|(k, _)| *k).collect();
+        let failed: Vec<u64> = st
+            .calls
+            .iter()
+            .filter(|(_, c)| c.actor == actor)
+            .map(|(k, _)| *k)
+            .collect();
         for c in failed {
             let pc = st.calls.remove(&c).expect("listed above");
-            st.table.call_done(pc.result, Err(err.clone()), &pc.args, &st.actors);
+            st.table
+                .call_done(pc.result, Err(err.clone()), &pc.args, &st.actors);
         }
-        let fetches: Vec<u64> = st.fetches.iter().filter(|(_, (a, _))| *a == actor).map(|(k, _)| *k).collect();
+        let fetches: Vec<u64> = st
+            .fetches
+            .iter()
+            .filter(|(_, (a, _))| *a == actor)
+            .map(|(k, _)| *k)
+            .collect();
         for f in fetches {
             if let Some((_, tx)) = st.fetches.remove(&f) {
                 let _ = tx.send(Err(err.clone()));
@@ -615,6 +824,52 @@ impl Inner {
         }
         st.table.actor_died(actor, &err, &st.actors);
     }
+}
+
+/// A ref on a collective transport may only go to an actor that shares a
+/// live group of that backend with its producer.
+fn check_groups(st: &State, consumer: u64, args: &[u64]) -> Option<Error> {
+    for &id in args {
+        let e = st.table.objects.get(&id)?;
+        let Ok(t) = e.transport.parse::<Transport>() else {
+            continue;
+        };
+        let Some(producer) = e.producer else { continue };
+        if !t.is_collective() || producer == consumer || matches!(e.state, ObjState::Failed(_)) {
+            continue;
+        }
+        let shared: Vec<(&u64, &Group)> = st
+            .groups
+            .iter()
+            .filter(|(_, g)| {
+                g.backend == t && g.members.contains(&producer) && g.members.contains(&consumer)
+            })
+            .collect();
+        if shared.iter().any(|(_, g)| g.broken.is_none()) {
+            continue;
+        }
+        let name = |a: u64| {
+            st.actors
+                .get(&a)
+                .map(|i| i.name.clone())
+                .unwrap_or_else(|| format!("actor {a}"))
+        };
+        return Some(match shared.first() {
+            Some((gid, g)) => Error::GroupBroken {
+                group: **gid,
+                transport: t.name().into(),
+                reason: g.broken.clone().unwrap_or_default(),
+            },
+            None => Error::NotInGroup {
+                object: id,
+                transport: t.name().into(),
+                backend: format!("{t:?}"),
+                producer: name(producer),
+                consumer: name(consumer),
+            },
+        });
+    }
+    None
 }
 
 /// Spawns `cmd` from a thread that then waits for it (invariant 1).
@@ -675,8 +930,13 @@ async fn accept_loop(listener: UnixListener, rt: Weak<Inner>) {
     }
 }
 
-async fn serve_worker(mut stream: UnixStream, rt: Weak<Inner>, secret: [u8; 32], max: usize) -> Result<()> {
-    protocol::authenticate_server(&mut stream, &secret).await?;
+async fn serve_worker(
+    stream: UnixStream,
+    rt: Weak<Inner>,
+    secret: [u8; 32],
+    max: usize,
+) -> Result<()> {
+    let stream = protocol::accept_unix(stream, secret).await?;
     let (r, w) = stream.into_split();
     let mut rx = protocol::Receiver::new(r, max);
     let hello = tokio::time::timeout(protocol::HANDSHAKE_TIMEOUT, rx.recv::<ToDriver>())
@@ -696,7 +956,9 @@ async fn serve_worker(mut stream: UnixStream, rt: Weak<Inner>, secret: [u8; 32],
         let inner = rt.upgrade().ok_or(Error::Shutdown)?;
         let mut st = inner.state.lock();
         let Some(tx) = st.joining.remove(&worker) else {
-            return Err(Error::Protocol(format!("hello from unknown worker {worker}")));
+            return Err(Error::Protocol(format!(
+                "hello from unknown worker {worker}"
+            )));
         };
         if let Some(a) = st.actors.get_mut(&worker) {
             a.conn = Some(conn.clone());
@@ -715,9 +977,16 @@ async fn serve_worker(mut stream: UnixStream, rt: Weak<Inner>, secret: [u8; 32],
             Err(e) => break format!("broke its control connection ({e})"),
         }
     };
-    let Some(inner) = rt.upgrade() else { return Ok(()) };
+    let Some(inner) = rt.upgrade() else {
+        return Ok(());
+    };
     // Prefer the exit status, if the process is gone, to the socket's story.
-    let exit = inner.state.lock().processes.get(&worker).map(|p| p.exit.clone());
+    let exit = inner
+        .state
+        .lock()
+        .processes
+        .get(&worker)
+        .map(|p| p.exit.clone());
     let detail = match exit {
         Some(mut e) => {
             let _ = tokio::time::timeout(Duration::from_secs(1), e.wait_for(|s| s.is_some())).await;

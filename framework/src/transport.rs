@@ -2,8 +2,10 @@
 
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
-use rdt_transport::{ObjectStoreTransport, TensorTransport};
+use rdt_transport::shm::ShmTransport;
+use rdt_transport::{ObjectStoreTransport, TcpTransport, TensorTransport};
 
 use crate::error::{Error, Result};
 
@@ -65,20 +67,82 @@ impl Transport {
 
     /// The valid names, comma-separated (for error messages).
     pub fn valid_names() -> String {
-        Self::ALL.iter().map(|t| t.name()).collect::<Vec<_>>().join(", ")
+        Self::ALL
+            .iter()
+            .map(|t| t.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Does this build implement the transport?
+    pub const fn is_implemented(self) -> bool {
+        matches!(
+            self,
+            Transport::ObjectStore | Transport::Tcp | Transport::Shm
+        )
     }
 
     /// The transport instance of this process, or why there is none.
+    ///
+    /// Direct transports exist in worker processes only (the driver moves
+    /// values through the object store).
     pub fn instance(self) -> Result<Arc<dyn TensorTransport>> {
         static OBJECT_STORE: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
+        static SHM: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
+        static TCP: OnceLock<std::result::Result<Arc<dyn TensorTransport>, String>> =
+            OnceLock::new();
         match self {
-            Transport::ObjectStore => Ok(OBJECT_STORE.get_or_init(|| Arc::new(ObjectStoreTransport)).clone()),
+            Transport::ObjectStore => Ok(OBJECT_STORE
+                .get_or_init(|| Arc::new(ObjectStoreTransport))
+                .clone()),
+            Transport::Shm => Ok(SHM.get_or_init(|| Arc::new(ShmTransport::new())).clone()),
+            Transport::Tcp => {
+                let cfg = WORKER_CONFIG
+                    .get()
+                    .ok_or_else(|| Error::TransportUnavailable {
+                        name: "tcp".into(),
+                        reason: "tcp connects actors of a collective group; the driver is in none"
+                            .into(),
+                    })?;
+                TCP.get_or_init(|| {
+                    TcpTransport::start(cfg.me, &cfg.secret, &cfg.tcp_bind, cfg.transfer_timeout)
+                        .map(|t| Arc::new(t) as Arc<dyn TensorTransport>)
+                        .map_err(|e| format!("could not listen on {}: {e}", cfg.tcp_bind))
+                })
+                .clone()
+                .map_err(|reason| Error::TransportUnavailable {
+                    name: "tcp".into(),
+                    reason,
+                })
+            }
             other => Err(Error::TransportUnavailable {
                 name: other.name().to_string(),
-                reason: "this build of rdt does not implement it yet; use \"object_store\"".to_string(),
+                reason: "this build of rdt does not implement it yet; use object_store, tcp or shm"
+                    .to_string(),
             }),
         }
     }
+}
+
+/// What a worker's transports need to know about it.
+pub(crate) struct WorkerTransportConfig {
+    pub me: u64,
+    pub secret: Vec<u8>,
+    pub tcp_bind: String,
+    pub transfer_timeout: Duration,
+}
+
+static WORKER_CONFIG: OnceLock<WorkerTransportConfig> = OnceLock::new();
+
+/// Called once at worker boot; returns the endpoints to publish.
+pub(crate) fn configure_worker(cfg: WorkerTransportConfig) -> Vec<(String, String)> {
+    let _ = WORKER_CONFIG.set(cfg);
+    let mut endpoints = Vec::new();
+    match Transport::Tcp.instance() {
+        Ok(t) => endpoints.extend(t.endpoint().map(|e| ("tcp".to_string(), e))),
+        Err(e) => tracing::warn!("{e}"),
+    }
+    endpoints
 }
 
 impl std::fmt::Display for Transport {

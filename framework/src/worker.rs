@@ -27,6 +27,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::{object_store, Blob, Peer, Sidedness, Tensor};
+use tokio::net::unix::OwnedReadHalf;
 use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
@@ -46,7 +47,20 @@ pub(crate) mod env {
     pub const PARENT_PID: &str = "RDT_WORKER_PARENT_PID";
     pub const MAX_FRAME: &str = "RDT_WORKER_MAX_FRAME";
     pub const GPUS: &str = "RDT_WORKER_GPUS";
-    pub const ALL: [&str; 8] = [WORKER_ID, SOCKET, SECRET, ACTOR_TYPE, ACTOR_NAME, PARENT_PID, MAX_FRAME, GPUS];
+    pub const TCP_BIND: &str = "RDT_WORKER_TCP_BIND";
+    pub const TRANSFER_TIMEOUT_MS: &str = "RDT_WORKER_TRANSFER_TIMEOUT_MS";
+    pub const ALL: [&str; 10] = [
+        WORKER_ID,
+        SOCKET,
+        SECRET,
+        ACTOR_TYPE,
+        ACTOR_NAME,
+        PARENT_PID,
+        MAX_FRAME,
+        GPUS,
+        TCP_BIND,
+        TRANSFER_TIMEOUT_MS,
+    ];
 }
 
 struct Boot {
@@ -55,6 +69,8 @@ struct Boot {
     secret: Vec<u8>,
     name: Arc<str>,
     max_frame: usize,
+    tcp_bind: String,
+    transfer_timeout: Duration,
 }
 
 /// Makes this process a worker if the driver started it as one (invariant
@@ -66,7 +82,9 @@ pub fn init() {
 
 #[doc(hidden)]
 pub fn boot_if_worker() {
-    let Ok(type_name) = std::env::var(env::ACTOR_TYPE) else { return };
+    let Ok(type_name) = std::env::var(env::ACTOR_TYPE) else {
+        return;
+    };
     match ACTOR_TYPES.iter().find(|r| r.name == type_name) {
         Some(reg) => (reg.run)(),
         None => {
@@ -87,9 +105,19 @@ fn read_boot() -> std::result::Result<Boot, String> {
         socket: var(env::SOCKET)?,
         secret: hex::decode(var(env::SECRET)?).map_err(|_| "bad secret")?,
         name: var(env::ACTOR_NAME)?.into(),
-        max_frame: var(env::MAX_FRAME)?.parse().map_err(|_| "bad frame limit")?,
+        max_frame: var(env::MAX_FRAME)?
+            .parse()
+            .map_err(|_| "bad frame limit")?,
+        tcp_bind: var(env::TCP_BIND)?,
+        transfer_timeout: Duration::from_millis(
+            var(env::TRANSFER_TIMEOUT_MS)?
+                .parse()
+                .map_err(|_| "bad transfer timeout")?,
+        ),
     };
-    let parent: i32 = var(env::PARENT_PID)?.parse().map_err(|_| "bad parent pid")?;
+    let parent: i32 = var(env::PARENT_PID)?
+        .parse()
+        .map_err(|_| "bad parent pid")?;
     // SAFETY: plain syscalls.
     unsafe {
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
@@ -116,21 +144,16 @@ pub fn run_worker<A: RdtActor>() -> ! {
     };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
         .try_init();
-    let sys = actix::System::new();
-    let code = sys.block_on(async move {
-        match worker_main::<A>(boot).await {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("rdt worker: {e}");
-                1
-            }
-        }
-    });
-    std::process::exit(code)
+    if let Err(e) = worker_main::<A>(boot) {
+        eprintln!("rdt worker: {e}");
+        std::process::exit(1);
+    }
+    std::process::exit(0)
 }
 
 /// A value in the worker's store.
@@ -201,6 +224,7 @@ impl Store {
 struct WorkerShared {
     name: Arc<str>,
     store: Store,
+    tx: protocol::Sender,
 }
 
 static WORKER: OnceLock<Arc<WorkerShared>> = OnceLock::new();
@@ -249,9 +273,14 @@ fn hostname() -> String {
         .unwrap_or_else(|_| "localhost".into())
 }
 
-async fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
-    let mut stream = UnixStream::connect(&boot.socket).await?;
-    protocol::authenticate_client(&mut stream, &boot.secret).await?;
+/// Connects to the driver, authenticates, says hello and waits for the
+/// spawn order. Runs on the control runtime.
+async fn join_driver(
+    boot: &Boot,
+    endpoints: Vec<(String, String)>,
+) -> Result<(protocol::Sender, protocol::Receiver<OwnedReadHalf>, Blob)> {
+    let std = protocol::connect_unix(&boot.socket, &boot.secret)?;
+    let stream = UnixStream::from_std(std)?;
     let (r, w) = stream.into_split();
     let tx = protocol::spawn_writer(w, boot.max_frame);
     let mut rx = protocol::Receiver::new(r, boot.max_frame);
@@ -259,52 +288,105 @@ async fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
         worker: boot.worker,
         pid: std::process::id(),
         host: hostname(),
-        endpoints: Vec::new(),
+        endpoints,
     })?;
-    let args = match rx.recv::<ToWorker>().await? {
-        Some(ToWorker::Spawn { args }) => args,
-        Some(other) => return Err(Error::Protocol(format!("expected a spawn order, got {other:?}"))),
-        None => return Ok(()),
-    };
-    let constructed = match postcard::from_bytes::<A::Args>(&args.0) {
-        Err(e) => Err(Error::Decode {
-            what: format!("constructor argument of {}", A::NAME),
-            message: e.to_string(),
-        }),
-        Ok(args) => match AssertUnwindSafe(A::__construct(args)).catch_unwind().await {
-            Ok(Ok(a)) => Ok(a),
-            Ok(Err(msg)) => Err(Error::Application {
-                actor: boot.name.to_string(),
-                method: "new".into(),
-                message: msg,
-            }),
-            Err(p) => Err(Error::Panic {
-                actor: boot.name.to_string(),
-                method: "new".into(),
-                message: panic_message(&p),
-            }),
-        },
-    };
-    let actor = match constructed {
-        Ok(a) => a,
-        Err(e) => {
-            tx.send(&ToDriver::Spawned(Err(e)))?;
-            // The driver kills us; until then, stay quiet.
-            while let Ok(Some(_)) = rx.recv::<ToWorker>().await {}
-            return Ok(());
-        }
-    };
-    let shared = Arc::new(WorkerShared {
-        name: boot.name.clone(),
-        store: Store::default(),
-    });
-    let _ = WORKER.set(shared.clone());
-    let addr = Host::<A> {
-        state: Some(Box::new(actor)),
-        shared: shared.clone(),
+    match rx.recv::<ToWorker>().await? {
+        Some(ToWorker::Spawn { args }) => Ok((tx, rx, args)),
+        Some(other) => Err(Error::Protocol(format!(
+            "expected a spawn order, got {other:?}"
+        ))),
+        None => Err(Error::Protocol(
+            "the driver closed the connection before the spawn order".into(),
+        )),
     }
-    .start();
-    tx.send(&ToDriver::Spawned(Ok(())))?;
+}
+
+/// The worker's two threads of control (invariant 3): the actor runs on
+/// the actix system of the main thread; the control loop, deliveries and
+/// sends run on a separate tokio runtime, so a method that blocks its
+/// thread still lets transfers of objects it already produced go out.
+fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
+    let control = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("rdt-control")
+        .enable_all()
+        .build()?;
+    let endpoints = crate::transport::configure_worker(crate::transport::WorkerTransportConfig {
+        me: boot.worker,
+        secret: boot.secret.clone(),
+        tcp_bind: boot.tcp_bind.clone(),
+        transfer_timeout: boot.transfer_timeout,
+    });
+    let (tx, mut rx, args) = control.block_on(join_driver(&boot, endpoints))?;
+    let handle = control.handle().clone();
+    let sys = actix::System::new();
+    sys.block_on(async move {
+        let constructed = match postcard::from_bytes::<A::Args>(&args.0) {
+            Err(e) => Err(Error::Decode {
+                what: format!("constructor argument of {}", A::NAME),
+                message: e.to_string(),
+            }),
+            Ok(args) => match AssertUnwindSafe(A::__construct(args)).catch_unwind().await {
+                Ok(Ok(a)) => Ok(a),
+                Ok(Err(msg)) => Err(Error::Application {
+                    actor: boot.name.to_string(),
+                    method: "new".into(),
+                    message: msg,
+                }),
+                Err(p) => Err(Error::Panic {
+                    actor: boot.name.to_string(),
+                    method: "new".into(),
+                    message: panic_message(&p),
+                }),
+            },
+        };
+        let actor = match constructed {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = tx.send(&ToDriver::Spawned(Err(e)));
+                // The driver kills us; until then, stay quiet.
+                handle.spawn(async move {
+                    while let Ok(Some(_)) = rx.recv::<ToWorker>().await {}
+                    std::process::exit(1);
+                });
+                return futures::future::pending::<()>().await;
+            }
+        };
+        let shared = Arc::new(WorkerShared {
+            name: boot.name.clone(),
+            store: Store::default(),
+            tx: tx.clone(),
+        });
+        let _ = WORKER.set(shared.clone());
+        let addr = Host::<A> {
+            state: Some(Box::new(actor)),
+            shared: shared.clone(),
+        }
+        .start();
+        let _ = tx.send(&ToDriver::Spawned(Ok(())));
+        handle.spawn(async move {
+            let code = match control_loop(&mut rx, addr, shared).await {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("rdt worker {}: {e}", boot.name);
+                    1
+                }
+            };
+            // Invariant 5: the driver is gone.
+            std::process::exit(code);
+        });
+        futures::future::pending::<()>().await
+    });
+    drop(control);
+    Ok(())
+}
+
+async fn control_loop<A: RdtActor>(
+    rx: &mut protocol::Receiver<OwnedReadHalf>,
+    addr: Addr<Host<A>>,
+    shared: Arc<WorkerShared>,
+) -> Result<()> {
+    let tx = shared.tx.clone();
     loop {
         let msg = match rx.recv::<ToWorker>().await {
             Ok(Some(m)) => m,
@@ -316,12 +398,18 @@ async fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
                 let id = call.call;
                 let fut = addr.send(Invoke(call));
                 let tx = tx.clone();
-                actix_rt::spawn(async move {
+                tokio::spawn(async move {
                     let done = fut.await.unwrap_or_else(|e| ToDriver::CallDone {
                         call: id,
                         result: Err(Error::Protocol(format!("actor mailbox: {e}"))),
                     });
-                    let _ = tx.send(&done);
+                    if let Err(e) = tx.send(&done) {
+                        // Too large for a frame: the call fails instead.
+                        let _ = tx.send(&ToDriver::CallDone {
+                            call: id,
+                            result: Err(e),
+                        });
+                    }
                 });
             }
             ToWorker::Deliver { object, value } => on_deliver(&shared, object, value),
@@ -330,7 +418,7 @@ async fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
                 if let Some(Slot::Ready(v)) = shared.store.remove(object) {
                     if v.produced {
                         if let Ok(t) = v.transport.instance() {
-                            actix_rt::spawn(async move {
+                            tokio::spawn(async move {
                                 if let Err(e) = t.release(object).await {
                                     tracing::warn!("releasing object {object}: {e}");
                                 }
@@ -348,7 +436,12 @@ async fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
                     Some(Slot::Failed(e)) => Err(e),
                     None => Err(Error::Freed { object }),
                 };
-                tx.send(&ToDriver::Fetched { req, result })?;
+                if let Err(e) = tx.send(&ToDriver::Fetched { req, result }) {
+                    tx.send(&ToDriver::Fetched {
+                        req,
+                        result: Err(e),
+                    })?;
+                }
             }
             ToWorker::Shutdown => std::process::exit(0),
             ToWorker::Spawn { .. } => tracing::warn!("second spawn order ignored"),
@@ -356,12 +449,21 @@ async fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
     }
 }
 
-fn on_deliver(shared: &Arc<WorkerShared>, object: u64, value: std::result::Result<Delivery, Error>) {
+fn on_deliver(
+    shared: &Arc<WorkerShared>,
+    object: u64,
+    value: std::result::Result<Delivery, Error>,
+) {
     let d = match value {
         Err(e) => return shared.store.insert(object, Slot::Failed(e)),
         Ok(d) => d,
     };
-    let transport = match d.value.transport.parse::<Transport>().and_then(|t| t.instance().map(|i| (t, i))) {
+    let transport = match d
+        .value
+        .transport
+        .parse::<Transport>()
+        .and_then(|t| t.instance().map(|i| (t, i)))
+    {
         Ok(t) => t,
         Err(e) => return shared.store.insert(object, Slot::Failed(e)),
     };
@@ -379,7 +481,7 @@ fn on_deliver(shared: &Arc<WorkerShared>, object: u64, value: std::result::Resul
         return shared.store.insert(object, slot);
     }
     let shared = shared.clone();
-    actix_rt::spawn(async move {
+    tokio::spawn(async move {
         let from = d.from.clone().unwrap_or_else(|| Peer {
             actor: 0,
             name: "driver".into(),
@@ -393,7 +495,15 @@ fn on_deliver(shared: &Arc<WorkerShared>, object: u64, value: std::result::Resul
                 transport: transport.0,
                 produced: false,
             }),
-            Err(e) => Slot::Failed(e.into()),
+            Err(e) => {
+                let _ = shared.tx.send(&ToDriver::TransferFailed {
+                    object,
+                    peer: from.actor,
+                    transport: transport.0.name().into(),
+                    message: e.to_string(),
+                });
+                Slot::Failed(e.into())
+            }
         };
         shared.store.insert(object, slot);
     });
@@ -401,7 +511,7 @@ fn on_deliver(shared: &Arc<WorkerShared>, object: u64, value: std::result::Resul
 
 fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
     let shared = shared.clone();
-    actix_rt::spawn(async move {
+    tokio::spawn(async move {
         let v = match shared.store.get(object) {
             Some(Slot::Ready(v)) => v,
             _ => {
@@ -415,6 +525,12 @@ fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
         };
         if let Err(e) = t.send(&to, xfer, &v.tensors).await {
             tracing::error!("sending object {object} to {}: {e}", to.name);
+            let _ = shared.tx.send(&ToDriver::TransferFailed {
+                object,
+                peer: to.actor,
+                transport: v.transport.name().into(),
+                message: e.to_string(),
+            });
         }
     });
 }
@@ -453,26 +569,37 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
     type Result = AtomicResponse<Self, ToDriver>;
 
     fn handle(&mut self, Invoke(msg): Invoke, _ctx: &mut Self::Context) -> Self::Result {
-        let mut state = self.state.take().expect("an atomic handler always puts the state back");
+        let mut state = self
+            .state
+            .take()
+            .expect("an atomic handler always puts the state back");
         let shared = self.shared.clone();
         let fut = async move {
             let call = msg.call;
             let result = run_call::<A>(&mut state, &shared, msg).await;
             (state, ToDriver::CallDone { call, result })
         };
-        AtomicResponse::new(Box::pin(fut.into_actor(self).map(|(state, done), this, _| {
-            this.state = Some(state);
-            done
-        })))
+        AtomicResponse::new(Box::pin(fut.into_actor(self).map(
+            |(state, done), this, _| {
+                this.state = Some(state);
+                done
+            },
+        )))
     }
 }
 
-async fn run_call<A: RdtActor>(state: &mut A, shared: &WorkerShared, msg: CallMsg) -> Result<WireValue> {
+async fn run_call<A: RdtActor>(
+    state: &mut A,
+    shared: &WorkerShared,
+    msg: CallMsg,
+) -> Result<WireValue> {
     let method = A::__method_name(msg.method);
     let mut values = Vec::with_capacity(msg.args.len());
     for a in msg.args {
         match a {
-            WireArg::Value(v) => values.push((v.data.0.clone(), object_store::unpack(&v.exported)?)),
+            WireArg::Value(v) => {
+                values.push((v.data.0.clone(), object_store::unpack(&v.exported)?))
+            }
             WireArg::Ref(id) => match shared.store.wait_for(id).await {
                 Slot::Ready(v) => values.push((v.data, v.tensors)),
                 Slot::Failed(e) => {
@@ -489,7 +616,10 @@ async fn run_call<A: RdtActor>(state: &mut A, shared: &WorkerShared, msg: CallMs
         method,
         values,
     };
-    let payload = match AssertUnwindSafe(state.__dispatch(msg.method, args)).catch_unwind().await {
+    let payload = match AssertUnwindSafe(state.__dispatch(msg.method, args))
+        .catch_unwind()
+        .await
+    {
         Ok(r) => r?,
         Err(p) => {
             return Err(Error::Panic {

@@ -38,9 +38,15 @@ impl Producer {
         Tensor::full(v, &[n])
     }
 
-    /// Like `make`, over tcp.
+    /// Like `make`, over tcp (the attribute, not a per-call override).
     #[rdt::method(tensor_transport = "tcp")]
     async fn make_tcp(&mut self, v: f32, n: usize) -> Tensor {
+        Tensor::full(v, &[n])
+    }
+
+    /// Like `make`, over shm.
+    #[rdt::method(tensor_transport = "shm")]
+    async fn make_shm(&mut self, v: f32, n: usize) -> Tensor {
         Tensor::full(v, &[n])
     }
 
@@ -53,7 +59,10 @@ impl Producer {
 
     /// Does `t` share storage with the tensor kept at `i`?
     async fn is_kept(&mut self, t: Tensor, i: usize) -> bool {
-        self.kept.get(i).map(|k| k.shares_storage(&t)).unwrap_or(false)
+        self.kept
+            .get(i)
+            .map(|k| k.shares_storage(&t))
+            .unwrap_or(false)
     }
 
     /// A nested value.
@@ -95,7 +104,8 @@ impl Producer {
     /// Waits until the store frees `t`'s storage (the kept tensor `i`).
     async fn wait_freed(&mut self, i: usize, timeout_ms: u64) -> Result<bool, Error> {
         let t = self.kept[i].clone();
-        match rdt::wait_tensor_freed_timeout(&t, std::time::Duration::from_millis(timeout_ms)).await {
+        match rdt::wait_tensor_freed_timeout(&t, std::time::Duration::from_millis(timeout_ms)).await
+        {
             Ok(()) => Ok(true),
             Err(Error::Timeout { .. }) => Ok(false),
             Err(e) => Err(e),
@@ -105,6 +115,12 @@ impl Producer {
     /// Echoes.
     async fn echo(&mut self, x: u64) -> u64 {
         x
+    }
+
+    /// Blocks its thread for `ms` milliseconds (a long, non-async method).
+    async fn block(&mut self, ms: u64) -> u64 {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        ms
     }
 
     /// Objects in this worker's store.
@@ -134,7 +150,10 @@ pub struct Consumer {
 #[rdt::actor]
 impl Consumer {
     fn new() -> Self {
-        Consumer { seen: 0, held: Vec::new() }
+        Consumer {
+            seen: 0,
+            held: Vec::new(),
+        }
     }
 
     /// Sum of a tensor.
@@ -192,5 +211,26 @@ impl Consumer {
     async fn add_one(&mut self, t: Tensor) -> rdt::Result<Tensor> {
         t.add_scalar_(1.0f32)?;
         Ok(t)
+    }
+}
+
+/// An actor whose constructor can fail.
+#[rdt::actor]
+pub struct Picky {
+    v: u32,
+}
+
+#[rdt::actor]
+impl Picky {
+    async fn new(v: u32) -> Result<Self, String> {
+        if v == 0 {
+            return Err("zero is not allowed".into());
+        }
+        Ok(Picky { v })
+    }
+
+    /// The value.
+    async fn value(&mut self) -> u32 {
+        self.v
     }
 }

@@ -22,7 +22,9 @@ pub async fn deadline<F: Future>(secs: u64, f: F) -> F::Output {
         while !flag.load(std::sync::atomic::Ordering::Acquire) {
             let now = std::time::Instant::now();
             if now >= end {
-                eprintln!("test exceeded its {secs} s deadline and its executor is stuck; aborting");
+                eprintln!(
+                    "test exceeded its {secs} s deadline and its executor is stuck; aborting"
+                );
                 std::process::abort();
             }
             std::thread::park_timeout(end - now);
@@ -40,7 +42,9 @@ pub async fn deadline<F: Future>(secs: u64, f: F) -> F::Output {
 /// Installs a log subscriber once (respects `RUST_LOG`).
 pub fn logs() {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .with_test_writer()
         .try_init();
 }

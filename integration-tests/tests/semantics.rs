@@ -6,25 +6,48 @@ use rdt_integration_tests::actors::*;
 
 const DL: u64 = 60;
 
-async fn setup() -> (Runtime, ProducerHandle, ConsumerHandle) {
+struct Setup {
+    rt: Runtime,
+    p: ProducerHandle,
+    c: ConsumerHandle,
+    c2: ConsumerHandle,
+}
+
+/// A producer and two consumers; for a collective transport, all three in
+/// one group.
+async fn setup_all(t: Transport) -> Setup {
     rdt_integration_tests::logs();
     let rt = Runtime::start().await.unwrap();
     let p = rt.spawn::<Producer>(()).await.unwrap();
     let c = rt.spawn::<Consumer>(()).await.unwrap();
-    (rt, p, c)
+    let c2 = rt.spawn::<Consumer>(()).await.unwrap();
+    if t.is_collective() {
+        rt.create_collective_group(&[p.id(), c.id(), c2.id()], t)
+            .await
+            .unwrap();
+    }
+    Setup { rt, p, c, c2 }
+}
+
+async fn setup(t: Transport) -> (Runtime, ProducerHandle, ConsumerHandle) {
+    let s = setup_all(t).await;
+    (s.rt, s.p, s.c)
 }
 
 pub async fn point_to_point(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make(2.0, 1000).transport(t).remote();
     assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 2000.0);
     // A bigger one, to cross buffer sizes.
     let r = p.make(0.5, 3 << 20).transport(t).remote();
-    assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 0.5 * (3 << 20) as f64);
+    assert_eq!(
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        0.5 * (3 << 20) as f64
+    );
 }
 
 pub async fn nested_values_with_cpu_data(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let b = p.batch(7).transport(t).remote();
     let (step, label, s) = rt.get(c.batch_sum(&b).remote()).await.unwrap();
     assert_eq!(step, 7);
@@ -35,16 +58,18 @@ pub async fn nested_values_with_cpu_data(t: Transport) {
 }
 
 pub async fn same_ref_twice_in_one_call(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make(1.0, 10).transport(t).remote();
     let (s, shared) = rt.get(c.sum2(&r, &r).remote()).await.unwrap();
     assert_eq!(s, 20.0);
-    assert!(shared, "one object arrives once: both arguments share its storage");
+    assert!(
+        shared,
+        "one object arrives once: both arguments share its storage"
+    );
 }
 
 pub async fn same_ref_to_two_calls_on_two_actors(t: Transport) {
-    let (rt, p, c) = setup().await;
-    let c2 = rt.spawn::<Consumer>(()).await.unwrap();
+    let Setup { rt, p, c, c2 } = setup_all(t).await;
     let r = p.make(1.0, 10).transport(t).remote();
     let a = c.sum(&r).remote();
     let b = c2.sum(&r).remote();
@@ -53,7 +78,7 @@ pub async fn same_ref_to_two_calls_on_two_actors(t: Transport) {
 }
 
 pub async fn same_ref_to_same_actor_twice(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make(3.0, 10).transport(t).remote();
     let a = c.sum(&r).remote();
     let b = c.sum(&r).remote();
@@ -63,7 +88,7 @@ pub async fn same_ref_to_same_actor_twice(t: Transport) {
 }
 
 pub async fn gc_after_last_ref(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make_kept(1.0, 10).transport(t).remote();
     let s = c.sum(&r).remote();
     assert_eq!(rt.get(&s).await.unwrap(), 10.0);
@@ -77,31 +102,42 @@ pub async fn gc_after_last_ref(t: Transport) {
 }
 
 pub async fn gc_ref_dropped_before_consumer_finishes(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make(2.0, 10).transport(t).remote();
     let s = c.sum(&r).remote();
     drop(r);
-    assert_eq!(rt.get(&s).await.unwrap(), 20.0, "a pending call keeps its argument alive");
+    assert_eq!(
+        rt.get(&s).await.unwrap(),
+        20.0,
+        "a pending call keeps its argument alive"
+    );
     drop(s);
     assert_eq!(rt.live_objects(), 0);
     assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0);
     assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0);
 }
 
-pub async fn put_and_by_value_arguments(_t: Transport) {
-    let (rt, _p, c) = setup().await;
+pub async fn put_and_by_value_arguments(t: Transport) {
+    let (rt, _p, c) = setup(t).await;
     let r = rt.put(&Tensor::full(4i32, &[5])).unwrap();
     assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 20.0);
     let back: Tensor = rt.get(&r).await.unwrap();
     assert_eq!(back.to_vec::<i32>().unwrap(), vec![4; 5]);
-    assert_eq!(rt.get(c.sum(Tensor::full(1.0f64, &[3])).remote()).await.unwrap(), 3.0);
+    assert_eq!(
+        rt.get(c.sum(Tensor::full(1.0f64, &[3])).remote())
+            .await
+            .unwrap(),
+        3.0
+    );
 }
 
 pub async fn app_error_to_driver_between_actors_and_inside_one(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let bad = p.fail("no weights today".to_string()).transport(t).remote();
     match rt.get(&bad).await {
-        Err(Error::Application { method, message, .. }) => {
+        Err(Error::Application {
+            method, message, ..
+        }) => {
             assert_eq!(method, "fail");
             assert_eq!(message, "no weights today");
         }
@@ -109,8 +145,13 @@ pub async fn app_error_to_driver_between_actors_and_inside_one(t: Transport) {
     }
     // Between actors: the consumer's call fails naming the original.
     let e = rt.get(c.sum(&bad).remote()).await.unwrap_err();
-    assert!(matches!(e, Error::Dependency { object, .. } if object == bad.id()), "{e}");
-    assert!(matches!(e.root_cause(), Error::Application { message, .. } if message == "no weights today"));
+    assert!(
+        matches!(e, Error::Dependency { object, .. } if object == bad.id()),
+        "{e}"
+    );
+    assert!(
+        matches!(e.root_cause(), Error::Application { message, .. } if message == "no weights today")
+    );
     assert!(e.to_string().contains("no weights today"), "{e}");
     // Inside one actor: the producer gets its own failed ref.
     let e = rt.get(p.is_kept(&bad, 0).remote()).await.unwrap_err();
@@ -121,32 +162,49 @@ pub async fn app_error_to_driver_between_actors_and_inside_one(t: Transport) {
 }
 
 pub async fn panic_is_an_error_and_the_actor_lives(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let e = rt.get(p.boom().transport(t).remote()).await.unwrap_err();
-    assert!(matches!(&e, Error::Panic { message, .. } if message.contains("boom on purpose")), "{e}");
-    let e = rt.get(c.sum(p.boom().transport(t).remote()).remote()).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::Panic { message, .. } if message.contains("boom on purpose")),
+        "{e}"
+    );
+    let e = rt
+        .get(c.sum(p.boom().transport(t).remote()).remote())
+        .await
+        .unwrap_err();
     assert!(matches!(e.root_cause(), Error::Panic { .. }), "{e}");
     assert_eq!(rt.get(p.echo(9).remote()).await.unwrap(), 9);
 }
 
 pub async fn actor_dies_before_producing(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.die().transport(t).remote();
     let downstream = c.sum(&r).remote();
     let e = rt.get(&r).await.unwrap_err();
-    assert!(matches!(&e, Error::ActorDied { detail, .. } if detail.contains("status 7")), "{e}");
+    assert!(
+        matches!(&e, Error::ActorDied { detail, .. } if detail.contains("status 7")),
+        "{e}"
+    );
     let e = rt.get(&downstream).await.unwrap_err();
     assert!(matches!(e.root_cause(), Error::ActorDied { .. }), "{e}");
     // Calls to the dead actor fail at once; the consumer is unaffected.
-    assert!(matches!(rt.get(p.echo(1).remote()).await, Err(Error::ActorDied { .. })));
-    assert_eq!(rt.get(c.sum(Tensor::full(1.0f32, &[2])).remote()).await.unwrap(), 2.0);
+    assert!(matches!(
+        rt.get(p.echo(1).remote()).await,
+        Err(Error::ActorDied { .. })
+    ));
+    assert_eq!(
+        rt.get(c.sum(Tensor::full(1.0f32, &[2])).remote())
+            .await
+            .unwrap(),
+        2.0
+    );
 }
 
 /// Kills the producer after its object is ready and before it is consumed.
 /// Direct transports lose the object with its owner (a clear error);
 /// the object store keeps it in the driver.
 pub async fn actor_dies_before_object_is_consumed(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make(1.0, 16).transport(t).remote();
     rt.wait(&r).await.unwrap();
     p.kill();
@@ -159,36 +217,57 @@ pub async fn actor_dies_before_object_is_consumed(t: Transport) {
     assert!(matches!(e, Error::ActorDied { .. }), "{e}");
     let res = rt.get(c.sum(&r).remote()).await;
     if t == Transport::ObjectStore {
-        assert_eq!(res.unwrap(), 16.0, "the object store holds the value in the driver");
+        assert_eq!(
+            res.unwrap(),
+            16.0,
+            "the object store holds the value in the driver"
+        );
     } else {
         let e = res.unwrap_err();
         assert!(matches!(e.root_cause(), Error::ActorDied { .. }), "{e}");
     }
-    assert_eq!(rt.get(c.seen().remote()).await.unwrap(), u64::from(t == Transport::ObjectStore));
+    assert_eq!(
+        rt.get(c.seen().remote()).await.unwrap(),
+        u64::from(t == Transport::ObjectStore)
+    );
 }
 
-pub async fn unknown_transport_at_run_time(_t: Transport) {
-    let (_rt, p, _c) = setup().await;
-    let e = p.make(1.0, 1).tensor_transport("infiniband").err().expect("unknown name rejected");
+pub async fn unknown_transport_at_run_time(t: Transport) {
+    let (_rt, p, _c) = setup(t).await;
+    let e = p
+        .make(1.0, 1)
+        .tensor_transport("infiniband")
+        .err()
+        .expect("unknown name rejected");
+    assert!(p.make(1.0, 1).tensor_transport(t.name()).is_ok());
     let msg = e.to_string();
-    assert!(msg.contains("infiniband") && msg.contains("object_store") && msg.contains("cuda_ipc"), "{msg}");
+    assert!(
+        msg.contains("infiniband") && msg.contains("object_store") && msg.contains("cuda_ipc"),
+        "{msg}"
+    );
 }
 
 // ---- direct transports only ----
 
 pub async fn pass_back_to_producer_is_zero_copy(t: Transport) {
-    let (rt, p, _c) = setup().await;
+    let (rt, p, _c) = setup(t).await;
     let r = p.make_kept(1.0, 10).transport(t).remote();
-    assert!(rt.get(p.is_kept(&r, 0).remote()).await.unwrap(), "same storage, no copy");
+    assert!(
+        rt.get(p.is_kept(&r, 0).remote()).await.unwrap(),
+        "same storage, no copy"
+    );
 }
 
 pub async fn mutability_warning_when_passed_back_and_elsewhere(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make_kept(1.0, 10).transport(t).remote();
     rt.wait(&r).await.unwrap();
     let (captured, guard) = rdt_integration_tests::capture::warnings_on_this_thread();
     let a = p.is_kept(&r, 0).remote();
-    assert!(captured.messages().is_empty(), "no warning for the producer alone");
+    assert!(
+        captured.messages().is_empty(),
+        "no warning for the producer alone"
+    );
     let b = c.sum(&r).remote();
     drop(guard);
     assert!(
@@ -201,15 +280,21 @@ pub async fn mutability_warning_when_passed_back_and_elsewhere(t: Transport) {
 }
 
 pub async fn wait_tensor_freed_waits_for_the_last_ref(t: Transport) {
-    let (rt, p, c) = setup().await;
+    let (rt, p, c) = setup(t).await;
     let r = p.make_kept(1.0, 10).transport(t).remote();
     rt.wait(&r).await.unwrap();
-    assert!(!rt.get(p.wait_freed(0, 300).remote()).await.unwrap(), "not freed while a ref lives");
+    assert!(
+        !rt.get(p.wait_freed(0, 300).remote()).await.unwrap(),
+        "not freed while a ref lives"
+    );
     let s = c.sum(&r).remote();
     let w = p.wait_freed(0, 30_000).remote();
     drop(r);
     assert_eq!(rt.get(&s).await.unwrap(), 10.0);
-    assert!(rt.get(&w).await.unwrap(), "freed once the last ref dropped and the call finished");
+    assert!(
+        rt.get(&w).await.unwrap(),
+        "freed once the last ref dropped and the call finished"
+    );
 }
 
 macro_rules! suite {
@@ -227,22 +312,44 @@ macro_rules! suite {
 
 macro_rules! common_suite {
     ($m:ident, $t:expr) => {
-        suite!($m, $t, [
-            point_to_point,
-            nested_values_with_cpu_data,
-            same_ref_twice_in_one_call,
-            same_ref_to_two_calls_on_two_actors,
-            same_ref_to_same_actor_twice,
-            gc_after_last_ref,
-            gc_ref_dropped_before_consumer_finishes,
-            put_and_by_value_arguments,
-            app_error_to_driver_between_actors_and_inside_one,
-            panic_is_an_error_and_the_actor_lives,
-            actor_dies_before_producing,
-            actor_dies_before_object_is_consumed,
-            unknown_transport_at_run_time,
-        ]);
+        suite!(
+            $m,
+            $t,
+            [
+                point_to_point,
+                nested_values_with_cpu_data,
+                same_ref_twice_in_one_call,
+                same_ref_to_two_calls_on_two_actors,
+                same_ref_to_same_actor_twice,
+                gc_after_last_ref,
+                gc_ref_dropped_before_consumer_finishes,
+                put_and_by_value_arguments,
+                app_error_to_driver_between_actors_and_inside_one,
+                panic_is_an_error_and_the_actor_lives,
+                actor_dies_before_producing,
+                actor_dies_before_object_is_consumed,
+                unknown_transport_at_run_time,
+            ]
+        );
+    };
+}
+
+macro_rules! direct_suite {
+    ($m:ident, $t:expr) => {
+        suite!(
+            $m,
+            $t,
+            [
+                pass_back_to_producer_is_zero_copy,
+                mutability_warning_when_passed_back_and_elsewhere,
+                wait_tensor_freed_waits_for_the_last_ref,
+            ]
+        );
     };
 }
 
 common_suite!(object_store, rdt::Transport::ObjectStore);
+common_suite!(tcp, rdt::Transport::Tcp);
+common_suite!(shm, rdt::Transport::Shm);
+direct_suite!(tcp_direct, rdt::Transport::Tcp);
+direct_suite!(shm_direct, rdt::Transport::Shm);

@@ -9,7 +9,10 @@ use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as TokenStream2};
 use quote::{format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
-use syn::{parse_macro_input, FnArg, ImplItem, Item, ItemFn, ItemImpl, ItemStruct, LitStr, Pat, ReturnType, Type};
+use syn::{
+    parse_macro_input, FnArg, ImplItem, Item, ItemFn, ItemImpl, ItemStruct, LitStr, Pat,
+    ReturnType, Type,
+};
 
 /// The transport names `#[rdt::method(tensor_transport = ...)]` accepts,
 /// with the `rdt::Transport` variant each maps to.
@@ -23,7 +26,11 @@ const TRANSPORTS: &[(&str, &str)] = &[
 ];
 
 fn valid_names() -> String {
-    TRANSPORTS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+    TRANSPORTS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Marks an actor: put it on the struct (generates the typed handle
@@ -75,9 +82,12 @@ pub fn method(_attr: TokenStream, item: TokenStream) -> TokenStream {
 pub fn main(_attr: TokenStream, item: TokenStream) -> TokenStream {
     let f = parse_macro_input!(item as ItemFn);
     if f.sig.asyncness.is_none() {
-        return syn::Error::new(f.sig.fn_token.span(), "#[rdt::main] needs an `async fn main`")
-            .to_compile_error()
-            .into();
+        return syn::Error::new(
+            f.sig.fn_token.span(),
+            "#[rdt::main] needs an `async fn main`",
+        )
+        .to_compile_error()
+        .into();
     }
     let attrs = &f.attrs;
     let vis = &f.vis;
@@ -100,7 +110,10 @@ pub fn main(_attr: TokenStream, item: TokenStream) -> TokenStream {
 
 fn actor_struct(s: ItemStruct) -> syn::Result<TokenStream2> {
     if !s.generics.params.is_empty() {
-        return Err(syn::Error::new(s.generics.span(), "rdt actors cannot be generic"));
+        return Err(syn::Error::new(
+            s.generics.span(),
+            "rdt actors cannot be generic",
+        ));
     }
     let name = &s.ident;
     let vis = &s.vis;
@@ -167,7 +180,9 @@ fn result_ok_type(ty: &Type) -> Option<Type> {
     if seg.ident != "Result" {
         return None;
     }
-    let syn::PathArguments::AngleBracketed(a) = &seg.arguments else { return None };
+    let syn::PathArguments::AngleBracketed(a) = &seg.arguments else {
+        return None;
+    };
     match a.args.first()? {
         syn::GenericArgument::Type(t) => Some(t.clone()),
         _ => None,
@@ -175,7 +190,11 @@ fn result_ok_type(ty: &Type) -> Option<Type> {
 }
 
 fn is_method_attr(a: &syn::Attribute) -> bool {
-    a.path().segments.last().map(|s| s.ident == "method").unwrap_or(false)
+    a.path()
+        .segments
+        .last()
+        .map(|s| s.ident == "method")
+        .unwrap_or(false)
 }
 
 fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<syn::Ident> {
@@ -214,7 +233,10 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
         ));
     }
     if !imp.generics.params.is_empty() {
-        return Err(syn::Error::new(imp.generics.span(), "rdt actors cannot be generic"));
+        return Err(syn::Error::new(
+            imp.generics.span(),
+            "rdt actors cannot be generic",
+        ));
     }
     let ty_ident = match &*imp.self_ty {
         Type::Path(p) if p.qself.is_none() => p.path.segments.last().map(|s| s.ident.clone()),
@@ -237,17 +259,18 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
                 let arg = match (inputs.next(), inputs.next()) {
                     (None, _) => None,
                     (Some(FnArg::Typed(t)), None) => Some((*t.ty).clone()),
-                    _ => {
-                        return Err(syn::Error::new(
-                            f.sig.inputs.span(),
-                            "an actor's `new` takes at most one argument (use a struct for several)",
-                        ))
-                    }
+                    _ => return Err(syn::Error::new(
+                        f.sig.inputs.span(),
+                        "an actor's `new` takes at most one argument (use a struct for several)",
+                    )),
                 };
                 let is_result = match &f.sig.output {
                     ReturnType::Type(_, t) => result_ok_type(t).is_some(),
                     ReturnType::Default => {
-                        return Err(syn::Error::new(f.sig.span(), "an actor's `new` must return `Self`"))
+                        return Err(syn::Error::new(
+                            f.sig.span(),
+                            "an actor's `new` must return `Self`",
+                        ))
                     }
                 };
                 ctor = Some((f.sig.asyncness.is_some(), arg, is_result));
@@ -256,15 +279,23 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
         }
         if let Some(FnArg::Receiver(r)) = f.sig.inputs.first() {
             if r.reference.is_none() {
-                return Err(syn::Error::new(r.span(), "remote methods take `&mut self` or `&self`"));
+                return Err(syn::Error::new(
+                    r.span(),
+                    "remote methods take `&mut self` or `&self`",
+                ));
             }
         }
         if !f.sig.generics.params.is_empty() {
-            return Err(syn::Error::new(f.sig.generics.span(), "remote methods cannot be generic"));
+            return Err(syn::Error::new(
+                f.sig.generics.span(),
+                "remote methods cannot be generic",
+            ));
         }
         let mut args = Vec::new();
         for (i, input) in f.sig.inputs.iter().skip(1).enumerate() {
-            let FnArg::Typed(t) = input else { unreachable!("only the first input is a receiver") };
+            let FnArg::Typed(t) = input else {
+                unreachable!("only the first input is a receiver")
+            };
             if let Type::Reference(_) | Type::ImplTrait(_) = &*t.ty {
                 return Err(syn::Error::new(
                     t.ty.span(),
@@ -292,7 +323,12 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
             value_ty,
             is_result,
             transport,
-            docs: f.attrs.iter().filter(|a| a.path().is_ident("doc")).cloned().collect(),
+            docs: f
+                .attrs
+                .iter()
+                .filter(|a| a.path().is_ident("doc"))
+                .cloned()
+                .collect(),
         });
     }
     let Some((ctor_async, ctor_arg, ctor_result)) = ctor else {

@@ -7,9 +7,12 @@
 //! [`transport`] for the contract every transport implements.
 #![deny(missing_docs)]
 
+pub mod auth;
 mod device;
 mod dtype;
 pub mod object_store;
+pub mod shm;
+pub mod tcp;
 mod tensor;
 pub mod transport;
 pub mod value;
@@ -18,6 +21,10 @@ pub mod wire;
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use object_store::ObjectStoreTransport;
+pub use shm::ShmTransport;
+pub use tcp::TcpTransport;
 pub use tensor::{ExternalMemory, Tensor, TensorError, TensorMeta};
-pub use transport::{Exported, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError};
+pub use transport::{
+    Exported, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+};
 pub use wire::Blob;

@@ -11,7 +11,9 @@
 
 use futures::future::BoxFuture;
 
-use crate::transport::{check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError};
+use crate::transport::{
+    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+};
 use crate::{Blob, Device, Exported, Tensor};
 
 /// Name of this transport in attributes and errors.
@@ -40,20 +42,31 @@ impl TensorTransport for ObjectStoreTransport {
         }
     }
 
-    fn export<'a>(&'a self, _key: ObjectKey, tensors: &'a [Tensor]) -> BoxFuture<'a, Result<Exported, TransportError>> {
+    fn export<'a>(
+        &'a self,
+        _key: ObjectKey,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<Exported, TransportError>> {
         Box::pin(async move {
             let mut out = Exported::default();
             for t in tensors {
                 self.check_device(t.device())?;
                 out.metas.push(t.meta());
-                let bytes = t.to_bytes().map_err(|e| TransportError::new(NAME, e.to_string()))?;
+                let bytes = t
+                    .to_bytes()
+                    .map_err(|e| TransportError::new(NAME, e.to_string()))?;
                 out.inline.push(Blob(bytes));
             }
             Ok(out)
         })
     }
 
-    fn receive<'a>(&'a self, _from: &'a Peer, _xfer: TransferId, exported: &'a Exported) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
+    fn receive<'a>(
+        &'a self,
+        _from: &'a Peer,
+        _xfer: TransferId,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         Box::pin(async move { unpack(exported) })
     }
 }
@@ -75,7 +88,8 @@ pub fn unpack(exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
         .iter()
         .zip(&exported.inline)
         .map(|(m, b)| {
-            Tensor::from_shared_bytes(m.dtype, &m.shape, b.0.clone()).map_err(|e| TransportError::new(NAME, e.to_string()))
+            Tensor::from_shared_bytes(m.dtype, &m.shape, b.0.clone())
+                .map_err(|e| TransportError::new(NAME, e.to_string()))
         })
         .collect::<Result<Vec<_>, _>>()?;
     check_received(NAME, &exported.metas, &tensors)?;

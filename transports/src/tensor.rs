@@ -64,6 +64,9 @@ pub trait ExternalMemory: Send + Sync + 'static {
     }
     /// A short description for debugging (`"shm memfd 3"`).
     fn describe(&self) -> String;
+    /// The concrete memory, so that the transport that made it can recognize
+    /// its own memory in a tensor (and publish it again without a copy).
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 enum Memory {
@@ -164,14 +167,26 @@ impl Tensor {
     /// A CPU tensor that takes ownership of `bytes`.
     pub fn from_bytes(dtype: DType, shape: &[usize], bytes: Vec<u8>) -> Result<Self, TensorError> {
         check_size(dtype, shape, bytes.len())?;
-        Ok(Self::with_storage(dtype, shape, Storage::host(Memory::Owned(bytes))))
+        Ok(Self::with_storage(
+            dtype,
+            shape,
+            Storage::host(Memory::Owned(bytes)),
+        ))
     }
 
     /// A CPU tensor sharing `bytes` read-only until its first write
     /// (invariant 4). No copy is made here.
-    pub fn from_shared_bytes(dtype: DType, shape: &[usize], bytes: Bytes) -> Result<Self, TensorError> {
+    pub fn from_shared_bytes(
+        dtype: DType,
+        shape: &[usize],
+        bytes: Bytes,
+    ) -> Result<Self, TensorError> {
         check_size(dtype, shape, bytes.len())?;
-        Ok(Self::with_storage(dtype, shape, Storage::host(Memory::Shared(bytes))))
+        Ok(Self::with_storage(
+            dtype,
+            shape,
+            Storage::host(Memory::Shared(bytes)),
+        ))
     }
 
     /// A tensor over external memory (a shared-memory mapping, say). The
@@ -265,6 +280,51 @@ impl Tensor {
     /// included. Stores use it to tell whether anyone else still holds it.
     pub fn storage_refs(&self) -> usize {
         Arc::strong_count(&self.storage)
+    }
+
+    /// Calls `f` with the storage's external memory, or `None` if the
+    /// storage is not external, under the storage's read lock. A transport
+    /// uses it to recognize memory it made itself
+    /// ([`ExternalMemory::as_any`]).
+    pub fn with_external<R>(&self, f: impl FnOnce(Option<&dyn ExternalMemory>) -> R) -> R {
+        match &*self.storage.mem.read() {
+            Memory::External(e) => f(Some(e.as_ref())),
+            Memory::Owned(_) | Memory::Shared(_) => f(None),
+        }
+    }
+
+    /// Moves a host storage into `mem`: under the storage's write lock, the
+    /// current bytes are copied into `mem`, which then becomes the storage's
+    /// memory. Every clone of this tensor shares the storage, so all of them
+    /// live in `mem` afterwards (a transport uses this to put a producer's
+    /// tensors into memory that consumers map).
+    ///
+    /// Returns `Ok(true)` if the storage moved, and `Ok(false)`, leaving it
+    /// as it is, if it already is external memory: whoever made that memory
+    /// may have published it, and dropping it would pull it from under them.
+    /// Errors if the tensor is not on the host or `mem` has the wrong size.
+    pub fn migrate_storage(&self, mem: Box<dyn ExternalMemory>) -> Result<bool, TensorError> {
+        self.require_host()?;
+        check_size(self.dtype, &self.shape, mem.len())?;
+        let mut guard = self.storage.mem.write();
+        let src: &[u8] = match &*guard {
+            Memory::Owned(v) => v,
+            Memory::Shared(b) => b,
+            Memory::External(_) => return Ok(false),
+        };
+        // An empty memory may have a dangling (even null) pointer: nothing to
+        // copy, and no slice may be made of it.
+        if !src.is_empty() {
+            // SAFETY: `mem` is valid for `mem.len()` bytes while it lives (the
+            // `ExternalMemory` contract), and the size check above makes `src`
+            // and `mem` the same length (invariant 1). As for every access to
+            // external memory, the lock orders accesses through this storage
+            // only; the caller hands in memory that no storage uses yet.
+            let dst = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr(), mem.len()) };
+            dst.copy_from_slice(src);
+        }
+        *guard = Memory::External(mem);
+        Ok(true)
     }
 
     /// Reads the host bytes under the storage's read lock.

@@ -154,11 +154,20 @@ pub trait TensorTransport: Send + Sync + 'static {
     }
 
     /// Producer: publish `tensors` of object `key` (contract point 1).
-    fn export<'a>(&'a self, key: ObjectKey, tensors: &'a [Tensor]) -> BoxFuture<'a, Result<Exported, TransportError>>;
+    fn export<'a>(
+        &'a self,
+        key: ObjectKey,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<Exported, TransportError>>;
 
     /// Producer of a two-sided transport: send `tensors` to `to` as transfer
     /// `xfer` (contract point 2).
-    fn send<'a>(&'a self, to: &'a Peer, xfer: TransferId, tensors: &'a [Tensor]) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn send<'a>(
+        &'a self,
+        to: &'a Peer,
+        xfer: TransferId,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
         let _ = (xfer, tensors);
         Box::pin(async move {
             Err(TransportError::with_peer(
@@ -171,7 +180,12 @@ pub trait TensorTransport: Send + Sync + 'static {
 
     /// Consumer: obtain the tensors `exported` describes from `from`
     /// (contract point 2).
-    fn receive<'a>(&'a self, from: &'a Peer, xfer: TransferId, exported: &'a Exported) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>>;
+    fn receive<'a>(
+        &'a self,
+        from: &'a Peer,
+        xfer: TransferId,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>>;
 
     /// Producer: the object was freed (contract point 3).
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
@@ -182,11 +196,19 @@ pub trait TensorTransport: Send + Sync + 'static {
 
 /// Checks that `got` matches `expected` (contract point 2), as every
 /// transport's `receive` must.
-pub fn check_received(transport: &str, expected: &[TensorMeta], got: &[Tensor]) -> Result<(), TransportError> {
+pub fn check_received(
+    transport: &str,
+    expected: &[TensorMeta],
+    got: &[Tensor],
+) -> Result<(), TransportError> {
     if expected.len() != got.len() {
         return Err(TransportError::new(
             transport,
-            format!("expected {} tensors, received {}", expected.len(), got.len()),
+            format!(
+                "expected {} tensors, received {}",
+                expected.len(),
+                got.len()
+            ),
         ));
     }
     for (i, (m, t)) in expected.iter().zip(got).enumerate() {

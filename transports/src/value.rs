@@ -142,7 +142,9 @@ impl Serialize for Tensor {
         let index = CTX.with(|c| match &mut *c.borrow_mut() {
             Some(Ctx::Sink(v)) => {
                 // Invariant 1: one entry per storage.
-                let i = match v.iter().position(|t| t.shares_storage(self) && t.shape() == self.shape() && t.dtype() == self.dtype()) {
+                let i = match v.iter().position(|t| {
+                    t.shares_storage(self) && t.shape() == self.shape() && t.dtype() == self.dtype()
+                }) {
                     Some(i) => i,
                     None => {
                         v.push(self.clone());
@@ -179,13 +181,10 @@ impl<'de> Deserialize<'de> for Tensor {
             struct Index(u32);
             let Index(i) = Index::deserialize(d)?;
             CTX.with(|c| match &*c.borrow() {
-                Some(Ctx::Source(v)) => v
-                    .get(i as usize)
-                    .cloned()
-                    .ok_or_else(|| {
-                        MISSING.with(|m| m.set(Some(i)));
-                        serde::de::Error::custom(format!("tensor #{i} is missing"))
-                    }),
+                Some(Ctx::Source(v)) => v.get(i as usize).cloned().ok_or_else(|| {
+                    MISSING.with(|m| m.set(Some(i)));
+                    serde::de::Error::custom(format!("tensor #{i} is missing"))
+                }),
                 _ => Err(serde::de::Error::custom("tensor source vanished")),
             })
         } else {
@@ -227,7 +226,10 @@ mod tests {
         assert_eq!(back.step, 7);
         assert!(back.weights["a"].shares_storage(&a));
         assert!(back.extra.unwrap()[0].shares_storage(&a));
-        assert_eq!(back.weights["b"].to_vec::<i64>().unwrap(), (0..10).collect::<Vec<_>>());
+        assert_eq!(
+            back.weights["b"].to_vec::<i64>().unwrap(),
+            (0..10).collect::<Vec<_>>()
+        );
     }
 
     #[test]

@@ -143,11 +143,9 @@ impl<'de> Deserialize<'de> for Blob {
         if in_frame {
             let i = u32::deserialize(d)? as usize;
             CTX.with(|c| match &mut *c.borrow_mut() {
-                Some(Ctx::Source(v)) => v
-                    .get(i)
-                    .cloned()
-                    .map(Blob)
-                    .ok_or_else(|| serde::de::Error::custom(format!("blob #{i} is not in the frame"))),
+                Some(Ctx::Source(v)) => v.get(i).cloned().map(Blob).ok_or_else(|| {
+                    serde::de::Error::custom(format!("blob #{i} is not in the frame"))
+                }),
                 _ => Err(serde::de::Error::custom("frame context vanished")),
             })
         } else {
@@ -181,7 +179,11 @@ mod tests {
     fn round_trip() {
         let m = Msg {
             a: 3,
-            blobs: vec![Blob(Bytes::from_static(b"hello")), Blob(Bytes::new()), Blob(Bytes::from(vec![7u8; 1000]))],
+            blobs: vec![
+                Blob(Bytes::from_static(b"hello")),
+                Blob(Bytes::new()),
+                Blob(Bytes::from(vec![7u8; 1000])),
+            ],
             s: "x".into(),
         };
         let f = to_frame(&m).unwrap();

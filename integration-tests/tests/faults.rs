@@ -1,0 +1,168 @@
+//! Faults: oversize messages, killed workers, a killed driver.
+
+use std::time::{Duration, Instant};
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+#[tokio::test]
+async fn oversize_result_fails_the_call_instead_of_hanging() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .max_frame_bytes(64 << 10)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let e = rt.get(p.make(1.0, 1 << 20).remote()).await.unwrap_err();
+        assert!(e.to_string().contains("frame limit"), "{e}");
+        assert!(rt.put(&Tensor::full(1u8, &[1 << 20])).is_err());
+        let e = rt
+            .get(p.is_kept(Tensor::full(1.0f32, &[1 << 20]), 0).remote())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("frame limit"), "{e}");
+        assert_eq!(
+            rt.get(p.echo(2).remote()).await.unwrap(),
+            2,
+            "the actor is still usable"
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn sigkill_mid_call_fails_that_call_quickly() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let busy = p.block(30_000).remote();
+        let queued = p.echo(1).remote();
+        let t0 = Instant::now();
+        p.kill();
+        let e = rt.get(&busy).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::ActorDied { detail, .. } if detail.contains("signal 9")),
+            "{e}"
+        );
+        assert!(matches!(
+            rt.get(&queued).await,
+            Err(Error::ActorDied { .. })
+        ));
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "noticed in {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[3])).remote())
+                .await
+                .unwrap(),
+            3.0
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn constructor_failure_is_a_spawn_error() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let e = rt
+            .spawn::<Picky>(0)
+            .await
+            .expect_err("the constructor refuses 0");
+        assert!(e.to_string().contains("zero is not allowed"), "{e}");
+        let ok = rt.spawn::<Picky>(3).await.unwrap();
+        assert_eq!(rt.get(ok.value().remote()).await.unwrap(), 3);
+    })
+    .await;
+}
+
+/// Waits up to `limit` for an arbitrary process to exit: `poll` on its
+/// pidfd wakes exactly when it does. True if it exited.
+async fn process_exit(pid: u32, limit: Duration) -> bool {
+    tokio::task::spawn_blocking(move || {
+        // SAFETY: plain syscalls on a descriptor we own and close.
+        unsafe {
+            let fd = libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) as i32;
+            if fd < 0 {
+                return true; // already gone
+            }
+            let mut p = libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let n = libc::poll(&mut p, 1, limit.as_millis() as i32);
+            libc::close(fd);
+            n == 1
+        }
+    })
+    .await
+    .unwrap()
+}
+
+/// The driver is killed with SIGKILL: its workers die with it.
+#[tokio::test]
+async fn workers_die_with_a_killed_driver() {
+    deadline(60, async {
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "driver_that_will_be_killed",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RDT_TEST_DRIVER_CHILD", "1")
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(out));
+        let pid = loop {
+            let line = lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the child driver printed its worker pid");
+            // libtest prints "test name ... " on the same line.
+            if let Some(i) = line.find("WORKER_PID=") {
+                break line[i + "WORKER_PID=".len()..]
+                    .trim()
+                    .parse::<u32>()
+                    .unwrap();
+            }
+        };
+        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+        child.start_kill().unwrap();
+        child.wait().await.unwrap();
+        assert!(
+            process_exit(pid, Duration::from_secs(5)).await,
+            "the worker outlived its driver by more than 5 s"
+        );
+    })
+    .await;
+}
+
+/// Not a test on its own: the driver process of
+/// `workers_die_with_a_killed_driver`, run by it with `--ignored`.
+#[tokio::test]
+#[ignore = "run by workers_die_with_a_killed_driver"]
+async fn driver_that_will_be_killed() {
+    if std::env::var("RDT_TEST_DRIVER_CHILD").is_err() {
+        panic!("run by workers_die_with_a_killed_driver only");
+    }
+    let rt = Runtime::start().await.unwrap();
+    let p = rt.spawn::<Producer>(()).await.unwrap();
+    println!("WORKER_PID={}", p.pid().unwrap());
+    // Wait for the parent's SIGKILL.
+    std::future::pending::<()>().await;
+}

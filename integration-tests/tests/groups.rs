@@ -1,0 +1,255 @@
+//! Collective groups and the `tcp` transport's failure semantics, plus the
+//! `shm` transport's zero-copy sharing.
+
+use std::time::Duration;
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+async fn three() -> (Runtime, ProducerHandle, ConsumerHandle, ConsumerHandle) {
+    rdt_integration_tests::logs();
+    let rt = Runtime::start().await.unwrap();
+    let p = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    let c2 = rt.spawn::<Consumer>(()).await.unwrap();
+    (rt, p, c, c2)
+}
+
+#[tokio::test]
+async fn passing_before_the_group_exists_is_a_clear_error() {
+    deadline(60, async {
+        let (rt, p, c, _) = three().await;
+        let r = p.make_tcp(1.0, 8).remote();
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::NotInGroup { consumer, .. } if consumer == c.name()),
+            "{e}"
+        );
+        assert!(e.to_string().contains("create_collective_group"), "{e}");
+        // Nothing was lost: after creating the group the same ref works.
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 8.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn actor_outside_the_group_is_named_in_the_error() {
+    deadline(60, async {
+        let (rt, p, c, c2) = three().await;
+        let g = rt
+            .create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let r = p.make_tcp(2.0, 4).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 8.0);
+        let e = rt.get(c2.sum(&r).remote()).await.unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(c2.name()) && msg.contains(p.name()) && msg.contains("tcp"),
+            "{msg}"
+        );
+        // One actor in two groups of the same backend.
+        let g2 = rt
+            .create_collective_group(&[p.id(), c2.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        assert_ne!(g, g2);
+        assert_eq!(rt.get(c2.sum(&r).remote()).await.unwrap(), 8.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn destroy_and_create_again() {
+    deadline(60, async {
+        let (rt, p, c, _) = three().await;
+        let g = rt
+            .create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let r = p.make_tcp(1.0, 4).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+        rt.destroy_collective_group(g).await.unwrap();
+        assert!(matches!(
+            rt.destroy_collective_group(g).await,
+            Err(Error::Group(_))
+        ));
+        assert!(matches!(
+            rt.get(c.sum(&r).remote()).await,
+            Err(Error::NotInGroup { .. })
+        ));
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn group_arguments_are_checked() {
+    deadline(60, async {
+        let (rt, p, c, _) = three().await;
+        assert!(matches!(
+            rt.create_collective_group(&[p.id(), c.id()], Transport::Shm)
+                .await,
+            Err(Error::Group(_))
+        ));
+        assert!(matches!(
+            rt.create_collective_group(&[p.id(), p.id()], Transport::Tcp)
+                .await,
+            Err(Error::Group(_))
+        ));
+        assert!(matches!(
+            rt.create_collective_group(&[], Transport::Tcp).await,
+            Err(Error::Group(_))
+        ));
+        assert!(matches!(
+            rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
+                .await,
+            Err(Error::TransportUnavailable { .. })
+        ));
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn driver_get_of_a_collective_object_fails_at_once() {
+    deadline(60, async {
+        let (rt, p, _, _) = three().await;
+        let r = p.make_tcp(3.0, 4).remote();
+        let e = rt.get(&r).await.unwrap_err();
+        assert!(matches!(e, Error::CollectiveGet { .. }), "{e}");
+        assert!(e.to_string().contains("get_via_object_store"), "{e}");
+        let t: Tensor = rt.get_via_object_store(&r).await.unwrap();
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![3.0; 4]);
+    })
+    .await;
+}
+
+/// Ray's `test_p2p_blocking`: a producer busy in a long blocking method
+/// still serves transfers of objects it already produced.
+#[tokio::test]
+async fn busy_producer_still_sends() {
+    deadline(60, async {
+        let (rt, p, c, _) = three().await;
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let r = p.make_tcp(1.0, 1 << 20).remote();
+        rt.wait(&r).await.unwrap();
+        let busy = p.block(8_000).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), (1 << 20) as f64);
+        assert!(
+            tokio::time::timeout(Duration::ZERO, rt.wait(&busy))
+                .await
+                .is_err(),
+            "the transfer finished while the producer's method was still running"
+        );
+        assert_eq!(rt.get(&busy).await.unwrap(), 8_000);
+    })
+    .await;
+}
+
+/// A transfer that misses its deadline fails the call with an error naming
+/// the transport and the peer, tears the group down (later passes fail at
+/// once), and leaves both actors usable for calls that need no group.
+#[tokio::test]
+async fn failed_transfer_tears_the_group_down() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(Duration::from_millis(1))
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let g = rt
+            .create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let big = p.make_tcp(1.0, 64 << 20).remote();
+        rt.wait(&big).await.unwrap();
+        let e = rt.get(c.sum(&big).remote()).await.unwrap_err();
+        let root = e.root_cause().to_string();
+        assert!(
+            root.contains("tcp") && root.contains(p.name()) && root.contains("deadline"),
+            "{e}"
+        );
+        // The worker reports the failure right after failing the call;
+        // wait for the teardown to be visible, bounded by the deadline.
+        let small = p.make_tcp(1.0, 4).remote();
+        loop {
+            match rt.get(c.sum(&small).remote()).await {
+                Err(Error::GroupBroken { group, .. }) => {
+                    assert_eq!(group, g.0);
+                    break;
+                }
+                Err(e) if e.root_cause().to_string().contains("deadline") => {
+                    tokio::task::yield_now().await
+                }
+                other => panic!("expected the group to be torn down, got {other:?}"),
+            }
+        }
+        assert_eq!(rt.get(p.echo(3).remote()).await.unwrap(), 3);
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[2])).remote())
+                .await
+                .unwrap(),
+            2.0
+        );
+    })
+    .await;
+}
+
+/// The receiver dies while a large transfer is under way: its call fails,
+/// the producer survives and serves a new group.
+#[tokio::test]
+async fn receiver_dies_mid_transfer() {
+    deadline(60, async {
+        let (rt, p, c, c2) = three().await;
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let big = p.make_tcp(1.0, 64 << 20).remote();
+        rt.wait(&big).await.unwrap();
+        let call = c.sum(&big).remote();
+        c.kill();
+        let e = rt.get(&call).await.unwrap_err();
+        assert!(matches!(e, Error::ActorDied { .. }), "{e}");
+        assert_eq!(rt.get(p.echo(1).remote()).await.unwrap(), 1);
+        rt.create_collective_group(&[p.id(), c2.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        assert_eq!(
+            rt.get(c2.sum(&big).remote()).await.unwrap(),
+            (64 << 20) as f64
+        );
+    })
+    .await;
+}
+
+/// shm shares the producer's bytes: a consumer's write is seen by the
+/// producer (zero copy, like CUDA IPC).
+#[tokio::test]
+async fn shm_consumer_writes_are_seen_by_the_producer() {
+    deadline(60, async {
+        let (rt, p, c, _) = three().await;
+        let r = p.make_kept(1.0, 16).transport(Transport::Shm).remote();
+        let out = c.add_one(&r).remote();
+        rt.wait(&out).await.unwrap();
+        assert_eq!(rt.get(p.read_kept(0).remote()).await.unwrap(), 2.0);
+        // And the producer's writes reach a later consumer.
+        rt.get(p.write_kept(0, 5.0).remote()).await.unwrap();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 5.0 * 16.0);
+        // The attribute form works too, with no group.
+        let r2 = p.make_shm(2.0, 8).remote();
+        assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 16.0);
+    })
+    .await;
+}

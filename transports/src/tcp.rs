@@ -1,0 +1,464 @@
+//! The `tcp` transport: CPU tensors over direct worker-to-worker TCP
+//! connections inside a collective group (the role Gloo plays in Ray).
+//!
+//! # Protocol
+//! Every worker listens on one TCP endpoint (loopback unless configured) and
+//! publishes it to the driver. For a transfer the driver orders the
+//! producer to [`send`](TensorTransport::send) and the consumer to
+//! [`receive`](TensorTransport::receive), both with the same transfer id.
+//! The producer connects to the consumer lazily (one connection per peer,
+//! reused), authenticates with the runtime secret ([`crate::auth`]), names
+//! itself (`u64` actor id), and then writes transfers:
+//!
+//! `u64 xfer | u32 count | u64 len × count | bytes of each tensor`
+//!
+//! (little-endian). The consumer's connection thread reads each transfer
+//! into freshly allocated buffers and files it under its id, where
+//! `receive` picks it up — whichever comes first waits for the other.
+//!
+//! # Invariants
+//! 1. Tensor bytes are written straight from the producer's storage (under
+//!    its read lock, on a blocking thread) and read straight into the
+//!    consumer's new storage: no staging copy on either side.
+//! 2. All tensors of one object move in one exchange, in metadata order.
+//! 3. Transfers to one peer are serialized on its connection, so their
+//!    order is the driver's order.
+//! 4. Nothing waits forever: `receive` has a deadline, a lost connection
+//!    fails every transfer pending from that peer at once, and a failed send
+//!    drops the connection so the next transfer reconnects.
+
+use std::collections::HashMap;
+use std::io::{BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+use crate::transport::{
+    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+};
+use crate::{auth, Device, Exported, Tensor};
+
+/// Name of this transport.
+pub const NAME: &str = "tcp";
+
+type Arrival = Result<Vec<Vec<u8>>, String>;
+
+enum Slot {
+    Arrived(Arrival),
+    Waiting {
+        from: u64,
+        tx: oneshot::Sender<Arrival>,
+    },
+}
+
+#[derive(Default)]
+struct Inbox {
+    slots: Mutex<HashMap<TransferId, Slot>>,
+    /// Transfers whose receive gave up: their late bytes are dropped, not
+    /// kept forever.
+    abandoned: Mutex<std::collections::HashSet<TransferId>>,
+}
+
+impl Inbox {
+    fn arrive(&self, xfer: TransferId, a: Arrival) {
+        if self.abandoned.lock().remove(&xfer) {
+            return;
+        }
+        let mut m = self.slots.lock();
+        match m.remove(&xfer) {
+            Some(Slot::Waiting { tx, .. }) => {
+                let _ = tx.send(a);
+            }
+            _ => {
+                m.insert(xfer, Slot::Arrived(a));
+            }
+        }
+    }
+
+    /// A connection from `from` ended: fail what waits on it.
+    fn peer_lost(&self, from: u64, why: &str) {
+        let mut m = self.slots.lock();
+        let lost: Vec<TransferId> = m
+            .iter()
+            .filter(|(_, s)| matches!(s, Slot::Waiting { from: f, .. } if *f == from))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in lost {
+            if let Some(Slot::Waiting { tx, .. }) = m.remove(&k) {
+                let _ = tx.send(Err(why.to_string()));
+            }
+        }
+    }
+}
+
+/// Moves CPU tensors over authenticated worker-to-worker TCP connections.
+pub struct TcpTransport {
+    me: u64,
+    secret: Arc<Vec<u8>>,
+    endpoint: String,
+    inbox: Arc<Inbox>,
+    conns: Mutex<HashMap<String, Arc<std::sync::Mutex<TcpStream>>>>,
+    deadline: Duration,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TcpTransport({})", self.endpoint)
+    }
+}
+
+impl TcpTransport {
+    /// Listens on `bind` (`"127.0.0.1:0"` for loopback on any port; give a
+    /// routable address to reach other hosts) for peers that know `secret`.
+    /// `me` is this worker's actor id, sent to peers it connects to.
+    /// `deadline` bounds how long a receive waits for its data.
+    pub fn start(me: u64, secret: &[u8], bind: &str, deadline: Duration) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(bind)?;
+        let endpoint = listener.local_addr()?.to_string();
+        let inbox = Arc::new(Inbox::default());
+        let secret = Arc::new(secret.to_vec());
+        {
+            let inbox = inbox.clone();
+            let secret = secret.clone();
+            std::thread::Builder::new()
+                .name("rdt-tcp-accept".into())
+                .spawn(move || accept_loop(listener, secret, inbox))?;
+        }
+        Ok(TcpTransport {
+            me,
+            secret,
+            endpoint,
+            inbox,
+            conns: Mutex::new(HashMap::new()),
+            deadline,
+        })
+    }
+
+    fn connection(&self, to: &Peer) -> Result<Arc<std::sync::Mutex<TcpStream>>, TransportError> {
+        if let Some(c) = self.conns.lock().get(&to.endpoint) {
+            return Ok(c.clone());
+        }
+        let err = |m: String| TransportError::with_peer(NAME, to, m);
+        if to.endpoint.is_empty() {
+            return Err(err("the peer published no tcp endpoint".into()));
+        }
+        let mut s = TcpStream::connect(&to.endpoint)
+            .map_err(|e| err(format!("connect to {}: {e}", to.endpoint)))?;
+        s.set_nodelay(true).ok();
+        s.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT)).ok();
+        s.set_write_timeout(Some(self.deadline)).ok();
+        auth::connect(&mut s, &self.secret).map_err(|e| err(e.to_string()))?;
+        s.write_all(&self.me.to_le_bytes())
+            .map_err(|e| err(e.to_string()))?;
+        let c = Arc::new(std::sync::Mutex::new(s));
+        self.conns.lock().insert(to.endpoint.clone(), c.clone());
+        Ok(c)
+    }
+}
+
+fn accept_loop(listener: TcpListener, secret: Arc<Vec<u8>>, inbox: Arc<Inbox>) {
+    for s in listener.incoming() {
+        let Ok(s) = s else { continue };
+        let secret = secret.clone();
+        let inbox = inbox.clone();
+        let _ = std::thread::Builder::new()
+            .name("rdt-tcp-recv".into())
+            .spawn(move || serve(s, &secret, &inbox));
+    }
+}
+
+fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox) {
+    s.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT)).ok();
+    if let Err(e) = auth::accept(&mut s, secret) {
+        tracing::warn!(
+            "tcp transport: dropped a connection from {:?}: {e}",
+            s.peer_addr().ok()
+        );
+        return;
+    }
+    let mut id = [0u8; 8];
+    if s.read_exact(&mut id).is_err() {
+        return;
+    }
+    let from = u64::from_le_bytes(id);
+    // Transfers may be far apart: no read timeout between them.
+    s.set_read_timeout(None).ok();
+    s.set_nodelay(true).ok();
+    let mut r = BufReader::with_capacity(64 * 1024, s);
+    let why = loop {
+        match read_transfer(&mut r) {
+            Ok(Some((xfer, bufs))) => inbox.arrive(xfer, Ok(bufs)),
+            Ok(None) => break "the peer closed the connection".to_string(),
+            Err(e) => break format!("connection lost: {e}"),
+        }
+    };
+    inbox.peer_lost(from, &why);
+}
+
+/// Largest tensor count in one transfer (a sanity bound against garbage).
+const MAX_TENSORS: usize = 1 << 20;
+
+fn read_transfer<R: Read>(r: &mut R) -> std::io::Result<Option<(TransferId, Vec<Vec<u8>>)>> {
+    let mut head = [0u8; 12];
+    match r.read_exact(&mut head) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let xfer = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+    let count = u32::from_le_bytes(head[8..].try_into().expect("4 bytes")) as usize;
+    if count > MAX_TENSORS {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "implausible tensor count",
+        ));
+    }
+    let mut lens = Vec::with_capacity(count);
+    for _ in 0..count {
+        let mut l = [0u8; 8];
+        r.read_exact(&mut l)?;
+        lens.push(u64::from_le_bytes(l) as usize);
+    }
+    let mut bufs = Vec::with_capacity(count);
+    for len in lens {
+        let mut b = Vec::new();
+        // Grow as bytes arrive rather than trusting the length up front.
+        let got = r.by_ref().take(len as u64).read_to_end(&mut b)?;
+        if got != len {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "transfer cut short",
+            ));
+        }
+        bufs.push(b);
+    }
+    Ok(Some((xfer, bufs)))
+}
+
+fn write_transfer(s: &mut TcpStream, xfer: TransferId, tensors: &[Tensor]) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(12 + 8 * tensors.len());
+    head.extend_from_slice(&xfer.to_le_bytes());
+    head.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
+    for t in tensors {
+        head.extend_from_slice(&(t.nbytes() as u64).to_le_bytes());
+    }
+    s.write_all(&head)?;
+    for t in tensors {
+        // Invariant 1: straight from the storage.
+        t.with_bytes(|b| s.write_all(b))
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))??;
+    }
+    s.flush()
+}
+
+impl TensorTransport for TcpTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn sidedness(&self) -> Sidedness {
+        Sidedness::TwoSided
+    }
+
+    fn check_device(&self, device: &Device) -> Result<(), TransportError> {
+        match device {
+            Device::Cpu => Ok(()),
+            other => Err(TransportError::new(
+                NAME,
+                format!("tcp moves CPU tensors; this one is on {other}: use nccl, nixl or cuda_ipc for GPU tensors"),
+            )),
+        }
+    }
+
+    fn endpoint(&self) -> Option<String> {
+        Some(self.endpoint.clone())
+    }
+
+    fn export<'a>(
+        &'a self,
+        _key: ObjectKey,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<Exported, TransportError>> {
+        Box::pin(async move {
+            let mut e = Exported::default();
+            for t in tensors {
+                self.check_device(t.device())?;
+                e.metas.push(t.meta());
+            }
+            Ok(e)
+        })
+    }
+
+    fn send<'a>(
+        &'a self,
+        to: &'a Peer,
+        xfer: TransferId,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let conn = self.connection(to)?;
+            let tensors = tensors.to_vec();
+            let res = tokio::task::spawn_blocking(move || {
+                let mut s = conn.lock().unwrap_or_else(|p| p.into_inner());
+                write_transfer(&mut s, xfer, &tensors)
+            })
+            .await
+            .map_err(|e| TransportError::with_peer(NAME, to, format!("send task failed: {e}")))?;
+            if let Err(e) = res {
+                // Invariant 4: the next transfer reconnects.
+                self.conns.lock().remove(&to.endpoint);
+                return Err(TransportError::with_peer(
+                    NAME,
+                    to,
+                    format!("send failed: {e}"),
+                ));
+            }
+            Ok(())
+        })
+    }
+
+    fn receive<'a>(
+        &'a self,
+        from: &'a Peer,
+        xfer: TransferId,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
+        Box::pin(async move {
+            let rx = {
+                let mut m = self.inbox.slots.lock();
+                match m.remove(&xfer) {
+                    Some(Slot::Arrived(a)) => {
+                        let (tx, rx) = oneshot::channel();
+                        let _ = tx.send(a);
+                        rx
+                    }
+                    Some(w @ Slot::Waiting { .. }) => {
+                        m.insert(xfer, w);
+                        return Err(TransportError::with_peer(
+                            NAME,
+                            from,
+                            format!("transfer {xfer} is received twice"),
+                        ));
+                    }
+                    None => {
+                        let (tx, rx) = oneshot::channel();
+                        m.insert(
+                            xfer,
+                            Slot::Waiting {
+                                from: from.actor,
+                                tx,
+                            },
+                        );
+                        rx
+                    }
+                }
+            };
+            let arrival = match tokio::time::timeout(self.deadline, rx).await {
+                Ok(Ok(a)) => a,
+                Ok(Err(_)) => Err("the transport shut down".to_string()),
+                Err(_) => {
+                    let mut slots = self.inbox.slots.lock();
+                    match slots.remove(&xfer) {
+                        // It arrived just now: use it.
+                        Some(Slot::Arrived(a)) => a,
+                        _ => {
+                            self.inbox.abandoned.lock().insert(xfer);
+                            Err(format!(
+                                "no data within {:?} (deadline passed)",
+                                self.deadline
+                            ))
+                        }
+                    }
+                }
+            };
+            let bufs = arrival.map_err(|m| TransportError::with_peer(NAME, from, m))?;
+            if bufs.len() != exported.metas.len() {
+                return Err(TransportError::with_peer(
+                    NAME,
+                    from,
+                    format!(
+                        "expected {} tensors, received {}",
+                        exported.metas.len(),
+                        bufs.len()
+                    ),
+                ));
+            }
+            let tensors = exported
+                .metas
+                .iter()
+                .zip(bufs)
+                .map(|(m, b)| Tensor::from_bytes(m.dtype, &m.shape, b))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| TransportError::with_peer(NAME, from, e.to_string()))?;
+            check_received(NAME, &exported.metas, &tensors)?;
+            Ok(tensors)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer(t: &TcpTransport, actor: u64) -> Peer {
+        Peer {
+            actor,
+            name: format!("p{actor}"),
+            host: "localhost".into(),
+            endpoint: t.endpoint().unwrap(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn moves_several_tensors_in_either_order() {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            let a = TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let b = TcpTransport::start(2, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let ts = vec![
+                Tensor::arange::<f32>(1000),
+                Tensor::full(3u8, &[5 << 20]),
+                Tensor::zeros(crate::DType::I64, &[0]),
+            ];
+            let ex = a.export(1, &ts).await.unwrap();
+            // send first, then receive
+            a.send(&peer(&b, 2), 10, &ts).await.unwrap();
+            let got = b.receive(&peer(&a, 1), 10, &ex).await.unwrap();
+            for (x, y) in ts.iter().zip(&got) {
+                assert!(x.equal(y).unwrap());
+                assert!(!x.shares_storage(y));
+            }
+            // receive first, then send
+            let (pa, pb) = (peer(&a, 1), peer(&b, 2));
+            let (r, s) = tokio::join!(b.receive(&pa, 11, &ex), a.send(&pb, 11, &ts));
+            s.unwrap();
+            assert_eq!(r.unwrap().len(), 3);
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn wrong_secret_and_deadline_are_errors() {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            let a =
+                TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_millis(200)).unwrap();
+            let b = TcpTransport::start(2, b"other", "127.0.0.1:0", Duration::from_millis(200))
+                .unwrap();
+            let ts = vec![Tensor::full(1u8, &[4])];
+            let e = a.send(&peer(&b, 2), 1, &ts).await.unwrap_err();
+            assert!(
+                e.to_string().contains("authentication") || e.to_string().contains("handshake"),
+                "{e}"
+            );
+            let ex = a.export(1, &ts).await.unwrap();
+            let e = b.receive(&peer(&a, 1), 99, &ex).await.unwrap_err();
+            assert!(e.to_string().contains("deadline"), "{e}");
+        })
+        .await
+        .unwrap();
+    }
+}
