@@ -422,9 +422,14 @@ impl Tensor {
     pub fn sum(&self) -> Result<f64, TensorError> {
         macro_rules! sum_as {
             ($t:ty, $b:expr) => {
-                $b.chunks_exact(std::mem::size_of::<$t>())
-                    .map(|c| bytemuck::pod_read_unaligned::<$t>(c) as f64)
-                    .sum::<f64>()
+                // Aligned storage (the usual case) is read in place.
+                match bytemuck::try_cast_slice::<u8, $t>($b) {
+                    Ok(v) => v.iter().map(|&x| x as f64).sum::<f64>(),
+                    Err(_) => $b
+                        .chunks_exact(std::mem::size_of::<$t>())
+                        .map(|c| bytemuck::pod_read_unaligned::<$t>(c) as f64)
+                        .sum::<f64>(),
+                }
             };
         }
         let dtype = self.dtype;
