@@ -166,7 +166,8 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
     let mut rows = vec![bench_echo(iters).await];
     let src = rt.spawn::<Source>(()).await?;
     let sink = rt.spawn::<Sink>(()).await?;
-    rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp).await?;
+    rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp)
+        .await?;
     let mut samples = Vec::new();
     for i in 0..iters + iters / 10 {
         let t = Instant::now();
@@ -221,7 +222,8 @@ fn cpu_transports() -> Vec<Transport> {
 async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
     let src = rt.spawn::<Source>(()).await?;
     let sink = rt.spawn::<Sink>(()).await?;
-    rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp).await?;
+    rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp)
+        .await?;
     let mut rows = Vec::new();
     let sizes: &[(usize, &str)] = &[
         (1 << 10, "1 KiB"),

@@ -66,7 +66,8 @@ async fn main() -> rdt::Result<()> {
     for transport in [Transport::Shm, Transport::Shm, Transport::ObjectStore] {
         let start = Instant::now();
         // The call returns a ref at once; `wait` only times the producer.
-        let w: ObjectRef<HashMap<String, Tensor>> = trainer.weights(layers, numel).transport(transport).remote();
+        let w: ObjectRef<HashMap<String, Tensor>> =
+            trainer.weights(layers, numel).transport(transport).remote();
         rt.wait(&w).await?;
         let produced = start.elapsed();
         // Passing the ref moves the tensors to the consumer, then `load` runs.

@@ -19,13 +19,19 @@
 use std::time::Duration;
 
 use futures::StreamExt;
-use rdt_transport::wire::{self, Frame};
+use rdt_transport::wire;
 use rdt_transport::{Blob, Exported, Peer};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufWriter};
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::sync::Arc;
+
+use bytes::{Buf, Bytes};
+use tokio::io::AsyncRead;
+use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
 
 use crate::error::{Error, Result};
@@ -163,16 +169,40 @@ pub enum ToDriver {
     },
 }
 
-/// Sends frames on a connection; cheap to clone. Sending never blocks: frames
-/// queue for the connection's writer task.
-#[derive(Clone, Debug)]
+/// Sends frames on a connection; cheap to clone. Sending never blocks.
+///
+/// Latency matters here (a tiny call is four of these sends), so a frame is
+/// written *inline* by the sending thread, with non-blocking vectored
+/// writes, whenever nothing is queued before it; only what the socket does
+/// not take at once is queued for the connection's writer task, which waits
+/// for the socket to become writable. Writes happen under one lock, so
+/// frames never interleave and keep their order (invariant 3).
+#[derive(Clone)]
 pub struct Sender {
-    tx: mpsc::UnboundedSender<Frame>,
+    inner: Arc<SenderInner>,
+}
+
+struct SenderInner {
+    half: OwnedWriteHalf,
+    queue: parking_lot::Mutex<WriteQueue>,
+    wake: Notify,
     max_frame: usize,
 }
 
+#[derive(Default)]
+struct WriteQueue {
+    chunks: VecDeque<Bytes>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for Sender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Sender")
+    }
+}
+
 impl Sender {
-    /// Queues `msg`. A closed connection is not an error here: its reader
+    /// Sends `msg`. A closed connection is not an error here: its reader
     /// notices and reports the death.
     ///
     /// A message larger than the frame limit is refused here, so the caller
@@ -180,49 +210,105 @@ impl Sender {
     /// of leaving the other end waiting.
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
         let frame = wire::to_frame(msg).map_err(|e| Error::Protocol(e.to_string()))?;
-        if frame.len() > self.max_frame {
+        let len = frame.len();
+        if len > self.inner.max_frame {
             return Err(Error::Protocol(format!(
-                "a {}-byte message exceeds the control frame limit of {} bytes; raise RuntimeBuilder::max_frame_bytes or move the tensors with a direct transport",
-                frame.len(),
-                self.max_frame
+                "a {len}-byte message exceeds the control frame limit of {} bytes; raise RuntimeBuilder::max_frame_bytes or move the tensors with a direct transport",
+                self.inner.max_frame
             )));
         }
-        let _ = self.tx.send(frame);
+        let mut q = self.inner.queue.lock();
+        if q.closed {
+            return Ok(());
+        }
+        let was_empty = q.chunks.is_empty();
+        q.chunks
+            .push_back(Bytes::copy_from_slice(&(len as u64).to_be_bytes()));
+        q.chunks.push_back(frame.head);
+        q.chunks
+            .extend(frame.blobs.into_iter().filter(|b| !b.is_empty()));
+        if was_empty {
+            match write_ready(&self.inner.half, &mut q.chunks) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    tracing::debug!("control connection write failed: {e}");
+                    q.closed = true;
+                    q.chunks.clear();
+                    return Ok(());
+                }
+            }
+        }
+        if !q.chunks.is_empty() {
+            drop(q);
+            self.inner.wake.notify_one();
+        }
         Ok(())
     }
 }
 
-/// Starts the writer task of a connection.
-pub fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(w: W, max_frame: usize) -> Sender {
-    let (tx, mut rx) = mpsc::unbounded_channel::<Frame>();
-    tokio::spawn(async move {
-        let mut w = BufWriter::with_capacity(64 * 1024, w);
-        'outer: while let Some(frame) = rx.recv().await {
-            let mut next = Some(frame);
-            while let Some(f) = next.take() {
-                if let Err(e) = write_frame(&mut w, f).await {
-                    tracing::debug!("control connection writer stopped: {e}");
-                    break 'outer;
-                }
-                next = rx.try_recv().ok();
-            }
-            if w.flush().await.is_err() {
-                break;
+/// Writes queued chunks without blocking until done or the socket is full
+/// (`WouldBlock`).
+fn write_ready(half: &OwnedWriteHalf, chunks: &mut VecDeque<Bytes>) -> std::io::Result<()> {
+    while !chunks.is_empty() {
+        let slices: Vec<IoSlice<'_>> = chunks.iter().take(64).map(|c| IoSlice::new(c)).collect();
+        let mut n = half.try_write_vectored(&slices)?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let first = chunks.front_mut().expect("wrote no more than was queued");
+            if n >= first.len() {
+                n -= first.len();
+                chunks.pop_front();
+            } else {
+                first.advance(n);
+                n = 0;
             }
         }
-        let _ = w.shutdown().await;
-    });
-    Sender { tx, max_frame }
-}
-
-async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, f: Frame) -> std::io::Result<()> {
-    let len = f.len();
-    w.write_all(&(len as u64).to_be_bytes()).await?;
-    w.write_all(&f.head).await?;
-    for b in &f.blobs {
-        w.write_all(b).await?;
     }
     Ok(())
+}
+
+/// Wraps the writing half of a connection and starts its writer task.
+pub fn spawn_writer(half: OwnedWriteHalf, max_frame: usize) -> Sender {
+    let inner = Arc::new(SenderInner {
+        half,
+        queue: parking_lot::Mutex::new(WriteQueue::default()),
+        wake: Notify::new(),
+        max_frame,
+    });
+    let me = inner.clone();
+    tokio::spawn(async move {
+        loop {
+            me.wake.notified().await;
+            loop {
+                let res = {
+                    let mut q = me.queue.lock();
+                    if q.closed || q.chunks.is_empty() {
+                        break;
+                    }
+                    let r = write_ready(&me.half, &mut q.chunks);
+                    if let Err(e) = &r {
+                        if e.kind() != std::io::ErrorKind::WouldBlock {
+                            tracing::debug!("control connection write failed: {e}");
+                            q.closed = true;
+                            q.chunks.clear();
+                        }
+                    }
+                    r
+                };
+                if let Err(e) = res {
+                    if e.kind() != std::io::ErrorKind::WouldBlock
+                        || me.half.writable().await.is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    Sender { inner }
 }
 
 /// The reading half of a connection.
@@ -302,22 +388,44 @@ mod tests {
     #[tokio::test]
     async fn frames_round_trip_and_oversize_frames_are_refused() {
         tokio::time::timeout(Duration::from_secs(10), async {
-            let (a, b) = tokio::io::duplex(1 << 20);
-            let tx = spawn_writer(a, 1 << 20);
-            let mut rx = Receiver::new(b, 1024);
+            let (a, b) = UnixStream::pair().unwrap();
+            let tx = spawn_writer(a.into_split().1, 16 << 20);
+            let mut rx = Receiver::new(b, 16 << 20);
             tx.send(&ToDriver::Spawned(Ok(()))).unwrap();
             assert!(matches!(
                 rx.recv::<ToDriver>().await.unwrap(),
                 Some(ToDriver::Spawned(Ok(())))
             ));
-            tx.send(&ToWorker::Spawn {
+            // A large frame goes out partly inline, partly from the queue,
+            // and the next frame stays behind it.
+            let big = Blob(bytes::Bytes::from(vec![7u8; 8 << 20]));
+            tx.send(&ToWorker::Spawn { args: big.clone() }).unwrap();
+            tx.send(&ToWorker::Shutdown).unwrap();
+            match rx.recv::<ToWorker>().await.unwrap() {
+                Some(ToWorker::Spawn { args }) => assert_eq!(args, big),
+                other => panic!("{other:?}"),
+            }
+            assert!(matches!(
+                rx.recv::<ToWorker>().await.unwrap(),
+                Some(ToWorker::Shutdown)
+            ));
+            // Over the sender's limit: refused at once.
+            let (c, _d) = UnixStream::pair().unwrap();
+            let small = spawn_writer(c.into_split().1, 1024);
+            let e = small.send(&ToWorker::Spawn {
                 args: Blob(bytes::Bytes::from(vec![0u8; 4096])),
-            })
-            .unwrap();
-            assert!(
-                rx.recv::<ToWorker>().await.is_err(),
-                "a frame over the limit is an error"
-            );
+            });
+            assert!(matches!(e, Err(Error::Protocol(m)) if m.contains("frame limit")));
+            // Over the receiver's limit: an error, not an allocation.
+            let (c, d) = UnixStream::pair().unwrap();
+            let loose = spawn_writer(c.into_split().1, 1 << 20);
+            let mut strict = Receiver::new(d, 1024);
+            loose
+                .send(&ToWorker::Spawn {
+                    args: Blob(bytes::Bytes::from(vec![0u8; 4096])),
+                })
+                .unwrap();
+            assert!(strict.recv::<ToWorker>().await.is_err());
         })
         .await
         .unwrap();

@@ -395,22 +395,17 @@ async fn control_loop<A: RdtActor>(
         };
         match msg {
             ToWorker::Call(call) => {
+                // The actor replies itself, from its own thread (no hop back
+                // here); a full or closed mailbox fails the call at once.
                 let id = call.call;
-                let fut = addr.send(Invoke(call));
-                let tx = tx.clone();
-                tokio::spawn(async move {
-                    let done = fut.await.unwrap_or_else(|e| ToDriver::CallDone {
+                if let Err(e) = addr.try_send(Invoke(call)) {
+                    let _ = tx.send(&ToDriver::CallDone {
                         call: id,
-                        result: Err(Error::Protocol(format!("actor mailbox: {e}"))),
+                        result: Err(Error::Protocol(format!(
+                            "actor mailbox refused the call: {e}"
+                        ))),
                     });
-                    if let Err(e) = tx.send(&done) {
-                        // Too large for a frame: the call fails instead.
-                        let _ = tx.send(&ToDriver::CallDone {
-                            call: id,
-                            result: Err(e),
-                        });
-                    }
-                });
+                }
             }
             ToWorker::Deliver { object, value } => on_deliver(&shared, object, value),
             ToWorker::SendTo { object, xfer, to } => on_send(&shared, object, xfer, to),
@@ -562,11 +557,11 @@ impl<A: RdtActor> actix::Actor for Host<A> {
 struct Invoke(CallMsg);
 
 impl actix::Message for Invoke {
-    type Result = ToDriver;
+    type Result = ();
 }
 
 impl<A: RdtActor> Handler<Invoke> for Host<A> {
-    type Result = AtomicResponse<Self, ToDriver>;
+    type Result = AtomicResponse<Self, ()>;
 
     fn handle(&mut self, Invoke(msg): Invoke, _ctx: &mut Self::Context) -> Self::Result {
         let mut state = self
@@ -577,14 +572,18 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
         let fut = async move {
             let call = msg.call;
             let result = run_call::<A>(&mut state, &shared, msg).await;
-            (state, ToDriver::CallDone { call, result })
+            if let Err(e) = shared.tx.send(&ToDriver::CallDone { call, result }) {
+                // Too large for a frame: the call fails instead.
+                let _ = shared.tx.send(&ToDriver::CallDone {
+                    call,
+                    result: Err(e),
+                });
+            }
+            state
         };
-        AtomicResponse::new(Box::pin(fut.into_actor(self).map(
-            |(state, done), this, _| {
-                this.state = Some(state);
-                done
-            },
-        )))
+        AtomicResponse::new(Box::pin(fut.into_actor(self).map(|state, this, _| {
+            this.state = Some(state);
+        })))
     }
 }
 
