@@ -75,7 +75,7 @@ async fn main() -> rdt::Result<()> {
         let moved = start.elapsed() - produced;
         assert_eq!(total, expected, "the consumer saw every byte");
         println!(
-            "{layers} tensors, {:.1} MiB, {} -> {} via {transport:<12}: produced in {:6.2} ms, moved and reduced in {:6.2} ms",
+            "{layers} tensors, {:.1} MiB, {} -> {} via {transport}: produced in {:6.2} ms, moved and reduced in {:6.2} ms",
             bytes as f64 / (1 << 20) as f64,
             trainer.name(),
             rollout.name(),

@@ -222,6 +222,33 @@ impl OwnerTable {
             let producer = e
                 .producer
                 .and_then(|p| actors.get(&p).map(|a| a.peer(p, &e.transport)));
+            if let (Some(p), Some(c)) = (&producer, actors.get(&consumer)) {
+                // One-sided same-host transports: refuse another host before
+                // anything moves, naming both ends.
+                let same_host_only = matches!(
+                    e.transport.parse::<Transport>(),
+                    Ok(Transport::Shm | Transport::CudaIpc)
+                );
+                if same_host_only && !p.host.is_empty() && !c.host.is_empty() && p.host != c.host {
+                    let err = Error::Transport(rdt_transport::TransportError::with_peer(
+                        &e.transport,
+                        p,
+                        format!(
+                            "{} moves tensors only between actors on one host; {} is on {} and {} on {}: use tcp (in a collective group) or object_store",
+                            e.transport, p.name, p.host, c.name, c.host
+                        ),
+                    ));
+                    send(
+                        actors,
+                        consumer,
+                        &ToWorker::Deliver {
+                            object: id,
+                            value: Err(err),
+                        },
+                    );
+                    return;
+                }
+            }
             if sided == Sidedness::TwoSided {
                 if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
                     send(

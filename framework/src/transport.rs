@@ -147,7 +147,7 @@ pub(crate) fn configure_worker(cfg: WorkerTransportConfig) -> Vec<(String, Strin
 
 impl std::fmt::Display for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        f.pad(self.name())
     }
 }
 
