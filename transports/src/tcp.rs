@@ -61,6 +61,9 @@ struct Inbox {
     /// Transfers whose receive gave up: their late bytes are dropped, not
     /// kept forever.
     abandoned: Mutex<std::collections::HashSet<TransferId>>,
+    /// Open connections per peer: waiters fail only when the last one ends
+    /// (a peer that reconnected still delivers over its new connection).
+    live: Mutex<HashMap<u64, usize>>,
 }
 
 impl Inbox {
@@ -79,8 +82,22 @@ impl Inbox {
         }
     }
 
-    /// A connection from `from` ended: fail what waits on it.
+    fn peer_connected(&self, from: u64) {
+        *self.live.lock().entry(from).or_default() += 1;
+    }
+
+    /// A connection from `from` ended: if it was the last, fail what waits
+    /// on that peer.
     fn peer_lost(&self, from: u64, why: &str) {
+        {
+            let mut live = self.live.lock();
+            let n = live.entry(from).or_default();
+            *n = n.saturating_sub(1);
+            if *n > 0 {
+                return;
+            }
+            live.remove(&from);
+        }
         let mut m = self.slots.lock();
         let lost: Vec<TransferId> = m
             .iter()
@@ -101,7 +118,9 @@ pub struct TcpTransport {
     secret: Arc<Vec<u8>>,
     endpoint: String,
     inbox: Arc<Inbox>,
-    conns: Mutex<HashMap<String, Arc<std::sync::Mutex<TcpStream>>>>,
+    /// One slot per peer endpoint; its lock serializes connecting and
+    /// writing to that peer (invariant 3), on a blocking thread.
+    conns: Mutex<HashMap<String, Arc<std::sync::Mutex<Option<TcpStream>>>>>,
     deadline: Duration,
 }
 
@@ -138,26 +157,32 @@ impl TcpTransport {
         })
     }
 
-    fn connection(&self, to: &Peer) -> Result<Arc<std::sync::Mutex<TcpStream>>, TransportError> {
-        if let Some(c) = self.conns.lock().get(&to.endpoint) {
-            return Ok(c.clone());
-        }
-        let err = |m: String| TransportError::with_peer(NAME, to, m);
-        if to.endpoint.is_empty() {
-            return Err(err("the peer published no tcp endpoint".into()));
-        }
-        let mut s = TcpStream::connect(&to.endpoint)
-            .map_err(|e| err(format!("connect to {}: {e}", to.endpoint)))?;
-        s.set_nodelay(true).ok();
-        s.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT)).ok();
-        s.set_write_timeout(Some(self.deadline)).ok();
-        auth::connect(&mut s, &self.secret).map_err(|e| err(e.to_string()))?;
-        s.write_all(&self.me.to_le_bytes())
-            .map_err(|e| err(e.to_string()))?;
-        let c = Arc::new(std::sync::Mutex::new(s));
-        self.conns.lock().insert(to.endpoint.clone(), c.clone());
-        Ok(c)
+    fn slot(&self, to: &Peer) -> Arc<std::sync::Mutex<Option<TcpStream>>> {
+        self.conns
+            .lock()
+            .entry(to.endpoint.clone())
+            .or_insert_with(|| Arc::new(std::sync::Mutex::new(None)))
+            .clone()
     }
+}
+
+/// Connects to `endpoint`, authenticates and names this worker. Blocking.
+fn connect(
+    endpoint: &str,
+    me: u64,
+    secret: &[u8],
+    deadline: Duration,
+) -> Result<TcpStream, String> {
+    if endpoint.is_empty() {
+        return Err("the peer published no tcp endpoint".into());
+    }
+    let mut s = TcpStream::connect(endpoint).map_err(|e| format!("connect to {endpoint}: {e}"))?;
+    s.set_nodelay(true).ok();
+    s.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT)).ok();
+    s.set_write_timeout(Some(deadline)).ok();
+    auth::connect(&mut s, secret).map_err(|e| e.to_string())?;
+    s.write_all(&me.to_le_bytes()).map_err(|e| e.to_string())?;
+    Ok(s)
 }
 
 fn accept_loop(listener: TcpListener, secret: Arc<Vec<u8>>, inbox: Arc<Inbox>) {
@@ -185,6 +210,7 @@ fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox) {
         return;
     }
     let from = u64::from_le_bytes(id);
+    inbox.peer_connected(from);
     // Transfers may be far apart: no read timeout between them.
     s.set_read_timeout(None).ok();
     s.set_nodelay(true).ok();
@@ -300,24 +326,29 @@ impl TensorTransport for TcpTransport {
         tensors: &'a [Tensor],
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
-            let conn = self.connection(to)?;
+            let slot = self.slot(to);
             let tensors = tensors.to_vec();
+            let (me, secret, deadline, endpoint) = (
+                self.me,
+                self.secret.clone(),
+                self.deadline,
+                to.endpoint.clone(),
+            );
             let res = tokio::task::spawn_blocking(move || {
-                let mut s = conn.lock().unwrap_or_else(|p| p.into_inner());
-                write_transfer(&mut s, xfer, &tensors)
+                let mut conn = slot.lock().unwrap_or_else(|p| p.into_inner());
+                if conn.is_none() {
+                    *conn = Some(connect(&endpoint, me, &secret, deadline)?);
+                }
+                let s = conn.as_mut().expect("connected above");
+                write_transfer(s, xfer, &tensors).map_err(|e| {
+                    // Invariant 4: the next transfer reconnects.
+                    *conn = None;
+                    format!("send failed: {e}")
+                })
             })
             .await
             .map_err(|e| TransportError::with_peer(NAME, to, format!("send task failed: {e}")))?;
-            if let Err(e) = res {
-                // Invariant 4: the next transfer reconnects.
-                self.conns.lock().remove(&to.endpoint);
-                return Err(TransportError::with_peer(
-                    NAME,
-                    to,
-                    format!("send failed: {e}"),
-                ));
-            }
-            Ok(())
+            res.map_err(|m| TransportError::with_peer(NAME, to, m))
         })
     }
 

@@ -1,0 +1,107 @@
+//! Soak: 10 000 passes of mixed sizes over every CPU transport; afterwards
+//! the owner table and the workers' stores are empty, and the workers'
+//! memory and open descriptors are back to where they started.
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+const PASSES: usize = 10_000;
+/// Passes in flight at once (refs submitted before the first is awaited).
+const WINDOW: usize = 32;
+
+/// Resident memory (KiB) and open descriptors of a process.
+fn usage(pid: u32) -> (u64, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    (rss, fds)
+}
+
+fn size_of_pass(i: usize) -> usize {
+    // 16 B .. 256 KiB f32 elements, in a fixed mixed pattern.
+    [4, 256, 16 << 10, 64, 64 << 10, 1 << 10][i % 6]
+}
+
+async fn soak(t: Transport) {
+    rdt_integration_tests::logs();
+    let rt = Runtime::start().await.unwrap();
+    let p = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    if t.is_collective() {
+        rt.create_collective_group(&[p.id(), c.id()], t)
+            .await
+            .unwrap();
+    }
+    let run = |from: usize, to: usize| {
+        let (rt, p, c) = (rt.clone(), p.clone(), c.clone());
+        async move {
+            let mut inflight = std::collections::VecDeque::new();
+            for i in from..to {
+                let n = size_of_pass(i);
+                let r = p.make(1.0, n).transport(t).remote();
+                inflight.push_back((n, c.sum(&r).remote()));
+                drop(r);
+                if inflight.len() >= WINDOW {
+                    let (n, s) = inflight.pop_front().unwrap();
+                    assert_eq!(rt.get(&s).await.unwrap(), n as f64);
+                }
+            }
+            for (n, s) in inflight {
+                assert_eq!(rt.get(&s).await.unwrap(), n as f64);
+            }
+        }
+    };
+    // Warm up allocators and connections, then take the baseline.
+    run(0, 600).await;
+    assert_eq!(rt.live_objects(), 0);
+    let (pp, cp) = (p.pid().unwrap(), c.pid().unwrap());
+    let base = (usage(pp), usage(cp));
+    run(600, PASSES).await;
+    assert_eq!(rt.live_objects(), 0, "the owner table is empty");
+    assert_eq!(
+        rt.get(p.stored().remote()).await.unwrap(),
+        0,
+        "the producer's store is empty"
+    );
+    assert_eq!(
+        rt.get(c.stored().remote()).await.unwrap(),
+        0,
+        "the consumer's store is empty"
+    );
+    let end = (usage(pp), usage(cp));
+    for ((b_rss, b_fds), (e_rss, e_fds), who) in
+        [(base.0, end.0, "producer"), (base.1, end.1, "consumer")]
+    {
+        assert!(
+            e_rss <= b_rss + 32 * 1024,
+            "{t}: {who} memory grew from {b_rss} KiB to {e_rss} KiB over {PASSES} passes"
+        );
+        assert!(
+            e_fds <= b_fds + 4,
+            "{t}: {who} descriptors grew from {b_fds} to {e_fds}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_object_store() {
+    deadline(240, soak(Transport::ObjectStore)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_tcp() {
+    deadline(240, soak(Transport::Tcp)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn soak_shm() {
+    deadline(240, soak(Transport::Shm)).await;
+}
