@@ -428,20 +428,17 @@ fn decode_wire<T: DeserializeOwned>(wv: &WireValue, id: u64) -> Result<T> {
 pub(crate) fn inline_value(p: Payload) -> Result<WireValue> {
     let mut exported = Exported::default();
     for t in &p.tensors {
-        if !t.device().is_cpu() {
-            return Err(rdt_transport::TransportError::new(
-                "object_store",
-                format!("tensor on {} cannot go inline", t.device()),
-            )
-            .into());
-        }
+        // CUDA tensors go through the host: copied device to host here, and
+        // back to a device where they are received (object_store::unpack).
         exported.metas.push(t.meta());
         exported
             .inline
-            .push(Blob(t.to_bytes().map_err(|e| Error::Decode {
-                what: "a tensor".into(),
-                message: e.to_string(),
-            })?));
+            .push(Blob(t.to_cpu().and_then(|c| c.to_bytes()).map_err(
+                |e| Error::Decode {
+                    what: "a tensor".into(),
+                    message: e.to_string(),
+                },
+            )?));
     }
     Ok(WireValue {
         data: Blob(p.data),
@@ -663,6 +660,9 @@ impl Inner {
             .stdin(std::process::Stdio::null());
         if gpus > 0 {
             cmd.env(wenv::GPUS, gpus.to_string());
+            static GPU_SPAWNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let nth = GPU_SPAWNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            cmd.env("CUDA_VISIBLE_DEVICES", gpu_assignment(gpus, nth));
         }
         // SAFETY: prctl is async-signal-safe; nothing else runs in the child
         // between fork and exec.
@@ -1000,4 +1000,57 @@ async fn serve_worker(
     };
     inner.on_death(worker, detail);
     Ok(())
+}
+
+/// The devices (as `CUDA_VISIBLE_DEVICES` entries) a worker asking for `n`
+/// GPUs gets: taken round-robin, by worker id, from `RDT_GPUS` (a
+/// comma-separated list), else from the driver's own
+/// `CUDA_VISIBLE_DEVICES`, else from the devices `nvidia-smi` would number
+/// 0..count (counted through `/proc/driver/nvidia/gpus`, or 1 if that is
+/// absent). Several workers may share one device (fractional GPUs); a
+/// worker never gets the same device twice.
+pub(crate) fn gpu_assignment(n: u32, worker: u64) -> String {
+    let list = |v: String| -> Vec<String> {
+        v.split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    let pool: Vec<String> = std::env::var("RDT_GPUS")
+        .ok()
+        .map(list)
+        .filter(|l| !l.is_empty())
+        .or_else(|| {
+            std::env::var("CUDA_VISIBLE_DEVICES")
+                .ok()
+                .map(list)
+                .filter(|l| !l.is_empty())
+        })
+        .unwrap_or_else(|| {
+            let count = std::fs::read_dir("/proc/driver/nvidia/gpus")
+                .map(|d| d.count())
+                .unwrap_or(1)
+                .max(1);
+            (0..count).map(|i| i.to_string()).collect()
+        });
+    let k = (n as usize).min(pool.len());
+    let start = worker as usize % pool.len();
+    (0..k)
+        .map(|i| pool[(start + i) % pool.len()].clone())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+#[cfg(test)]
+mod gpu_assignment_tests {
+    #[test]
+    fn round_robin_over_rdt_gpus() {
+        std::env::set_var("RDT_GPUS", "3,5");
+        assert_eq!(super::gpu_assignment(1, 0), "3");
+        assert_eq!(super::gpu_assignment(1, 1), "5");
+        assert_eq!(super::gpu_assignment(1, 2), "3");
+        assert_eq!(super::gpu_assignment(2, 1), "5,3");
+        assert_eq!(super::gpu_assignment(4, 0), "3,5");
+        std::env::remove_var("RDT_GPUS");
+    }
 }

@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use rdt_transport::shm::ShmTransport;
-use rdt_transport::{ObjectStoreTransport, TcpTransport, TensorTransport};
+use rdt_transport::{CudaIpcTransport, ObjectStoreTransport, TcpTransport, TensorTransport};
 
 use crate::error::{Error, Result};
 
@@ -78,7 +78,7 @@ impl Transport {
     pub const fn is_implemented(self) -> bool {
         matches!(
             self,
-            Transport::ObjectStore | Transport::Tcp | Transport::Shm
+            Transport::ObjectStore | Transport::Tcp | Transport::Shm | Transport::CudaIpc
         )
     }
 
@@ -89,6 +89,7 @@ impl Transport {
     pub fn instance(self) -> Result<Arc<dyn TensorTransport>> {
         static OBJECT_STORE: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
         static SHM: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
+        static CUDA_IPC: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
         static TCP: OnceLock<std::result::Result<Arc<dyn TensorTransport>, String>> =
             OnceLock::new();
         match self {
@@ -96,6 +97,11 @@ impl Transport {
                 .get_or_init(|| Arc::new(ObjectStoreTransport))
                 .clone()),
             Transport::Shm => Ok(SHM.get_or_init(|| Arc::new(ShmTransport::new())).clone()),
+            // Usable wherever CUDA is; without it, exports of CUDA tensors
+            // cannot happen and receives fail with the CUDA error.
+            Transport::CudaIpc => Ok(CUDA_IPC
+                .get_or_init(|| Arc::new(CudaIpcTransport::new()))
+                .clone()),
             Transport::Tcp => {
                 let cfg = WORKER_CONFIG
                     .get()
@@ -117,7 +123,7 @@ impl Transport {
             }
             other => Err(Error::TransportUnavailable {
                 name: other.name().to_string(),
-                reason: "this build of rdt does not implement it yet; use object_store, tcp or shm"
+                reason: "this build of rdt does not implement it yet; use object_store, tcp, shm or cuda_ipc"
                     .to_string(),
             }),
         }

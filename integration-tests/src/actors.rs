@@ -234,3 +234,179 @@ impl Picky {
         self.v
     }
 }
+
+// ---------------------------------------------------------------------------
+// GPU actors (used by `tests/gpu.rs`, feature `gpu`; they compile everywhere
+// and only touch CUDA when called).
+
+fn tensor_err(e: rdt::TensorError) -> Error {
+    Error::from(e)
+}
+
+/// Produces CUDA tensors on its first visible device.
+#[rdt::actor]
+pub struct GpuProducer {
+    kept: Vec<Tensor>,
+}
+
+#[rdt::actor]
+impl GpuProducer {
+    fn new() -> Self {
+        GpuProducer { kept: Vec::new() }
+    }
+
+    /// A CUDA tensor of `n` f32 equal to `v`, ready when returned.
+    async fn make(&mut self, v: f32, n: usize) -> rdt::Result<Tensor> {
+        let t = Tensor::cuda_full(v, &[n], 0).map_err(tensor_err)?;
+        Ok(t)
+    }
+
+    /// Like `make`, keeping a clone (to look at it after a consumer wrote).
+    async fn make_kept(&mut self, v: f32, n: usize) -> rdt::Result<Tensor> {
+        let t = Tensor::cuda_full(v, &[n], 0).map_err(tensor_err)?;
+        self.kept.push(t.clone());
+        Ok(t)
+    }
+
+    /// First element of the kept tensor `i`, read back from the GPU.
+    async fn read_kept(&mut self, i: usize) -> rdt::Result<f32> {
+        let v = self.kept[i].to_cpu().map_err(tensor_err)?;
+        Ok(v.to_vec::<f32>().map_err(tensor_err)?[0])
+    }
+
+    /// Drops the kept tensors.
+    async fn forget(&mut self) -> usize {
+        let n = self.kept.len();
+        self.kept.clear();
+        n
+    }
+
+    /// A nested value of CUDA tensors and plain data.
+    async fn batch(&mut self, step: u64) -> rdt::Result<Batch> {
+        let mut weights = HashMap::new();
+        weights.insert(
+            "w1".to_string(),
+            Tensor::cuda_full(1.0f32, &[8, 8], 0).map_err(tensor_err)?,
+        );
+        weights.insert(
+            "w2".to_string(),
+            Tensor::arange::<i64>(16).to_device(0).map_err(tensor_err)?,
+        );
+        Ok(Batch {
+            step,
+            weights,
+            extra: vec![
+                Tensor::cuda_full(2.0f64, &[3], 0).map_err(tensor_err)?,
+                Tensor::cuda_full(3u8, &[5], 0).map_err(tensor_err)?,
+            ],
+            mask: Some(Tensor::cuda_full(1u8, &[4], 0).map_err(tensor_err)?),
+            label: format!("batch-{step}"),
+        })
+    }
+
+    /// The UUID of its device.
+    async fn uuid(&mut self) -> rdt::Result<String> {
+        Ok(rdt::data::cuda::gpu(0)
+            .map_err(|e| tensor_err(e.into()))?
+            .uuid()
+            .to_string())
+    }
+
+    /// Objects in its store.
+    async fn stored(&mut self) -> usize {
+        rdt::local_objects()
+    }
+
+    /// Exits the process abruptly.
+    async fn die(&mut self) -> u64 {
+        std::process::exit(7)
+    }
+
+    /// Answers (to tell whether it lives).
+    async fn echo(&mut self, x: u64) -> u64 {
+        x
+    }
+}
+
+/// Consumes CUDA tensors.
+#[rdt::actor]
+pub struct GpuConsumer {
+    held: Vec<Tensor>,
+}
+
+#[rdt::actor]
+impl GpuConsumer {
+    fn new() -> Self {
+        GpuConsumer { held: Vec::new() }
+    }
+
+    /// Sum of `t` (read back from the GPU) and whether it is a CUDA tensor.
+    async fn sum(&mut self, t: Tensor) -> rdt::Result<(f64, bool)> {
+        Ok((t.sum().map_err(tensor_err)?, t.is_cuda()))
+    }
+
+    /// Sums of both and whether they share storage.
+    async fn sum2(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(f64, bool)> {
+        let s = a.sum().map_err(tensor_err)? + b.sum().map_err(tensor_err)?;
+        Ok((s, a.shares_storage(&b)))
+    }
+
+    /// Sum of every tensor of a nested value, with its plain data.
+    async fn batch_sum(&mut self, b: Batch) -> rdt::Result<(u64, String, f64, bool)> {
+        let mut s = 0.0;
+        let mut all_cuda = true;
+        let ts = b
+            .weights
+            .values()
+            .chain(b.extra.iter())
+            .chain(b.mask.iter());
+        for t in ts {
+            s += t.sum().map_err(tensor_err)?;
+            all_cuda &= t.is_cuda();
+        }
+        Ok((b.step, b.label, s, all_cuda))
+    }
+
+    /// Fills `t` with `v` in place and waits for the GPU.
+    async fn fill(&mut self, t: Tensor, v: f32) -> rdt::Result<()> {
+        t.fill_(v).map_err(tensor_err)?;
+        t.cuda_ready().await.map_err(tensor_err)?;
+        Ok(())
+    }
+
+    /// Waits until `t` is usable on the GPU; returns its byte size (the
+    /// benchmark's "consumer can read the tensor").
+    async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
+        t.cuda_ready().await.map_err(tensor_err)?;
+        Ok(t.nbytes())
+    }
+
+    /// Keeps `t`.
+    async fn hold(&mut self, t: Tensor) -> usize {
+        self.held.push(t);
+        self.held.len()
+    }
+
+    /// Sum of the held tensor `i` (read back from the GPU).
+    async fn sum_held(&mut self, i: usize) -> rdt::Result<f64> {
+        self.held[i].sum().map_err(tensor_err)
+    }
+
+    /// Drops the held tensors.
+    async fn drop_held(&mut self) -> usize {
+        let n = self.held.len();
+        self.held.clear();
+        n
+    }
+
+    /// cuda_ipc counts of this process: (new mappings, cached, events opened).
+    async fn ipc_stats(&mut self) -> (u64, u64, u64) {
+        let s = rdt::data::cuda::ipc::stats();
+        (s.opened, s.cached, s.events_opened)
+    }
+
+    /// Number of devices this worker sees.
+    async fn devices(&mut self) -> usize {
+        rdt::data::cuda::device_count()
+    }
+}

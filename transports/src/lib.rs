@@ -8,6 +8,7 @@
 #![deny(missing_docs)]
 
 pub mod auth;
+pub mod cuda;
 mod device;
 mod dtype;
 pub mod object_store;
@@ -18,6 +19,7 @@ pub mod transport;
 pub mod value;
 pub mod wire;
 
+pub use cuda::ipc::CudaIpcTransport;
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use object_store::ObjectStoreTransport;

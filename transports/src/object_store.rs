@@ -8,6 +8,12 @@
 //! (producer → driver → consumer). `receive` wraps each blob in a tensor
 //! without copying (copy on first write, see `Tensor`). The producer keeps
 //! nothing, so `release` has nothing to do.
+//!
+//! CUDA tensors take the same path through the host: `export` copies them
+//! to the host (device to host), and `unpack` copies them back to a device
+//! (host to device) when the receiving process can use CUDA: to the device
+//! with the same UUID if it sees it, else to its first device. A process
+//! without CUDA (a CPU-only driver, say) gets CPU tensors.
 
 use futures::future::BoxFuture;
 
@@ -34,11 +40,8 @@ impl TensorTransport for ObjectStoreTransport {
 
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {
         match device {
-            Device::Cpu => Ok(()),
-            other => Err(TransportError::new(
-                NAME,
-                format!("tensors on {other} need a copy to the host first; this build moves CPU tensors only through the object store"),
-            )),
+            // CUDA tensors go through the host (see the module docs).
+            Device::Cpu | Device::Cuda { .. } => Ok(()),
         }
     }
 
@@ -53,7 +56,8 @@ impl TensorTransport for ObjectStoreTransport {
                 self.check_device(t.device())?;
                 out.metas.push(t.meta());
                 let bytes = t
-                    .to_bytes()
+                    .to_cpu()
+                    .and_then(|c| c.to_bytes())
                     .map_err(|e| TransportError::new(NAME, e.to_string()))?;
                 out.inline.push(Blob(bytes));
             }
@@ -88,8 +92,16 @@ pub fn unpack(exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
         .iter()
         .zip(&exported.inline)
         .map(|(m, b)| {
-            Tensor::from_shared_bytes(m.dtype, &m.shape, b.0.clone())
-                .map_err(|e| TransportError::new(NAME, e.to_string()))
+            let t = Tensor::from_shared_bytes(m.dtype, &m.shape, b.0.clone())
+                .map_err(|e| TransportError::new(NAME, e.to_string()))?;
+            match &m.device {
+                Device::Cuda { uuid, .. } if crate::cuda::available().is_ok() => {
+                    let ord = crate::cuda::ordinal_of(uuid).unwrap_or(0);
+                    t.to_device(ord)
+                        .map_err(|e| TransportError::new(NAME, e.to_string()))
+                }
+                _ => Ok(t),
+            }
         })
         .collect::<Result<Vec<_>, _>>()?;
     check_received(NAME, &exported.metas, &tensors)?;

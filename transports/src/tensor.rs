@@ -17,6 +17,7 @@ use bytes::Bytes;
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
+use crate::cuda::{self, DeviceBuffer};
 use crate::{DType, Device, Element};
 
 /// Errors of tensor construction and access.
@@ -48,6 +49,15 @@ pub enum TensorError {
     /// Two tensors that must agree do not.
     #[error("tensors disagree: {0}")]
     Mismatch(String),
+    /// A CUDA operation failed or CUDA is not usable here.
+    #[error("{0}")]
+    Cuda(String),
+}
+
+impl From<crate::cuda::CudaError> for TensorError {
+    fn from(e: crate::cuda::CudaError) -> Self {
+        TensorError::Cuda(e.to_string())
+    }
 }
 
 /// Memory that lives outside the Rust allocator (a shared-memory mapping, a
@@ -73,6 +83,8 @@ enum Memory {
     Owned(Vec<u8>),
     Shared(Bytes),
     External(Box<dyn ExternalMemory>),
+    /// Device memory (CUDA tensors).
+    Cuda(Box<dyn DeviceBuffer>),
 }
 
 /// The bytes behind one or more tensors.
@@ -87,6 +99,7 @@ impl std::fmt::Debug for Storage {
             Memory::Owned(v) => format!("owned {} B", v.len()),
             Memory::Shared(b) => format!("shared {} B", b.len()),
             Memory::External(e) => e.describe(),
+            Memory::Cuda(d) => d.describe(),
         };
         write!(f, "Storage({}, {kind})", self.device)
     }
@@ -105,6 +118,7 @@ impl Storage {
             Memory::Owned(v) => v.len(),
             Memory::Shared(b) => b.len(),
             Memory::External(e) => e.len(),
+            Memory::Cuda(d) => d.len(),
         }
     }
 }
@@ -289,7 +303,7 @@ impl Tensor {
     pub fn with_external<R>(&self, f: impl FnOnce(Option<&dyn ExternalMemory>) -> R) -> R {
         match &*self.storage.mem.read() {
             Memory::External(e) => f(Some(e.as_ref())),
-            Memory::Owned(_) | Memory::Shared(_) => f(None),
+            Memory::Owned(_) | Memory::Shared(_) | Memory::Cuda(_) => f(None),
         }
     }
 
@@ -310,7 +324,7 @@ impl Tensor {
         let src: &[u8] = match &*guard {
             Memory::Owned(v) => v,
             Memory::Shared(b) => b,
-            Memory::External(_) => return Ok(false),
+            Memory::External(_) | Memory::Cuda(_) => return Ok(false),
         };
         // An empty memory may have a dangling (even null) pointer: nothing to
         // copy, and no slice may be made of it.
@@ -337,6 +351,7 @@ impl Tensor {
             // SAFETY: the external memory is valid for `len` bytes while it
             // lives, and it lives while `mem` (the read guard) is held.
             Memory::External(e) => unsafe { std::slice::from_raw_parts(e.as_ptr(), e.len()) },
+            Memory::Cuda(_) => unreachable!("require_host rejects CUDA storage"),
         };
         Ok(f(bytes))
     }
@@ -356,6 +371,7 @@ impl Tensor {
             // SAFETY: as in `with_bytes`; the write guard excludes every
             // other access through this storage in this process.
             Memory::External(e) => unsafe { std::slice::from_raw_parts_mut(e.as_ptr(), e.len()) },
+            Memory::Cuda(_) => unreachable!("require_host rejects CUDA storage"),
         };
         Ok(f(bytes))
     }
@@ -397,6 +413,14 @@ impl Tensor {
     /// Sets every element to `value`.
     pub fn fill_<T: Element>(&self, value: T) -> Result<(), TensorError> {
         self.require_dtype::<T>()?;
+        if self.is_cuda() {
+            // Enqueued on the GPU's stream: ordered before later ops, copies
+            // and transfers of this process.
+            return Ok(self.with_device_buffer(|d| {
+                d.gpu()
+                    .fill(d.device_ptr(), d.len(), bytemuck::bytes_of(&value))
+            })??);
+        }
         self.with_bytes_mut(|b| {
             let one = bytemuck::bytes_of(&value);
             for chunk in b.chunks_exact_mut(one.len()) {
@@ -419,7 +443,13 @@ impl Tensor {
     }
 
     /// Sum of all elements, as `f64`, for any numeric element type.
+    ///
+    /// A CUDA tensor is copied to the host first (a test helper, not a
+    /// fast reduction).
     pub fn sum(&self) -> Result<f64, TensorError> {
+        if self.is_cuda() {
+            return self.to_cpu()?.sum();
+        }
         macro_rules! sum_as {
             ($t:ty, $b:expr) => {
                 // Aligned storage (the usual case) is read in place.
@@ -457,8 +487,139 @@ impl Tensor {
         if self.shares_storage(other) {
             return Ok(true);
         }
+        if self.is_cuda() || other.is_cuda() {
+            let a = if self.is_cuda() {
+                self.to_cpu()?
+            } else {
+                self.clone()
+            };
+            let b = if other.is_cuda() {
+                other.to_cpu()?
+            } else {
+                other.clone()
+            };
+            return a.equal(&b);
+        }
         let a = self.to_bytes()?;
         other.with_bytes(|b| a[..] == b[..])
+    }
+
+    /// Is the storage CUDA device memory?
+    pub fn is_cuda(&self) -> bool {
+        matches!(self.storage.device, Device::Cuda { .. })
+    }
+
+    /// A tensor over device memory. `device` names where the memory lives
+    /// (the producer's device for memory mapped from another process).
+    pub fn from_device_buffer(
+        dtype: DType,
+        shape: &[usize],
+        device: Device,
+        buf: Box<dyn DeviceBuffer>,
+    ) -> Result<Self, TensorError> {
+        if device.is_cpu() {
+            return Err(TensorError::Cuda(
+                "device memory needs a CUDA device, not cpu".into(),
+            ));
+        }
+        check_size(dtype, shape, buf.len())?;
+        let storage = Arc::new(Storage {
+            device,
+            mem: RwLock::new(Memory::Cuda(buf)),
+        });
+        Ok(Self::with_storage(dtype, shape, storage))
+    }
+
+    /// Calls `f` with the storage's device memory; errors on host tensors.
+    pub fn with_device_buffer<R>(
+        &self,
+        f: impl FnOnce(&dyn DeviceBuffer) -> R,
+    ) -> Result<R, TensorError> {
+        match &*self.storage.mem.read() {
+            Memory::Cuda(d) => Ok(f(d.as_ref())),
+            _ => Err(TensorError::Cuda(format!(
+                "tensor is on {}, not on a CUDA device",
+                self.storage.device
+            ))),
+        }
+    }
+
+    /// An uninitialized CUDA tensor on local device `ordinal`, in
+    /// exportable memory (see [`cuda::alloc`]).
+    pub fn cuda_empty(dtype: DType, shape: &[usize], ordinal: usize) -> Result<Self, TensorError> {
+        let n = shape
+            .iter()
+            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+            .ok_or_else(|| TensorError::Cuda(format!("shape {shape:?} is too large")))?;
+        let gpu = cuda::gpu(ordinal)?;
+        let range = cuda::alloc::alloc(&gpu, n)?;
+        Self::from_device_buffer(dtype, shape, gpu.device(), Box::new(range))
+    }
+
+    /// A CUDA tensor of zeros on local device `ordinal`.
+    pub fn cuda_zeros(dtype: DType, shape: &[usize], ordinal: usize) -> Result<Self, TensorError> {
+        let t = Self::cuda_empty(dtype, shape, ordinal)?;
+        t.with_device_buffer(|d| d.gpu().fill(d.device_ptr(), d.len(), &[0]))??;
+        Ok(t)
+    }
+
+    /// A CUDA tensor with every element equal to `value`, on local device
+    /// `ordinal`.
+    pub fn cuda_full<T: Element>(
+        value: T,
+        shape: &[usize],
+        ordinal: usize,
+    ) -> Result<Self, TensorError> {
+        let t = Self::cuda_empty(T::DTYPE, shape, ordinal)?;
+        t.fill_(value)?;
+        Ok(t)
+    }
+
+    /// A copy of this tensor on local CUDA device `ordinal` (host to device
+    /// or device to device; the copy is enqueued on the destination's
+    /// stream).
+    pub fn to_device(&self, ordinal: usize) -> Result<Tensor, TensorError> {
+        let out = Self::cuda_empty(self.dtype, &self.shape, ordinal)?;
+        out.with_device_buffer(|dst| -> Result<(), TensorError> {
+            if self.is_cuda() {
+                self.with_device_buffer(|src| -> Result<(), TensorError> {
+                    // Order after the source's pending work, then copy.
+                    if !Arc::ptr_eq(src.gpu(), dst.gpu()) {
+                        src.gpu().synchronize()?;
+                    }
+                    dst.gpu()
+                        .copy_dtod(dst.device_ptr(), src.device_ptr(), dst.len())?;
+                    Ok(())
+                })?
+            } else {
+                self.with_bytes(|b| dst.gpu().copy_htod(dst.device_ptr(), b))??;
+                Ok(())
+            }
+        })??;
+        Ok(out)
+    }
+
+    /// A CPU copy of this tensor (waits for the GPU: blocking, meant for
+    /// tests and the object-store path). A CPU tensor is returned as is.
+    pub fn to_cpu(&self) -> Result<Tensor, TensorError> {
+        if !self.is_cuda() {
+            return Ok(self.clone());
+        }
+        let mut bytes = vec![0u8; self.nbytes()];
+        self.with_device_buffer(|d| d.gpu().copy_dtoh(&mut bytes, d.device_ptr()))??;
+        Tensor::from_bytes(self.dtype, &self.shape, bytes)
+    }
+
+    /// Resolves when every GPU op enqueued so far on this tensor's stream
+    /// (by this process) is done, without blocking the executor. Immediate
+    /// for CPU tensors.
+    pub async fn cuda_ready(&self) -> Result<(), TensorError> {
+        if !self.is_cuda() {
+            return Ok(());
+        }
+        let c = self.with_device_buffer(|d| d.gpu().completion())??;
+        c.wait().await?;
+        Ok(())
     }
 
     /// A new CPU tensor with a copy of the bytes (its own storage).

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds the `gpu` integration tests and the CUDA benchmark in release mode
+# into .gpu/ (self-contained: no Rust toolchain or network needed where it
+# runs), with .gpu/run.sh to run them all on a GPU host.
+#   scripts/gpu-bundle.sh            # build the bundle
+#   bash .gpu/run.sh [LOGDIR]        # on the GPU host; logs + bench JSON in LOGDIR (default .gpu/out)
+# libcuda is found by the binaries themselves; set LD_LIBRARY_PATH for
+# anything else. RDT_EXPECT_GPUS=2 makes the two-GPU tests mandatory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=.gpu
+rm -rf "$out"
+mkdir -p "$out/bin"
+ex="$(git rev-parse --git-path info/exclude)"; mkdir -p "$(dirname "$ex")"; grep -qx '/.gpu/' "$ex" 2>/dev/null || echo '/.gpu/' >> "$ex"
+
+cargo test -p rdt-integration-tests --features gpu --release --no-run --message-format=json \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        print(m["executable"])
+' > "$out/tests.txt"
+cargo build -p rdt-examples --release --example bench_cuda
+while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
+cp target/release/examples/bench_cuda "$out/bin/bench_cuda"
+rm "$out/tests.txt"
+
+cat > "$out/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the rdt GPU bundle: gpu tests, then the CUDA benchmark.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+logs="${1:-$here/out}"
+mkdir -p "$logs"
+export NCCL_NVLS_ENABLE=0
+export RUST_BACKTRACE=1
+echo "== host: $(hostname)  date: $(date -u +%FT%TZ)"
+nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv 2>&1 || true
+rc=0
+echo "== gpu tests"
+"$here/bin/gpu-tests" --test-threads=1 2>&1 | tee "$logs/gpu-tests.log"
+t=${PIPESTATUS[0]}; [ "$t" = 0 ] || rc=$t
+echo "== gpu tests exit: $t"
+echo "== bench_cuda"
+"$here/bin/bench_cuda" --json "$logs/cuda.json" 2>&1 | tee "$logs/bench_cuda.log"
+b=${PIPESTATUS[0]}; [ "$b" = 0 ] || rc=$b
+echo "== bench_cuda exit: $b"
+exit $rc
+RUN
+chmod +x "$out/run.sh" "$out/bin/"*
+# Debug info is not needed on the GPU host and would double the size.
+command -v strip >/dev/null && strip --strip-debug "$out/bin/"*
+du -sh "$out"

@@ -1,0 +1,585 @@
+//! The `cuda_ipc` transport: zero-copy hand-over of CUDA tensors between
+//! processes of one host, through CUDA IPC.
+//!
+//! # Protocol
+//! 1. **Export (producer).** Every CUDA tensor rdt allocates lives in a
+//!    range of a `cuMemAlloc` slab ([`alloc`](super::alloc)). Export
+//!    publishes, per tensor, its slab's `cuIpcGetMemHandle` (made once per
+//!    slab), the slab id, the range's offset and length, and the range's
+//!    import counter slot; and, per device, the handle of the producer's
+//!    interprocess event, recorded on rdt's stream at export, so it
+//!    completes when the work that produced the tensors does. The handles
+//!    also carry the host's boot id and pid namespace, the producer's pid
+//!    and the descriptor and inode of its import-counter memfd. A tensor in
+//!    memory the producer did not allocate (one it received itself) is
+//!    copied into a fresh range first, kept until [`release`].
+//! 2. **Receive (consumer).** The consumer checks it runs on the same host,
+//!    checks the producer is alive (its counter memfd is still at
+//!    `/proc/<pid>/fd/<fd>` with the same inode: a dead producer is a clear
+//!    error, never a hang), makes its stream wait on the producer's event
+//!    (`cuStreamWaitEvent`: no host sync; each event handle is opened once
+//!    per process), and maps each slab **once** (`cuIpcOpenMemHandle` with
+//!    lazy peer access), caching the mapping for every later tensor in that
+//!    slab (gpu.md pitfall 2). [`stats`] counts new mappings vs cache hits.
+//!    The tensors it returns share the producer's memory: a write by the
+//!    consumer is seen by the producer (Ray's semantics). Each tensor counts
+//!    itself in the range's shared import counter while it lives.
+//! 3. **Release (producer).** Drops the copies made at export. The
+//!    producer's own tensors give their ranges back to the slab when they
+//!    are dropped, but a range whose import counter is not zero waits until
+//!    every importer dropped its tensors (see `alloc` for the lifetime
+//!    rules). Slabs are never freed while the producer lives, so no
+//!    importer's mapping ever outlives its memory; importers keep mappings
+//!    cached until they exit or call [`close_unused_mappings`].
+//!
+//! Devices are matched by UUID: a consumer that sees the producer's device
+//! maps it there; otherwise it maps it in its first device's context with
+//! peer access (both devices must be visible to the consumer). Another host
+//! is an error naming the transports that cross hosts.
+//!
+//! [`release`]: TensorTransport::release
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys;
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use super::alloc::{self, Counters, SlabRange};
+use super::{CudaError, DeviceBuffer, Event, Gpu};
+use crate::transport::{
+    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+};
+use crate::{Device, Exported, Tensor};
+
+/// Name of this transport in attributes and errors.
+pub const NAME: &str = "cuda_ipc";
+
+static OPENED: AtomicU64 = AtomicU64::new(0);
+static CACHED: AtomicU64 = AtomicU64::new(0);
+static EVENTS_OPENED: AtomicU64 = AtomicU64::new(0);
+
+/// How often this process, as a consumer, had to open a new mapping.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpcStats {
+    /// Tensors whose slab had to be mapped (`cuIpcOpenMemHandle`).
+    pub opened: u64,
+    /// Tensors whose slab was already mapped.
+    pub cached: u64,
+    /// Producer events opened (`cuIpcOpenEventHandle`).
+    pub events_opened: u64,
+}
+
+/// This process's counts (consumer side).
+pub fn stats() -> IpcStats {
+    IpcStats {
+        opened: OPENED.load(Ordering::Relaxed),
+        cached: CACHED.load(Ordering::Relaxed),
+        events_opened: EVENTS_OPENED.load(Ordering::Relaxed),
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Handles {
+    boot_id: String,
+    pid_ns: Option<u64>,
+    pid: u32,
+    counters_fd: i32,
+    counters_id: (u64, u64),
+    /// Per producer device: UUID and event handle.
+    events: Vec<(String, Vec<u8>)>,
+    tensors: Vec<TensorHandle>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct TensorHandle {
+    slab: u64,
+    slab_handle: Vec<u8>,
+    slab_len: u64,
+    offset: u64,
+    len: u64,
+    slot: u32,
+}
+
+/// Moves CUDA tensors between processes of one host with CUDA IPC, no copy.
+#[derive(Default)]
+pub struct CudaIpcTransport {
+    /// Copies made at export, kept until release.
+    copies: Mutex<HashMap<ObjectKey, Vec<Tensor>>>,
+}
+
+impl std::fmt::Debug for CudaIpcTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaIpcTransport").finish_non_exhaustive()
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> TransportError {
+    TransportError::new(NAME, e.to_string())
+}
+
+struct HostId {
+    boot_id: String,
+    pid_ns: Option<u64>,
+}
+
+fn host_id() -> Result<&'static HostId, TransportError> {
+    static ID: OnceLock<Result<HostId, String>> = OnceLock::new();
+    ID.get_or_init(|| {
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map_err(|e| format!("cannot read the boot id ({e}): cuda_ipc needs Linux /proc"))?;
+        let pid_ns = std::fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino());
+        Ok(HostId {
+            boot_id: boot_id.trim().to_string(),
+            pid_ns,
+        })
+    })
+    .as_ref()
+    .map_err(err)
+}
+
+impl CudaIpcTransport {
+    /// A transport with nothing exported.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn export_now(&self, key: ObjectKey, tensors: &[Tensor]) -> Result<Exported, TransportError> {
+        let host = host_id()?;
+        let counters = alloc::counters().map_err(err)?;
+        let mut out = Exported::default();
+        let mut gpus: Vec<Arc<Gpu>> = Vec::new();
+        let mut handles = Vec::with_capacity(tensors.len());
+        let mut copies = Vec::new();
+        for t in tensors {
+            self.check_device(t.device())?;
+            let own = t
+                .with_device_buffer(|d| d.as_any().is::<SlabRange>())
+                .map_err(err)?;
+            let t = if own {
+                t.clone()
+            } else {
+                // Memory this process did not allocate: copy it into a range.
+                let ord = t.with_device_buffer(|d| d.gpu().ordinal()).map_err(err)?;
+                let c = t.to_device(ord).map_err(err)?;
+                copies.push(c.clone());
+                c
+            };
+            let h = t
+                .with_device_buffer(|d| -> Result<TensorHandle, CudaError> {
+                    let r = d.as_any().downcast_ref::<SlabRange>().expect("checked");
+                    if !gpus.iter().any(|g| Arc::ptr_eq(g, d.gpu())) {
+                        gpus.push(d.gpu().clone());
+                    }
+                    Ok(TensorHandle {
+                        slab: r.slab.id,
+                        slab_handle: r.slab.ipc_handle()?.to_vec(),
+                        slab_len: r.slab.len as u64,
+                        offset: r.offset as u64,
+                        len: d.len() as u64,
+                        slot: r.counter_slot()?,
+                    })
+                })
+                .map_err(err)?
+                .map_err(err)?;
+            out.metas.push(t.meta());
+            handles.push(h);
+        }
+        let mut events = Vec::with_capacity(gpus.len());
+        for g in &gpus {
+            events.push((
+                g.uuid().to_string(),
+                g.record_ipc_event().map_err(err)?.to_vec(),
+            ));
+        }
+        let h = Handles {
+            boot_id: host.boot_id.clone(),
+            pid_ns: host.pid_ns,
+            pid: std::process::id(),
+            counters_fd: counters.fd(),
+            counters_id: counters.id,
+            events,
+            tensors: handles,
+        };
+        out.handles = postcard::to_allocvec(&h).map_err(err)?;
+        if !copies.is_empty() {
+            self.copies.lock().insert(key, copies);
+        }
+        Ok(out)
+    }
+
+    fn receive_now(&self, from: &Peer, exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
+        let perr = |m: String| TransportError::with_peer(NAME, from, m);
+        let h: Handles = postcard::from_bytes(&exported.handles)
+            .map_err(|e| perr(format!("malformed handles: {e}")))?;
+        let host = host_id()?;
+        if h.boot_id != host.boot_id
+            || (h.pid_ns.is_some() && host.pid_ns.is_some() && h.pid_ns != host.pid_ns)
+        {
+            return Err(perr(
+                "the producer runs on another host (or pid namespace): cuda_ipc works between processes of one host; use nccl or nixl across hosts".into(),
+            ));
+        }
+        if h.tensors.len() != exported.metas.len() {
+            return Err(perr(format!(
+                "handles describe {} tensors, metadata {}",
+                h.tensors.len(),
+                exported.metas.len()
+            )));
+        }
+        super::available().map_err(|e| perr(format!("this consumer cannot use CUDA: {e}")))?;
+        let counters = open_counters(&h).map_err(perr)?;
+
+        // Order this process's stream after the producer's work.
+        let mut local: HashMap<String, Arc<Gpu>> = HashMap::new();
+        for (uuid, ev) in &h.events {
+            let g = local_gpu(uuid).map_err(|e| perr(e.to_string()))?;
+            let ev = open_event(&h, uuid, ev).map_err(|e| perr(e.to_string()))?;
+            g.wait_event(ev).map_err(|e| perr(e.to_string()))?;
+            local.insert(uuid.clone(), g);
+        }
+        let mut out = Vec::with_capacity(h.tensors.len());
+        for (meta, th) in exported.metas.iter().zip(&h.tensors) {
+            let Device::Cuda { uuid, .. } = &meta.device else {
+                return Err(perr(format!(
+                    "tensor on {} is not a CUDA tensor",
+                    meta.device
+                )));
+            };
+            if th.len as usize != meta.nbytes() {
+                return Err(perr(format!(
+                    "handle length {} does not match the tensor's {} bytes",
+                    th.len,
+                    meta.nbytes()
+                )));
+            }
+            let g = match local.get(uuid) {
+                Some(g) => g.clone(),
+                None => local_gpu(uuid).map_err(|e| perr(e.to_string()))?,
+            };
+            let map = open_slab(&h, th, &g).map_err(|e| perr(e.to_string()))?;
+            if th
+                .offset
+                .checked_add(th.len)
+                .is_none_or(|end| end > map.len as u64)
+            {
+                return Err(perr("tensor range reaches past its slab".into()));
+            }
+            counters.add(th.slot, 1);
+            let buf = ImportedRange {
+                map,
+                offset: th.offset as usize,
+                len: th.len as usize,
+                counters: counters.clone(),
+                slot: th.slot,
+            };
+            let device = Device::Cuda {
+                uuid: uuid.clone(),
+                ordinal: g.ordinal() as u32,
+            };
+            out.push(
+                Tensor::from_device_buffer(meta.dtype, &meta.shape, device, Box::new(buf))
+                    .map_err(|e| perr(e.to_string()))?,
+            );
+        }
+        check_received(NAME, &exported.metas, &out)?;
+        Ok(out)
+    }
+}
+
+/// The local GPU to use for memory on device `uuid`: that device if this
+/// process sees it, else the first visible device (peer access).
+fn local_gpu(uuid: &str) -> Result<Arc<Gpu>, CudaError> {
+    match super::ordinal_of(uuid) {
+        Some(i) => super::gpu(i),
+        None => super::gpu(0),
+    }
+}
+
+type CounterKey = (u32, (u64, u64));
+
+fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
+    static CACHE: OnceLock<Mutex<HashMap<CounterKey, Arc<Counters>>>> = OnceLock::new();
+    let key = (h.pid, h.counters_id);
+    // Liveness: the producer's memfd must still be at its descriptor. A
+    // dead producer fails here (cached or not) with a clear message.
+    let path = format!("/proc/{}/fd/{}", h.pid, h.counters_fd);
+    match std::fs::metadata(&path) {
+        Ok(md) if (md.dev(), md.ino()) == h.counters_id => {}
+        _ => {
+            CACHE.get_or_init(Default::default).lock().remove(&key);
+            return Err(format!(
+                "the producer (pid {}) has exited or closed its CUDA memory: the tensors are gone",
+                h.pid
+            ));
+        }
+    }
+    let mut cache = CACHE.get_or_init(Default::default).lock();
+    if let Some(c) = cache.get(&key) {
+        return Ok(c.clone());
+    }
+    let c = Arc::new(Counters::open(h.pid, h.counters_fd, h.counters_id)?);
+    cache.insert(key, c.clone());
+    Ok(c)
+}
+
+type EventKey = (u32, (u64, u64), String);
+
+fn open_event(h: &Handles, uuid: &str, handle: &[u8]) -> Result<Event, CudaError> {
+    static CACHE: OnceLock<Mutex<HashMap<EventKey, Event>>> = OnceLock::new();
+    let key = (h.pid, h.counters_id, uuid.to_string());
+    let mut cache = CACHE.get_or_init(Default::default).lock();
+    if let Some(e) = cache.get(&key) {
+        return Ok(*e);
+    }
+    let mut raw = sys::CUipcEventHandle { reserved: [0; 64] };
+    if handle.len() != 64 {
+        return Err(CudaError("malformed event handle".into()));
+    }
+    for (d, s) in raw.reserved.iter_mut().zip(handle) {
+        *d = *s as _;
+    }
+    let mut ev = std::ptr::null_mut();
+    // SAFETY: out-pointer valid; the handle came from cuIpcGetEventHandle.
+    unsafe { sys::cuIpcOpenEventHandle(&mut ev, raw) }
+        .result()
+        .map_err(|e| CudaError::call("cuIpcOpenEventHandle", e))?;
+    EVENTS_OPENED.fetch_add(1, Ordering::Relaxed);
+    cache.insert(key, Event(ev));
+    Ok(Event(ev))
+}
+
+/// One mapping of a producer's slab in this process.
+struct Mapping {
+    ptr: u64,
+    len: usize,
+    gpu: Arc<Gpu>,
+    describe: String,
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and no tensor uses
+            // it any more (each holds an Arc of this mapping).
+            unsafe {
+                let _ = sys::cuIpcCloseMemHandle(self.ptr);
+            }
+        }
+    }
+}
+
+type SlabKey = (u32, (u64, u64), u64, usize);
+
+fn mappings() -> &'static Mutex<HashMap<SlabKey, Arc<Mapping>>> {
+    static CACHE: OnceLock<Mutex<HashMap<SlabKey, Arc<Mapping>>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+fn open_slab(h: &Handles, th: &TensorHandle, g: &Arc<Gpu>) -> Result<Arc<Mapping>, CudaError> {
+    let key = (h.pid, h.counters_id, th.slab, g.ordinal());
+    let mut cache = mappings().lock();
+    if let Some(m) = cache.get(&key) {
+        CACHED.fetch_add(1, Ordering::Relaxed);
+        return Ok(m.clone());
+    }
+    if th.slab_handle.len() != 64 {
+        return Err(CudaError("malformed memory handle".into()));
+    }
+    let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
+    for (d, s) in raw.reserved.iter_mut().zip(&th.slab_handle) {
+        *d = *s as _;
+    }
+    g.bind()?;
+    let mut ptr = 0;
+    // SAFETY: out-pointer valid; the handle came from cuIpcGetMemHandle.
+    unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            raw,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    }
+    .result()
+    .map_err(|e| {
+        let mut c = CudaError::call("cuIpcOpenMemHandle", e);
+        c.0.push_str(
+            " (the producer's device must be visible to the consumer, or peer-accessible from its device)",
+        );
+        c
+    })?;
+    let m = Arc::new(Mapping {
+        ptr,
+        len: th.slab_len as usize,
+        gpu: g.clone(),
+        describe: format!("pid {} slab {}", h.pid, th.slab),
+    });
+    OPENED.fetch_add(1, Ordering::Relaxed);
+    cache.insert(key, m.clone());
+    Ok(m)
+}
+
+/// Closes every cached mapping no tensor of this process uses any more.
+/// Returns how many were closed.
+pub fn close_unused_mappings() -> usize {
+    let mut cache = mappings().lock();
+    let before = cache.len();
+    cache.retain(|_, m| Arc::strong_count(m) > 1);
+    before - cache.len()
+}
+
+/// A range of a producer's slab, as this consumer maps it.
+struct ImportedRange {
+    map: Arc<Mapping>,
+    offset: usize,
+    len: usize,
+    counters: Arc<Counters>,
+    slot: u32,
+}
+
+impl Drop for ImportedRange {
+    fn drop(&mut self) {
+        self.counters.add(self.slot, -1);
+    }
+}
+
+impl DeviceBuffer for ImportedRange {
+    fn device_ptr(&self) -> u64 {
+        self.map.ptr + self.offset as u64
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.map.gpu
+    }
+    fn describe(&self) -> String {
+        format!(
+            "cuda_ipc import of {} +{} ({} B)",
+            self.map.describe, self.offset, self.len
+        )
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl TensorTransport for CudaIpcTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn sidedness(&self) -> Sidedness {
+        Sidedness::OneSided
+    }
+
+    fn check_device(&self, device: &Device) -> Result<(), TransportError> {
+        match device {
+            Device::Cuda { .. } => Ok(()),
+            Device::Cpu => Err(TransportError::new(
+                NAME,
+                "cuda_ipc moves CUDA tensors; use shm (same host) or tcp for CPU tensors",
+            )),
+        }
+    }
+
+    fn export<'a>(
+        &'a self,
+        key: ObjectKey,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<Exported, TransportError>> {
+        Box::pin(async move { self.export_now(key, tensors) })
+    }
+
+    fn receive<'a>(
+        &'a self,
+        from: &'a Peer,
+        _xfer: TransferId,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
+        Box::pin(async move { self.receive_now(from, exported) })
+    }
+
+    fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            self.copies.lock().remove(&key);
+            alloc::reclaim();
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn peer() -> Peer {
+        Peer {
+            actor: 1,
+            name: "producer".into(),
+            host: "here".into(),
+            endpoint: String::new(),
+        }
+    }
+
+    #[test]
+    fn cpu_tensors_are_refused() {
+        let t = CudaIpcTransport::new();
+        let e = t.check_device(&Device::Cpu).unwrap_err();
+        assert!(e.message.contains("shm"), "{e}");
+        let x = Tensor::full(1f32, &[4]);
+        let e = futures::executor::block_on(t.export(1, &[x])).unwrap_err();
+        assert!(e.message.contains("CUDA tensors"), "{e}");
+    }
+
+    #[test]
+    fn another_host_is_a_clear_error() {
+        let h = Handles {
+            boot_id: "another-boot".into(),
+            pid_ns: None,
+            pid: 1,
+            counters_fd: 0,
+            counters_id: (0, 0),
+            events: vec![],
+            tensors: vec![],
+        };
+        let ex = Exported {
+            metas: vec![],
+            handles: postcard::to_allocvec(&h).unwrap(),
+            inline: vec![],
+        };
+        let t = CudaIpcTransport::new();
+        let e = futures::executor::block_on(t.receive(&peer(), 0, &ex)).unwrap_err();
+        assert!(e.message.contains("another host"), "{e}");
+    }
+
+    #[test]
+    fn without_cuda_receive_says_why() {
+        if super::super::available().is_ok() {
+            return;
+        }
+        let h = Handles {
+            boot_id: host_id().unwrap().boot_id.clone(),
+            pid_ns: host_id().unwrap().pid_ns,
+            pid: std::process::id(),
+            counters_fd: 0,
+            counters_id: (0, 0),
+            events: vec![],
+            tensors: vec![],
+        };
+        let ex = Exported {
+            metas: vec![],
+            handles: postcard::to_allocvec(&h).unwrap(),
+            inline: vec![],
+        };
+        let e = futures::executor::block_on(CudaIpcTransport::new().receive(&peer(), 0, &ex))
+            .unwrap_err();
+        assert!(e.message.contains("cannot use CUDA"), "{e}");
+        let e = Tensor::cuda_zeros(crate::DType::F32, &[4], 0).unwrap_err();
+        assert!(e.to_string().contains("CUDA"), "{e}");
+    }
+}

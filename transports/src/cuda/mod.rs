@@ -1,0 +1,560 @@
+//! The CUDA layer: per-process contexts, streams, events, an async
+//! completion primitive, exportable device memory and the few ops that
+//! tests, examples and benchmarks need. Built on `cudarc`'s driver API with
+//! dynamic loading, so it compiles with no CUDA toolkit and loads `libcuda`
+//! at run time.
+//!
+//! # Availability
+//! Nothing here touches a lazily loaded CUDA symbol before [`available`] has
+//! checked that `libcuda` can be loaded, that every driver symbol this crate
+//! uses exists (cudarc's loader panics otherwise), that `cuInit` succeeds and
+//! that at least one device is visible. Every entry point goes through it, so
+//! a machine without a GPU gets a [`CudaError`] naming what is missing, never
+//! a panic.
+//!
+//! # Contexts and streams
+//! Each visible device (ordinal in *this* process, after
+//! `CUDA_VISIBLE_DEVICES`) gets one [`Gpu`]: the device's primary context and
+//! one non-blocking stream on which every rdt op of this process runs, so
+//! ops are ordered against each other and against transfers. Devices are
+//! named across processes by UUID ([`Gpu::uuid`]); [`gpu_by_uuid`] finds the
+//! local ordinal of a UUID.
+//!
+//! # Completion
+//! [`Gpu::completion`] records an event on the stream and returns a future
+//! that resolves when the GPU has passed it. It polls `cuEventQuery`: first
+//! with `yield_now` for up to [`SPIN`] (short passes finish in microseconds,
+//! and a tokio timer would add a millisecond), then with sleeps that back off
+//! from 20 µs to 1 ms. It never blocks an executor thread, works on
+//! current-thread runtimes (actix) and needs no helper thread; the cost is a
+//! little polling while long GPU work runs.
+//!
+//! # Memory
+//! Every CUDA tensor rdt allocates comes from [`alloc`]'s slab allocator over
+//! `cuMemAlloc` (never stream-ordered pools, whose memory cannot be exported
+//! with `cuIpcGetMemHandle`), so any of them can be handed to another process
+//! by the [`ipc`] transport without a copy.
+
+pub mod alloc;
+pub mod ipc;
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::result as cu;
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+use parking_lot::Mutex;
+
+use crate::Device;
+
+/// A CUDA operation failed, or CUDA is not usable in this process.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("CUDA: {0}")]
+pub struct CudaError(pub String);
+
+impl CudaError {
+    fn call(what: &str, e: cu::DriverError) -> Self {
+        let name = e
+            .error_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0));
+        let text = e
+            .error_string()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        CudaError(format!("{what} failed: {name} ({text})"))
+    }
+}
+
+/// How long [`Gpu::completion`] spins with `yield_now` before sleeping.
+pub const SPIN: Duration = Duration::from_micros(500);
+
+/// Driver symbols this crate calls. All are checked before first use.
+const SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDeviceGet",
+    "cuDeviceGetCount",
+    "cuDeviceGetUuid",
+    "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxSetCurrent",
+    "cuCtxEnablePeerAccess",
+    "cuStreamCreate",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyPeerAsync",
+    "cuMemsetD8Async",
+    "cuMemsetD16Async",
+    "cuMemsetD32Async",
+    "cuMemsetD2D32Async",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuIpcGetEventHandle",
+    "cuIpcOpenEventHandle",
+    "cuGetErrorName",
+    "cuGetErrorString",
+];
+
+/// Is CUDA usable here? Checks, once per process, that `libcuda` loads, that
+/// it has every symbol rdt uses, that `cuInit` succeeds and that a device is
+/// visible. The error says which of these failed.
+pub fn available() -> Result<(), CudaError> {
+    static STATE: OnceLock<Result<(), CudaError>> = OnceLock::new();
+    STATE
+        .get_or_init(|| {
+            // SAFETY: only tries to load the library (no symbol is called).
+            if !unsafe { sys::is_culib_present() } {
+                return Err(CudaError(
+                    "libcuda (the NVIDIA driver library) was not found on the loader path: \
+                     this machine has no NVIDIA driver, or LD_LIBRARY_PATH misses it"
+                        .into(),
+                ));
+            }
+            // SAFETY: the library is present (checked above); looking a
+            // symbol up calls nothing.
+            let lib = unsafe { sys::culib() };
+            for s in SYMBOLS {
+                // SAFETY: a lookup only; the pointer is never called here.
+                if unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err() {
+                    return Err(CudaError(format!(
+                        "libcuda lacks the symbol {s}: the NVIDIA driver is too old for rdt (CUDA 12 or newer needed)"
+                    )));
+                }
+            }
+            cu::init().map_err(|e| CudaError::call("cuInit", e))?;
+            let n = cu::device::get_count().map_err(|e| CudaError::call("cuDeviceGetCount", e))?;
+            if n <= 0 {
+                return Err(CudaError(format!(
+                    "no CUDA device is visible (CUDA_VISIBLE_DEVICES={})",
+                    std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+                )));
+            }
+            Ok(())
+        })
+        .clone()
+}
+
+/// Number of CUDA devices visible to this process (0 if CUDA is not usable).
+pub fn device_count() -> usize {
+    if available().is_err() {
+        return 0;
+    }
+    cu::device::get_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
+}
+
+/// A raw stream handle that may cross threads (CUDA streams are
+/// thread-safe).
+#[derive(Clone, Copy, Debug)]
+struct Stream(sys::CUstream);
+// SAFETY: CUDA stream handles may be used from any thread.
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+/// A raw event handle that may cross threads.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Event(pub(crate) sys::CUevent);
+// SAFETY: CUDA event handles may be used from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+/// One visible device of this process: its primary context and rdt's stream.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    uuid: String,
+    stream: Stream,
+    /// Interprocess event recorded at every export (created on first use).
+    ipc_event: Mutex<Option<(Event, [u8; 64])>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Gpu(cuda:{} {})", self.ordinal, self.uuid)
+    }
+}
+
+fn format_uuid(u: &sys::CUuuid) -> String {
+    let b: Vec<u8> = u.bytes.iter().map(|&c| c as u8).collect();
+    let h = hex::encode(&b);
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+/// The [`Gpu`] of local ordinal `ordinal`, created on first use.
+pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
+    available()?;
+    static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
+    let mut map = GPUS.get_or_init(Default::default).lock();
+    if let Some(g) = map.get(&ordinal) {
+        return Ok(g.clone());
+    }
+    let count = device_count();
+    if ordinal >= count {
+        return Err(CudaError(format!(
+            "device ordinal {ordinal} does not exist: this process sees {count} device(s)"
+        )));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::call("creating a context", e))?;
+    let uuid = format_uuid(
+        &ctx.uuid()
+            .map_err(|e| CudaError::call("cuDeviceGetUuid", e))?,
+    );
+    let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+        .map_err(|e| CudaError::call("cuStreamCreate", e))?;
+    let g = Arc::new(Gpu {
+        ctx,
+        ordinal,
+        uuid,
+        stream: Stream(stream),
+        ipc_event: Mutex::new(None),
+    });
+    // Peer access with every device already set up, both ways (gpu.md
+    // pitfall 3): without it cross-GPU copies run ten times slower.
+    for other in map.values() {
+        g.enable_peer(other);
+        other.enable_peer(&g);
+    }
+    map.insert(ordinal, g.clone());
+    Ok(g)
+}
+
+/// The local ordinal whose device has `uuid`, if this process sees it.
+pub fn ordinal_of(uuid: &str) -> Option<usize> {
+    (0..device_count()).find(|&i| gpu(i).map(|g| g.uuid == uuid).unwrap_or(false))
+}
+
+/// The [`Gpu`] whose device has `uuid`.
+pub fn gpu_by_uuid(uuid: &str) -> Result<Arc<Gpu>, CudaError> {
+    available()?;
+    match ordinal_of(uuid) {
+        Some(i) => gpu(i),
+        None => Err(CudaError(format!(
+            "device {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES={})",
+            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+        ))),
+    }
+}
+
+impl Gpu {
+    /// Local ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    /// The device UUID (`GPU-...`).
+    pub fn uuid(&self) -> &str {
+        &self.uuid
+    }
+    /// The [`Device`] value for tensors on this GPU.
+    pub fn device(&self) -> Device {
+        Device::Cuda {
+            uuid: self.uuid.clone(),
+            ordinal: self.ordinal as u32,
+        }
+    }
+
+    /// Makes this GPU's context current on the calling thread (cheap;
+    /// every op calls it).
+    pub fn bind(&self) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::call("cuCtxSetCurrent", e))
+    }
+
+    /// The raw stream every rdt op of this process runs on, for interop.
+    pub fn raw_stream(&self) -> sys::CUstream {
+        self.stream.0
+    }
+
+    fn enable_peer(&self, other: &Gpu) {
+        let mut can = 0;
+        // SAFETY: plain queries and a context call with valid handles.
+        unsafe {
+            if sys::cuDeviceCanAccessPeer(&mut can, self.ctx.cu_device(), other.ctx.cu_device())
+                .result()
+                .is_err()
+                || can == 0
+            {
+                return;
+            }
+            if self.bind().is_ok() {
+                let r = sys::cuCtxEnablePeerAccess(other.ctx.cu_ctx(), 0);
+                if r != sys::CUresult::CUDA_SUCCESS
+                    && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                {
+                    tracing::warn!(
+                        "enabling peer access {} -> {}: {r:?}",
+                        self.uuid,
+                        other.uuid
+                    );
+                }
+            }
+        }
+    }
+
+    /// Records a fresh event on the stream and resolves when the GPU has
+    /// done everything enqueued before it (see the module docs).
+    pub fn completion(&self) -> Result<Completion, CudaError> {
+        self.bind()?;
+        let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| CudaError::call("cuEventCreate", e))?;
+        // SAFETY: valid event and stream of this context.
+        unsafe { cu::event::record(ev, self.stream.0) }
+            .map_err(|e| CudaError::call("cuEventRecord", e))?;
+        Ok(Completion {
+            event: Event(ev),
+            owned: true,
+        })
+    }
+
+    /// Waits on the host until the stream is idle (blocking; for test
+    /// helpers and synchronous accessors only).
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: valid stream.
+        unsafe { cu::stream::synchronize(self.stream.0) }
+            .map_err(|e| CudaError::call("cuStreamSynchronize", e))
+    }
+
+    /// Makes the stream wait for `event` (recorded anywhere, any process
+    /// that opened it) without a host sync.
+    pub(crate) fn wait_event(&self, event: Event) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: valid stream and event.
+        unsafe {
+            cu::stream::wait_event(
+                self.stream.0,
+                event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::call("cuStreamWaitEvent", e))
+    }
+
+    /// Records this GPU's interprocess event on the stream and returns its
+    /// IPC handle (the event is created once per process and device; a
+    /// consumer that waits on it waits for at least this record).
+    pub(crate) fn record_ipc_event(&self) -> Result<[u8; 64], CudaError> {
+        self.bind()?;
+        let mut slot = self.ipc_event.lock();
+        if slot.is_none() {
+            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+                | sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
+            let mut ev = std::ptr::null_mut();
+            let mut h = std::mem::MaybeUninit::<sys::CUipcEventHandle>::uninit();
+            // SAFETY: out-pointers valid; the flags make the event exportable.
+            unsafe {
+                sys::cuEventCreate(&mut ev, flags)
+                    .result()
+                    .map_err(|e| CudaError::call("cuEventCreate(interprocess)", e))?;
+                sys::cuIpcGetEventHandle(h.as_mut_ptr(), ev)
+                    .result()
+                    .map_err(|e| CudaError::call("cuIpcGetEventHandle", e))?;
+                let h = h.assume_init();
+                *slot = Some((Event(ev), h.reserved.map(|c| c as u8)));
+            }
+        }
+        let (ev, handle) = slot.expect("set above");
+        // SAFETY: valid event and stream.
+        unsafe { cu::event::record(ev.0, self.stream.0) }
+            .map_err(|e| CudaError::call("cuEventRecord", e))?;
+        Ok(handle)
+    }
+
+    /// Allocates `len` bytes with `cuMemAlloc` (IPC-capable).
+    pub(crate) fn malloc(&self, len: usize) -> Result<u64, CudaError> {
+        self.bind()?;
+        // SAFETY: plain allocation in the bound context.
+        unsafe { cu::malloc_sync(len.max(1)) }
+            .map_err(|e| CudaError::call(&format!("cuMemAlloc of {len} bytes on {}", self.uuid), e))
+    }
+
+    /// Enqueues a fill of `[ptr, ptr+len)` with the repeated `pattern`
+    /// (1, 2, 4 or 8 bytes).
+    pub(crate) fn fill(&self, ptr: u64, len: usize, pattern: &[u8]) -> Result<(), CudaError> {
+        self.bind()?;
+        let s = self.stream.0;
+        // SAFETY: the caller owns `[ptr, ptr+len)` on this device; sizes are
+        // whole elements of the pattern's size.
+        let r = unsafe {
+            match pattern.len() {
+                1 => sys::cuMemsetD8Async(ptr, pattern[0], len, s),
+                2 => sys::cuMemsetD16Async(
+                    ptr,
+                    u16::from_ne_bytes([pattern[0], pattern[1]]),
+                    len / 2,
+                    s,
+                ),
+                4 => sys::cuMemsetD32Async(
+                    ptr,
+                    u32::from_ne_bytes(pattern.try_into().expect("4 bytes")),
+                    len / 4,
+                    s,
+                ),
+                8 => {
+                    let lo = u32::from_ne_bytes(pattern[..4].try_into().expect("4 bytes"));
+                    let hi = u32::from_ne_bytes(pattern[4..].try_into().expect("4 bytes"));
+                    let n = len / 8;
+                    if n == 0 {
+                        sys::CUresult::CUDA_SUCCESS
+                    } else {
+                        // Two strided fills: the low words, then the high.
+                        let r = sys::cuMemsetD2D32Async(ptr, 8, lo, 1, n, s);
+                        if r != sys::CUresult::CUDA_SUCCESS {
+                            r
+                        } else {
+                            sys::cuMemsetD2D32Async(ptr + 4, 8, hi, 1, n, s)
+                        }
+                    }
+                }
+                n => return Err(CudaError(format!("no fill for {n}-byte elements"))),
+            }
+        };
+        r.result().map_err(|e| CudaError::call("cuMemset", e))
+    }
+
+    /// Enqueues a host-to-device copy. Returns once `src` may be reused
+    /// (CUDA stages pageable memory before returning).
+    pub(crate) fn copy_htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` holds `src.len()` bytes on this device; pageable
+        // sources are staged before the call returns.
+        unsafe { cu::memcpy_htod_async(dst, src, self.stream.0) }
+            .map_err(|e| CudaError::call("cuMemcpyHtoDAsync", e))
+    }
+
+    /// Copies device bytes to the host, waiting for the copy (and for
+    /// everything enqueued before it).
+    pub(crate) fn copy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<(), CudaError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `src` holds `dst.len()` bytes; the sync below finishes the
+        // copy before `dst` is used.
+        unsafe { cu::memcpy_dtoh_async(dst, src, self.stream.0) }
+            .map_err(|e| CudaError::call("cuMemcpyDtoHAsync", e))?;
+        self.synchronize()
+    }
+
+    /// Enqueues a device-to-device copy (any devices this context can reach
+    /// through unified addressing).
+    pub fn copy_dtod(&self, dst: u64, src: u64, len: usize) -> Result<(), CudaError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller guarantees both ranges.
+        unsafe { cu::memcpy_dtod_async(dst, src, len, self.stream.0) }
+            .map_err(|e| CudaError::call("cuMemcpyDtoDAsync", e))
+    }
+}
+
+/// A future that resolves when the GPU has passed an event (see the module
+/// docs for how it waits).
+pub struct Completion {
+    event: Event,
+    owned: bool,
+}
+
+impl Completion {
+    /// Waits without blocking the executor thread.
+    pub async fn wait(self) -> Result<(), CudaError> {
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(20);
+        loop {
+            // SAFETY: valid event.
+            match unsafe { sys::cuEventQuery(self.event.0) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                r => return Err(CudaError::call("cuEventQuery", cu::DriverError(r))),
+            }
+            if start.elapsed() < SPIN {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(nap).await;
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        if self.owned {
+            // SAFETY: our event; destroying one that is pending is allowed.
+            unsafe {
+                let _ = cu::event::destroy(self.event.0);
+            }
+        }
+    }
+}
+
+/// Device memory behind a CUDA tensor's storage: a range of an rdt slab
+/// ([`alloc`]) or of a mapping another process exported ([`ipc`]).
+pub trait DeviceBuffer: Send + Sync + 'static {
+    /// Device address of the first byte.
+    fn device_ptr(&self) -> u64;
+    /// Number of bytes.
+    fn len(&self) -> usize;
+    /// Is it empty?
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The GPU (context and stream) ops on this memory run on.
+    fn gpu(&self) -> &Arc<Gpu>;
+    /// A short description for debugging.
+    fn describe(&self) -> String;
+    /// The concrete buffer, so that a transport can recognize its own.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_gpu_is_an_error_not_a_panic() {
+        // On a machine with a GPU this passes trivially; without one every
+        // entry point must answer with an error that says why.
+        if available().is_err() {
+            let e = gpu(0).unwrap_err();
+            assert!(e.0.contains("libcuda") || e.0.contains("device"), "{e}");
+            assert_eq!(device_count(), 0);
+            assert!(gpu_by_uuid("GPU-x").is_err());
+        }
+    }
+
+    #[test]
+    fn uuid_format() {
+        let u = sys::CUuuid {
+            bytes: [1i8; 16].map(|c| c),
+        };
+        assert_eq!(format_uuid(&u), "GPU-01010101-0101-0101-0101-010101010101");
+    }
+}
