@@ -40,6 +40,18 @@ pub mod prelude {
     pub use crate::{DType, Device};
 }
 
+/// Entry points for the fuzz targets (`fuzz/`); not a public API.
+#[doc(hidden)]
+pub mod __fuzz {
+    /// Decodes `bytes` as a control frame body in both directions. Must
+    /// never panic, whatever the bytes.
+    pub fn decode_control_frame(bytes: &[u8]) {
+        let b = bytes::Bytes::copy_from_slice(bytes);
+        let _ = rdt_transport::wire::from_frame::<crate::protocol::ToWorker>(b.clone());
+        let _ = rdt_transport::wire::from_frame::<crate::protocol::ToDriver>(b);
+    }
+}
+
 /// Used by generated code; not a public API.
 #[doc(hidden)]
 pub mod __private {

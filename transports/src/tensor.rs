@@ -138,11 +138,14 @@ pub struct TensorMeta {
 impl TensorMeta {
     /// Number of elements.
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .unwrap_or(usize::MAX)
     }
-    /// Number of bytes.
+    /// Number of bytes (`usize::MAX` if a malformed shape overflows).
     pub fn nbytes(&self) -> usize {
-        self.numel() * self.dtype.size()
+        shape_bytes(self.dtype, &self.shape)
     }
 }
 
@@ -164,8 +167,17 @@ impl std::fmt::Debug for Tensor {
     }
 }
 
+/// Bytes a shape needs, or `usize::MAX` if that overflows (a shape from the
+/// wire may be anything; it must fail the size check, not panic).
+fn shape_bytes(dtype: DType, shape: &[usize]) -> usize {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d))
+        .unwrap_or(usize::MAX)
+}
+
 fn check_size(dtype: DType, shape: &[usize], actual: usize) -> Result<(), TensorError> {
-    let expected = shape.iter().product::<usize>() * dtype.size();
+    let expected = shape_bytes(dtype, shape);
     if expected != actual {
         return Err(TensorError::SizeMismatch {
             dtype,

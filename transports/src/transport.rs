@@ -86,7 +86,9 @@ pub struct Exported {
 impl Exported {
     /// Total tensor bytes described.
     pub fn nbytes(&self) -> usize {
-        self.metas.iter().map(|m| m.nbytes()).sum()
+        self.metas
+            .iter()
+            .fold(0usize, |a, m| a.saturating_add(m.nbytes()))
     }
 }
 
