@@ -823,6 +823,17 @@ impl Inner {
             }
         }
         st.table.actor_died(actor, &err, &st.actors);
+        // A collective group cannot go on without a member (as in Ray):
+        // tear down every group it was in, so later passes fail at once.
+        for (id, g) in st.groups.iter_mut() {
+            if g.members.contains(&actor) && g.broken.is_none() {
+                tracing::warn!(
+                    "tearing down collective group {id}: its member {} died",
+                    err_actor(&err)
+                );
+                g.broken = Some(format!("its member {} died", err_actor(&err)));
+            }
+        }
     }
 }
 
@@ -870,6 +881,13 @@ fn check_groups(st: &State, consumer: u64, args: &[u64]) -> Option<Error> {
         });
     }
     None
+}
+
+fn err_actor(e: &Error) -> &str {
+    match e {
+        Error::ActorDied { actor, .. } => actor,
+        _ => "?",
+    }
 }
 
 /// Spawns `cmd` from a thread that then waits for it (invariant 1).

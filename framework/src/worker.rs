@@ -358,11 +358,14 @@ fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
             tx: tx.clone(),
         });
         let _ = WORKER.set(shared.clone());
-        let addr = Host::<A> {
+        // The mailbox is sized before the actor starts: calls may arrive
+        // before `started` would run (invariant 2).
+        let mut ctx = actix::Context::new();
+        ctx.set_mailbox_capacity(MAILBOX);
+        let addr = ctx.run(Host::<A> {
             state: Some(Box::new(actor)),
             shared: shared.clone(),
-        }
-        .start();
+        });
         let _ = tx.send(&ToDriver::Spawned(Ok(())));
         handle.spawn(async move {
             let code = match control_loop(&mut rx, addr, shared).await {
@@ -546,12 +549,12 @@ struct Host<A: RdtActor> {
     shared: Arc<WorkerShared>,
 }
 
+/// Calls that may queue at one actor; beyond, a call fails at once with
+/// a clear error rather than waiting unboundedly.
+const MAILBOX: usize = 1 << 20;
+
 impl<A: RdtActor> actix::Actor for Host<A> {
     type Context = actix::Context<Self>;
-    fn started(&mut self, ctx: &mut Self::Context) {
-        // Calls queue here in order; never reject one (invariant 2).
-        ctx.set_mailbox_capacity(1 << 20);
-    }
 }
 
 struct Invoke(CallMsg);

@@ -166,3 +166,95 @@ async fn driver_that_will_be_killed() {
     // Wait for the parent's SIGKILL.
     std::future::pending::<()>().await;
 }
+
+/// For every CPU transport: a killed idle actor fails only the calls that
+/// need it, within 5 s; a producer killed while its object is on the way
+/// to a consumer fails that call (or it completes, if the bytes were
+/// already across) within 5 s; the rest of the runtime keeps working.
+async fn kills_per_transport(t: Transport) {
+    rdt_integration_tests::logs();
+    let rt = Runtime::start().await.unwrap();
+    let p = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    let idle = rt.spawn::<Consumer>(()).await.unwrap();
+    if t.is_collective() {
+        rt.create_collective_group(&[p.id(), c.id(), idle.id()], t)
+            .await
+            .unwrap();
+    }
+    // Idle actor killed.
+    let r = p.make(1.0, 1024).transport(t).remote();
+    rt.wait(&r).await.unwrap();
+    let t0 = Instant::now();
+    idle.kill();
+    let e = rt.get(idle.sum(&r).remote()).await;
+    // The call may be submitted before or after the driver noticed: both
+    // end in ActorDied, quickly.
+    assert!(matches!(e, Err(Error::ActorDied { .. })), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    if t.is_collective() {
+        // A group does not survive a member's death (as in Ray): passes in
+        // it fail at once until a new group is made.
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(matches!(e, Error::GroupBroken { .. }), "{e}");
+        assert!(e.to_string().contains(idle.name()), "{e}");
+        rt.create_collective_group(&[p.id(), c.id()], t)
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        1024.0,
+        "the others are unaffected"
+    );
+    // Producer killed mid-transfer.
+    let big = p.make(1.0, 16 << 20).transport(t).remote();
+    rt.wait(&big).await.unwrap();
+    let call = c.sum(&big).remote();
+    let t0 = Instant::now();
+    p.kill();
+    match rt.get(&call).await {
+        Ok(s) => assert_eq!(s, (16 << 20) as f64, "a completed transfer is whole"),
+        Err(e) => {
+            let root = e.root_cause();
+            assert!(
+                matches!(root, Error::ActorDied { .. } | Error::Transport(_)),
+                "{e}"
+            );
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(
+        rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
+            .await
+            .unwrap(),
+        4.0
+    );
+    drop(call);
+    assert_eq!(
+        rt.live_objects(),
+        2,
+        "only the two produced objects are still referenced"
+    );
+    drop((r, big));
+    assert_eq!(rt.live_objects(), 0);
+}
+
+#[tokio::test]
+async fn kills_object_store() {
+    deadline(60, kills_per_transport(Transport::ObjectStore)).await;
+}
+
+#[tokio::test]
+async fn kills_tcp() {
+    deadline(60, kills_per_transport(Transport::Tcp)).await;
+}
+
+#[tokio::test]
+async fn kills_shm() {
+    deadline(60, kills_per_transport(Transport::Shm)).await;
+}
