@@ -39,7 +39,7 @@ pub struct ActorRegistration {
     /// [`Actor::NAME`].
     pub name: &'static str,
     /// Runs the worker for this type; never returns.
-    pub run: fn() -> !,
+    pub run: fn(crate::worker::WorkerStart) -> !,
 }
 
 #[doc(hidden)]

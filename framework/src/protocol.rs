@@ -29,7 +29,6 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
 use tokio::io::AsyncRead;
-use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio::sync::Notify;
 use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
@@ -83,14 +82,33 @@ pub struct Delivery {
     pub xfer: u64,
 }
 
+/// What a worker is to host, and the settings it runs with.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SpawnOrder {
+    /// Registered name of the actor type.
+    pub actor_type: String,
+    /// The actor's id.
+    pub worker: u64,
+    /// The actor's name.
+    pub name: String,
+    /// Control frame limit.
+    pub max_frame: usize,
+    /// Where the `tcp` transport listens (`None`: loopback for local
+    /// workers, the control link's local address for remote ones).
+    pub tcp_bind: Option<String>,
+    /// Deadline of a direct transfer, in milliseconds.
+    pub transfer_timeout_ms: u64,
+    /// postcard bytes of the actor's constructor argument.
+    pub args: Blob,
+}
+
 /// Driver → worker.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum ToWorker {
-    /// Construct the actor from these postcard-encoded arguments.
-    Spawn {
-        /// postcard bytes of the actor's constructor argument.
-        args: Blob,
-    },
+    /// Host this actor.
+    Spawn(SpawnOrder),
+    /// Heartbeat; answer with `Pong`.
+    Ping,
     /// Run a method.
     Call(CallMsg),
     /// An object a queued call needs (or its error).
@@ -139,8 +157,11 @@ pub enum ToDriver {
         /// Endpoints of this worker's transports, by transport name.
         endpoints: Vec<(String, String)>,
     },
-    /// Reply to `Spawn`.
-    Spawned(std::result::Result<(), Error>),
+    /// Reply to `Spawn`: the endpoints of this worker's transports, by
+    /// transport name, or why the actor could not be constructed.
+    Spawned(std::result::Result<Vec<(String, String)>, Error>),
+    /// Answer to `Ping`.
+    Pong,
     /// A call finished.
     CallDone {
         /// Call id.
@@ -182,11 +203,55 @@ pub struct Sender {
     inner: Arc<SenderInner>,
 }
 
+/// The writing half of a control connection (Unix socket or TCP).
+pub enum WriteHalf {
+    /// Local worker.
+    Unix(tokio::net::unix::OwnedWriteHalf),
+    /// Remote worker.
+    Tcp(tokio::net::tcp::OwnedWriteHalf),
+}
+
+impl WriteHalf {
+    fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        match self {
+            WriteHalf::Unix(w) => w.try_write_vectored(bufs),
+            WriteHalf::Tcp(w) => w.try_write_vectored(bufs),
+        }
+    }
+    async fn writable(&self) -> std::io::Result<()> {
+        match self {
+            WriteHalf::Unix(w) => w.writable().await,
+            WriteHalf::Tcp(w) => w.writable().await,
+        }
+    }
+}
+
+/// The reading half of a control connection (Unix socket or TCP).
+pub enum ReadHalf {
+    /// Local worker.
+    Unix(tokio::net::unix::OwnedReadHalf),
+    /// Remote worker.
+    Tcp(tokio::net::tcp::OwnedReadHalf),
+}
+
+impl AsyncRead for ReadHalf {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            ReadHalf::Unix(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+            ReadHalf::Tcp(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+        }
+    }
+}
+
 struct SenderInner {
-    half: OwnedWriteHalf,
+    half: WriteHalf,
     queue: parking_lot::Mutex<WriteQueue>,
     wake: Notify,
-    max_frame: usize,
+    max_frame: std::sync::atomic::AtomicUsize,
 }
 
 #[derive(Default)]
@@ -202,6 +267,13 @@ impl std::fmt::Debug for Sender {
 }
 
 impl Sender {
+    /// Changes the frame limit (after the spawn order set it).
+    pub fn set_max_frame(&self, max: usize) {
+        self.inner
+            .max_frame
+            .store(max, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Sends `msg`. A closed connection is not an error here: its reader
     /// notices and reports the death.
     ///
@@ -211,10 +283,13 @@ impl Sender {
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
         let frame = wire::to_frame(msg).map_err(|e| Error::Protocol(e.to_string()))?;
         let len = frame.len();
-        if len > self.inner.max_frame {
+        let max_frame = self
+            .inner
+            .max_frame
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if len > max_frame {
             return Err(Error::Protocol(format!(
-                "a {len}-byte message exceeds the control frame limit of {} bytes; raise RuntimeBuilder::max_frame_bytes or move the tensors with a direct transport",
-                self.inner.max_frame
+                "a {len}-byte message exceeds the control frame limit of {max_frame} bytes; raise RuntimeBuilder::max_frame_bytes or move the tensors with a direct transport"
             )));
         }
         let mut q = self.inner.queue.lock();
@@ -249,7 +324,7 @@ impl Sender {
 
 /// Writes queued chunks without blocking until done or the socket is full
 /// (`WouldBlock`).
-fn write_ready(half: &OwnedWriteHalf, chunks: &mut VecDeque<Bytes>) -> std::io::Result<()> {
+fn write_ready(half: &WriteHalf, chunks: &mut VecDeque<Bytes>) -> std::io::Result<()> {
     while !chunks.is_empty() {
         let slices: Vec<IoSlice<'_>> = chunks.iter().take(64).map(|c| IoSlice::new(c)).collect();
         let mut n = half.try_write_vectored(&slices)?;
@@ -271,12 +346,12 @@ fn write_ready(half: &OwnedWriteHalf, chunks: &mut VecDeque<Bytes>) -> std::io::
 }
 
 /// Wraps the writing half of a connection and starts its writer task.
-pub fn spawn_writer(half: OwnedWriteHalf, max_frame: usize) -> Sender {
+pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
     let inner = Arc::new(SenderInner {
         half,
         queue: parking_lot::Mutex::new(WriteQueue::default()),
         wake: Notify::new(),
-        max_frame,
+        max_frame: std::sync::atomic::AtomicUsize::new(max_frame),
     });
     let me = inner.clone();
     tokio::spawn(async move {
@@ -328,6 +403,11 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
         }
     }
 
+    /// Changes the frame limit (after the spawn order set it).
+    pub fn set_max_frame(&mut self, max: usize) {
+        self.inner.decoder_mut().set_max_frame_length(max);
+    }
+
     /// The next message; `Ok(None)` at a clean end of stream.
     pub async fn recv<T: DeserializeOwned>(&mut self) -> Result<Option<T>> {
         match self.inner.next().await {
@@ -368,6 +448,43 @@ pub async fn accept_unix(stream: UnixStream, secret: [u8; 32]) -> Result<UnixStr
     Ok(UnixStream::from_std(std)?)
 }
 
+/// Accepting side of the handshake for a remote worker's TCP connection.
+pub async fn accept_tcp(
+    stream: tokio::net::TcpStream,
+    secret: [u8; 32],
+) -> Result<tokio::net::TcpStream> {
+    let std = stream.into_std()?;
+    let std = tokio::task::spawn_blocking(move || -> Result<std::net::TcpStream> {
+        let mut s = std;
+        s.set_nonblocking(false)?;
+        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        rdt_transport::auth::accept(&mut s, &secret).map_err(|e| Error::Protocol(e.to_string()))?;
+        s.set_read_timeout(None)?;
+        s.set_write_timeout(None)?;
+        s.set_nodelay(true)?;
+        s.set_nonblocking(true)?;
+        Ok(s)
+    })
+    .await
+    .map_err(|e| Error::Protocol(format!("handshake task: {e}")))??;
+    Ok(tokio::net::TcpStream::from_std(std)?)
+}
+
+/// Connecting side of the handshake over TCP (remote workers), blocking.
+pub fn connect_tcp(addr: &str, secret: &[u8]) -> Result<std::net::TcpStream> {
+    let mut s = std::net::TcpStream::connect(addr)
+        .map_err(|e| Error::Io(format!("connect to the driver at {addr}: {e}")))?;
+    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+    rdt_transport::auth::connect(&mut s, secret).map_err(|e| Error::Protocol(e.to_string()))?;
+    s.set_read_timeout(None)?;
+    s.set_write_timeout(None)?;
+    s.set_nodelay(true)?;
+    s.set_nonblocking(true)?;
+    Ok(s)
+}
+
 /// Connecting side of the handshake (invariant 1), blocking; returns a
 /// non-blocking stream ready for tokio.
 pub fn connect_unix(path: &str, secret: &[u8]) -> Result<std::os::unix::net::UnixStream> {
@@ -385,24 +502,36 @@ pub fn connect_unix(path: &str, secret: &[u8]) -> Result<std::os::unix::net::Uni
 mod tests {
     use super::*;
 
+    fn order(args: Blob) -> ToWorker {
+        ToWorker::Spawn(SpawnOrder {
+            actor_type: "T".into(),
+            worker: 1,
+            name: "T#1".into(),
+            max_frame: 1 << 30,
+            tcp_bind: None,
+            transfer_timeout_ms: 1000,
+            args,
+        })
+    }
+
     #[tokio::test]
     async fn frames_round_trip_and_oversize_frames_are_refused() {
         tokio::time::timeout(Duration::from_secs(10), async {
             let (a, b) = UnixStream::pair().unwrap();
-            let tx = spawn_writer(a.into_split().1, 16 << 20);
+            let tx = spawn_writer(WriteHalf::Unix(a.into_split().1), 16 << 20);
             let mut rx = Receiver::new(b, 16 << 20);
-            tx.send(&ToDriver::Spawned(Ok(()))).unwrap();
+            tx.send(&ToDriver::Pong).unwrap();
             assert!(matches!(
                 rx.recv::<ToDriver>().await.unwrap(),
-                Some(ToDriver::Spawned(Ok(())))
+                Some(ToDriver::Pong)
             ));
             // A large frame goes out partly inline, partly from the queue,
             // and the next frame stays behind it.
             let big = Blob(bytes::Bytes::from(vec![7u8; 8 << 20]));
-            tx.send(&ToWorker::Spawn { args: big.clone() }).unwrap();
+            tx.send(&order(big.clone())).unwrap();
             tx.send(&ToWorker::Shutdown).unwrap();
             match rx.recv::<ToWorker>().await.unwrap() {
-                Some(ToWorker::Spawn { args }) => assert_eq!(args, big),
+                Some(ToWorker::Spawn(o)) => assert_eq!(o.args, big),
                 other => panic!("{other:?}"),
             }
             assert!(matches!(
@@ -411,19 +540,15 @@ mod tests {
             ));
             // Over the sender's limit: refused at once.
             let (c, _d) = UnixStream::pair().unwrap();
-            let small = spawn_writer(c.into_split().1, 1024);
-            let e = small.send(&ToWorker::Spawn {
-                args: Blob(bytes::Bytes::from(vec![0u8; 4096])),
-            });
+            let small = spawn_writer(WriteHalf::Unix(c.into_split().1), 1024);
+            let e = small.send(&order(Blob(bytes::Bytes::from(vec![0u8; 4096]))));
             assert!(matches!(e, Err(Error::Protocol(m)) if m.contains("frame limit")));
             // Over the receiver's limit: an error, not an allocation.
             let (c, d) = UnixStream::pair().unwrap();
-            let loose = spawn_writer(c.into_split().1, 1 << 20);
+            let loose = spawn_writer(WriteHalf::Unix(c.into_split().1), 1 << 20);
             let mut strict = Receiver::new(d, 1024);
             loose
-                .send(&ToWorker::Spawn {
-                    args: Blob(bytes::Bytes::from(vec![0u8; 4096])),
-                })
+                .send(&order(Blob(bytes::Bytes::from(vec![0u8; 4096]))))
                 .unwrap();
             assert!(strict.recv::<ToWorker>().await.is_err());
         })

@@ -29,7 +29,7 @@ use rdt_transport::value::{self, Payload};
 use rdt_transport::{Blob, Exported};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::{oneshot, watch};
 
 use crate::actor::Actor;
@@ -46,18 +46,25 @@ pub struct RuntimeBuilder {
     spawn_timeout: Duration,
     max_frame_bytes: usize,
     shutdown_grace: Duration,
-    tcp_bind: String,
+    tcp_bind: Option<String>,
     transfer_timeout: Duration,
+    listen: Option<String>,
+    heartbeat_timeout: Duration,
 }
+
+/// Default control frame limit (8 GiB).
+pub(crate) const DEFAULT_MAX_FRAME: usize = 8 << 30;
 
 impl Default for RuntimeBuilder {
     fn default() -> Self {
         RuntimeBuilder {
             spawn_timeout: Duration::from_secs(60),
-            max_frame_bytes: 8 << 30,
+            max_frame_bytes: DEFAULT_MAX_FRAME,
             shutdown_grace: Duration::from_secs(5),
-            tcp_bind: "127.0.0.1:0".into(),
+            tcp_bind: None,
             transfer_timeout: Duration::from_secs(120),
+            listen: None,
+            heartbeat_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -86,7 +93,22 @@ impl RuntimeBuilder {
     /// `127.0.0.1:0`: loopback, any port). Give a routable address for
     /// workers on other hosts.
     pub fn tcp_bind(mut self, addr: impl Into<String>) -> Self {
-        self.tcp_bind = addr.into();
+        self.tcp_bind = Some(addr.into());
+        self
+    }
+    /// Also accept workers started by hand (`BINARY --rdt-connect
+    /// HOST:PORT` with `RDT_TOKEN` set to [`Runtime::join_token`]) on this
+    /// TCP address, as Slurm, Kubernetes or mpirun would start them. Off by
+    /// default; give a loopback or private address unless you mean
+    /// otherwise.
+    pub fn listen(mut self, addr: impl Into<String>) -> Self {
+        self.listen = Some(addr.into());
+        self
+    }
+    /// A remote worker silent for this long is declared dead (default
+    /// 10 s; the driver pings every quarter of it).
+    pub fn heartbeat_timeout(mut self, d: Duration) -> Self {
+        self.heartbeat_timeout = d;
         self
     }
     /// How long a direct transfer may take before it fails (default 120 s).
@@ -106,6 +128,13 @@ impl RuntimeBuilder {
         )?;
         let sock = dir.path().join("control.sock");
         let listener = UnixListener::bind(&sock)?;
+        let tcp = match &self.listen {
+            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                Error::Io(format!("cannot listen for remote workers on {addr}: {e}"))
+            })?),
+            None => None,
+        };
+        let control_addr = tcp.as_ref().map(|l| l.local_addr()).transpose()?;
         let inner = Arc::new(Inner {
             config: self,
             secret: protocol::new_secret(),
@@ -113,8 +142,13 @@ impl RuntimeBuilder {
             sock,
             state: Mutex::new(State::default()),
             next: AtomicU64::new(1),
+            control_addr,
+            volunteer_joined: tokio::sync::Notify::new(),
         });
         tokio::spawn(accept_loop(listener, Arc::downgrade(&inner)));
+        if let Some(l) = tcp {
+            tokio::spawn(accept_tcp_loop(l, Arc::downgrade(&inner)));
+        }
         Ok(Runtime { inner })
     }
 }
@@ -133,6 +167,8 @@ pub(crate) struct Inner {
     sock: PathBuf,
     pub(crate) state: Mutex<State>,
     next: AtomicU64,
+    control_addr: Option<std::net::SocketAddr>,
+    volunteer_joined: tokio::sync::Notify,
 }
 
 struct PendingCall {
@@ -181,6 +217,7 @@ pub(crate) struct State {
     spawning: HashMap<u64, oneshot::Sender<Result<()>>>,
     fetches: HashMap<u64, (u64, oneshot::Sender<Result<WireValue>>)>,
     groups: HashMap<u64, Group>,
+    volunteers: std::collections::VecDeque<Volunteer>,
 }
 
 /// A collective group: actors that may move objects of its backend between
@@ -212,6 +249,19 @@ impl Runtime {
         RuntimeBuilder::default()
     }
 
+    /// The TCP address workers started by hand connect to
+    /// (`--rdt-connect`), if [`RuntimeBuilder::listen`] was set.
+    pub fn control_address(&self) -> Option<std::net::SocketAddr> {
+        self.inner.control_addr
+    }
+
+    /// The secret a worker started by hand proves it knows (give it in the
+    /// `RDT_TOKEN` environment variable). Anyone holding it can run code in
+    /// this runtime's actors: hand it over like a password.
+    pub fn join_token(&self) -> String {
+        hex::encode(self.inner.secret)
+    }
+
     /// Spawns an actor in a new worker process. Await the returned builder
     /// (after optional settings) to get the actor's typed handle.
     pub fn spawn<A: Actor>(&self, args: A::Args) -> Spawn<A> {
@@ -220,6 +270,7 @@ impl Runtime {
             args,
             gpus: 0,
             name: None,
+            remote: false,
         }
     }
 
@@ -462,6 +513,7 @@ pub struct Spawn<A: Actor> {
     args: A::Args,
     gpus: u32,
     name: Option<String>,
+    remote: bool,
 }
 
 impl<A: Actor> Spawn<A> {
@@ -473,6 +525,13 @@ impl<A: Actor> Spawn<A> {
     /// A name for logs and errors (default `Type#id`).
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
+        self
+    }
+    /// Host the actor on a worker that joined by hand (`--rdt-connect`),
+    /// possibly on another host, instead of starting a local process.
+    /// Waits for one up to the spawn timeout.
+    pub fn on_joined_worker(mut self) -> Self {
+        self.remote = true;
         self
     }
 }
@@ -487,11 +546,17 @@ impl<A: Actor> std::future::IntoFuture for Spawn<A> {
                 message: e.to_string(),
             })?;
             let short = A::NAME.rsplit("::").next().unwrap_or(A::NAME);
-            let raw = self
-                .rt
-                .inner
-                .spawn_raw(A::NAME, short, self.name, args, self.gpus)
-                .await?;
+            let raw = if self.remote {
+                self.rt
+                    .inner
+                    .spawn_on_volunteer(A::NAME, short, self.name, args)
+                    .await?
+            } else {
+                self.rt
+                    .inner
+                    .spawn_raw(A::NAME, short, self.name, args, self.gpus)
+                    .await?
+            };
             Ok(A::Handle::from(raw))
         })
     }
@@ -513,6 +578,12 @@ impl Inner {
     }
 
     pub(crate) fn kill_actor(&self, actor: u64) {
+        if self.actor_pid(actor).is_none() {
+            // A worker that joined by hand: ask it to exit.
+            let st = self.state.lock();
+            send_to(&st.actors, actor, &ToWorker::Shutdown);
+            return;
+        }
         if let Some(pid) = self.actor_pid(actor) {
             // SAFETY: plain syscall on our child's pid.
             unsafe {
@@ -648,18 +719,9 @@ impl Inner {
         cmd.env(wenv::WORKER_ID, id.to_string())
             .env(wenv::SOCKET, &self.sock)
             .env(wenv::SECRET, hex::encode(self.secret))
-            .env(wenv::ACTOR_TYPE, type_name)
-            .env(wenv::ACTOR_NAME, &name)
             .env(wenv::PARENT_PID, std::process::id().to_string())
-            .env(wenv::MAX_FRAME, self.config.max_frame_bytes.to_string())
-            .env(wenv::TCP_BIND, &self.config.tcp_bind)
-            .env(
-                wenv::TRANSFER_TIMEOUT_MS,
-                self.config.transfer_timeout.as_millis().to_string(),
-            )
             .stdin(std::process::Stdio::null());
         if gpus > 0 {
-            cmd.env(wenv::GPUS, gpus.to_string());
             static GPU_SPAWNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
             let nth = GPU_SPAWNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             cmd.env("CUDA_VISIBLE_DEVICES", gpu_assignment(gpus, nth));
@@ -711,9 +773,7 @@ impl Inner {
         let joined = joined.map_err(|e| fail(self, e))?;
         joined
             .conn
-            .send(&ToWorker::Spawn {
-                args: Blob(args.into()),
-            })
+            .send(&self.spawn_order(type_name, id, &name, args, true))
             .map_err(|e| fail(self, e))?;
         let constructed = tokio::select! {
             r = srx => r.unwrap_or_else(|_| Err(Error::Spawn(format!("{name}: worker died while constructing the actor")))),
@@ -727,15 +787,114 @@ impl Inner {
         })
     }
 
+    /// The spawn order for a worker. `RuntimeBuilder::tcp_bind` is for
+    /// local workers; a remote one binds its `tcp` endpoint to the local
+    /// address of its control link (`local == false`).
+    fn spawn_order(
+        &self,
+        type_name: &str,
+        id: u64,
+        name: &str,
+        args: Vec<u8>,
+        local: bool,
+    ) -> ToWorker {
+        ToWorker::Spawn(protocol::SpawnOrder {
+            actor_type: type_name.to_string(),
+            worker: id,
+            name: name.to_string(),
+            max_frame: self.config.max_frame_bytes,
+            tcp_bind: if local {
+                self.config.tcp_bind.clone()
+            } else {
+                None
+            },
+            transfer_timeout_ms: self.config.transfer_timeout.as_millis() as u64,
+            args: Blob(args.into()),
+        })
+    }
+
+    /// Hosts an actor on a worker that joined by hand (`--rdt-connect`),
+    /// waiting for one up to the spawn timeout.
+    async fn spawn_on_volunteer(
+        self: &Arc<Self>,
+        type_name: &str,
+        short: &str,
+        name: Option<String>,
+        args: Vec<u8>,
+    ) -> Result<RawHandle> {
+        let deadline = tokio::time::Instant::now() + self.config.spawn_timeout;
+        let v = loop {
+            let notified = self.volunteer_joined.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(v) = self.state.lock().volunteers.pop_front() {
+                break v;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(Error::Spawn(format!(
+                    "no worker joined with --rdt-connect within {:?}; start one with `BINARY --rdt-connect {}` and RDT_TOKEN set to Runtime::join_token()",
+                    self.config.spawn_timeout,
+                    self.control_addr.map(|a| a.to_string()).unwrap_or_else(|| "<RuntimeBuilder::listen was not set>".into())
+                )));
+            }
+        };
+        let id = self.next_id();
+        let name = name.unwrap_or_else(|| format!("{short}#{id}"));
+        let (stx, srx) = oneshot::channel();
+        {
+            let mut st = self.state.lock();
+            st.spawning.insert(id, stx);
+            st.actors.insert(
+                id,
+                ActorInfo {
+                    name: name.clone(),
+                    conn: Some(v.conn.clone()),
+                    dead: None,
+                    host: v.host.clone(),
+                    endpoints: HashMap::new(),
+                },
+            );
+        }
+        v.conn
+            .send(&self.spawn_order(type_name, id, &name, args, false))?;
+        tokio::spawn(read_worker(
+            v.rx,
+            Arc::downgrade(self),
+            id,
+            Some(v.conn.clone()),
+            self.config.heartbeat_timeout,
+        ));
+        let constructed = tokio::select! {
+            r = srx => r.unwrap_or_else(|_| Err(Error::Spawn(format!("{name}: worker died while constructing the actor")))),
+            _ = tokio::time::sleep_until(deadline) => Err(Error::Spawn(format!("{name}: the actor was not constructed within {:?}", self.config.spawn_timeout))),
+        };
+        if let Err(e) = constructed {
+            let _ = v.conn.send(&ToWorker::Shutdown);
+            self.on_death(id, e.to_string());
+            return Err(e);
+        }
+        Ok(RawHandle {
+            rt: self.clone(),
+            actor: id,
+            name: name.into(),
+        })
+    }
+
     fn on_message(&self, actor: u64, msg: ToDriver) {
         let mut st = self.state.lock();
         let st = &mut *st;
         match msg {
             ToDriver::Spawned(r) => {
+                let r = r.map(|endpoints| {
+                    if let Some(a) = st.actors.get_mut(&actor) {
+                        a.endpoints = endpoints.into_iter().collect();
+                    }
+                });
                 if let Some(tx) = st.spawning.remove(&actor) {
                     let _ = tx.send(r);
                 }
             }
+            ToDriver::Pong => {}
             ToDriver::CallDone { call, result } => {
                 let Some(pc) = st.calls.remove(&call) else {
                     tracing::warn!("actor {actor} finished unknown call {call}; ignored");
@@ -937,41 +1096,122 @@ async fn accept_loop(listener: UnixListener, rt: Weak<Inner>) {
         };
         let Some(inner) = rt.upgrade() else { return };
         let secret = inner.secret;
-        let max = inner.config.max_frame_bytes;
         drop(inner);
         let rt = rt.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_worker(stream, rt, secret, max).await {
+            let joined = match protocol::accept_unix(stream, secret).await {
+                Ok(s) => {
+                    let (r, w) = s.into_split();
+                    serve_worker(
+                        protocol::ReadHalf::Unix(r),
+                        protocol::WriteHalf::Unix(w),
+                        rt,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = joined {
                 tracing::warn!("dropped a control connection: {e}");
             }
         });
     }
 }
 
+/// Accepts workers started by hand (`--rdt-connect`) on the TCP control
+/// address.
+async fn accept_tcp_loop(listener: tokio::net::TcpListener, rt: Weak<Inner>) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("control TCP accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Some(inner) = rt.upgrade() else { return };
+        let secret = inner.secret;
+        drop(inner);
+        let rt = rt.clone();
+        tokio::spawn(async move {
+            let joined = match protocol::accept_tcp(stream, secret).await {
+                Ok(s) => {
+                    let _ = socket2_keepalive(&s);
+                    let (r, w) = s.into_split();
+                    serve_worker(protocol::ReadHalf::Tcp(r), protocol::WriteHalf::Tcp(w), rt).await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = joined {
+                tracing::warn!("dropped a control connection from {peer}: {e}");
+            }
+        });
+    }
+}
+
+/// Lets the kernel notice a vanished remote peer too (beside heartbeats).
+fn socket2_keepalive(s: &tokio::net::TcpStream) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let on: libc::c_int = 1;
+    // SAFETY: setsockopt on a socket we own, with a correctly sized value.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_KEEPALIVE,
+            &on as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A worker that joined by hand and waits for an actor to host.
+pub(crate) struct Volunteer {
+    conn: protocol::Sender,
+    rx: protocol::Receiver<protocol::ReadHalf>,
+    host: String,
+}
+
 async fn serve_worker(
-    stream: UnixStream,
+    r: protocol::ReadHalf,
+    w: protocol::WriteHalf,
     rt: Weak<Inner>,
-    secret: [u8; 32],
-    max: usize,
 ) -> Result<()> {
-    let stream = protocol::accept_unix(stream, secret).await?;
-    let (r, w) = stream.into_split();
+    let (max, heartbeat) = {
+        let inner = rt.upgrade().ok_or(Error::Shutdown)?;
+        (inner.config.max_frame_bytes, inner.config.heartbeat_timeout)
+    };
+    let remote = matches!(r, protocol::ReadHalf::Tcp(_));
     let mut rx = protocol::Receiver::new(r, max);
     let hello = tokio::time::timeout(protocol::HANDSHAKE_TIMEOUT, rx.recv::<ToDriver>())
         .await
         .map_err(|_| Error::Protocol("no hello in time".into()))??;
-    let Some(ToDriver::Hello {
-        worker,
-        pid: _,
-        host,
-        endpoints,
-    }) = hello
-    else {
+    let Some(ToDriver::Hello { worker, host, .. }) = hello else {
         return Err(Error::Protocol("first frame was not a hello".into()));
     };
     let conn = protocol::spawn_writer(w, max);
+    let inner = rt.upgrade().ok_or(Error::Shutdown)?;
+    if remote {
+        if worker != 0 {
+            return Err(Error::Protocol(
+                "a worker joining over TCP must not claim an id".into(),
+            ));
+        }
+        tracing::info!("a worker on {host} joined and waits for an actor");
+        inner
+            .state
+            .lock()
+            .volunteers
+            .push_back(Volunteer { conn, rx, host });
+        inner.volunteer_joined.notify_one();
+        return Ok(());
+    }
     {
-        let inner = rt.upgrade().ok_or(Error::Shutdown)?;
         let mut st = inner.state.lock();
         let Some(tx) = st.joining.remove(&worker) else {
             return Err(Error::Protocol(format!(
@@ -981,23 +1221,56 @@ async fn serve_worker(
         if let Some(a) = st.actors.get_mut(&worker) {
             a.conn = Some(conn.clone());
             a.host = host;
-            a.endpoints = endpoints.into_iter().collect();
         }
         let _ = tx.send(Joined { conn });
     }
+    drop(inner);
+    read_worker(rx, rt, worker, None, heartbeat).await;
+    Ok(())
+}
+
+/// Reads a worker's messages until its connection ends, then reports its
+/// death. With `ping` set (remote workers), a worker silent for longer
+/// than `heartbeat` is declared dead too: a cut link gives no end of
+/// stream.
+async fn read_worker(
+    mut rx: protocol::Receiver<protocol::ReadHalf>,
+    rt: Weak<Inner>,
+    worker: u64,
+    ping: Option<protocol::Sender>,
+    heartbeat: Duration,
+) {
+    let mut last = tokio::time::Instant::now();
     let end = loop {
-        match rx.recv::<ToDriver>().await {
+        let msg = match &ping {
+            None => rx.recv::<ToDriver>().await,
+            Some(conn) => {
+                // recv is cancel-safe: a frame in progress stays buffered.
+                match tokio::time::timeout(heartbeat / 4, rx.recv::<ToDriver>()).await {
+                    Ok(m) => m,
+                    Err(_) => {
+                        if last.elapsed() > heartbeat {
+                            break format!(
+                                "went silent for {heartbeat:?} (no heartbeat; network cut?)"
+                            );
+                        }
+                        let _ = conn.send(&ToWorker::Ping);
+                        continue;
+                    }
+                }
+            }
+        };
+        last = tokio::time::Instant::now();
+        match msg {
             Ok(Some(msg)) => match rt.upgrade() {
                 Some(inner) => inner.on_message(worker, msg),
-                None => return Ok(()),
+                None => return,
             },
             Ok(None) => break "closed its control connection".to_string(),
             Err(e) => break format!("broke its control connection ({e})"),
         }
     };
-    let Some(inner) = rt.upgrade() else {
-        return Ok(());
-    };
+    let Some(inner) = rt.upgrade() else { return };
     // Prefer the exit status, if the process is gone, to the socket's story.
     let exit = inner
         .state
@@ -1017,7 +1290,6 @@ async fn serve_worker(
         None => format!("it {end}"),
     };
     inner.on_death(worker, detail);
-    Ok(())
 }
 
 /// The devices (as `CUDA_VISIBLE_DEVICES` entries) a worker asking for `n`

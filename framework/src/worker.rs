@@ -27,7 +27,6 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::{object_store, Blob, Peer, Sidedness, Tensor};
-use tokio::net::unix::OwnedReadHalf;
 use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
@@ -37,84 +36,116 @@ use crate::protocol::{self, CallMsg, Delivery, ToDriver, ToWorker, WireArg, Wire
 use crate::runtime::inline_value;
 use crate::transport::Transport;
 
-/// Names of the environment variables a worker is started with.
+/// Names of the environment variables a local worker is started with.
 pub(crate) mod env {
-    pub const WORKER_ID: &str = "RDT_WORKER_ID";
     pub const SOCKET: &str = "RDT_WORKER_SOCKET";
     pub const SECRET: &str = "RDT_WORKER_SECRET";
-    pub const ACTOR_TYPE: &str = "RDT_WORKER_ACTOR_TYPE";
-    pub const ACTOR_NAME: &str = "RDT_WORKER_ACTOR_NAME";
+    pub const WORKER_ID: &str = "RDT_WORKER_ID";
     pub const PARENT_PID: &str = "RDT_WORKER_PARENT_PID";
-    pub const MAX_FRAME: &str = "RDT_WORKER_MAX_FRAME";
-    pub const GPUS: &str = "RDT_WORKER_GPUS";
-    pub const TCP_BIND: &str = "RDT_WORKER_TCP_BIND";
-    pub const TRANSFER_TIMEOUT_MS: &str = "RDT_WORKER_TRANSFER_TIMEOUT_MS";
-    pub const ALL: [&str; 10] = [
-        WORKER_ID,
-        SOCKET,
-        SECRET,
-        ACTOR_TYPE,
-        ACTOR_NAME,
-        PARENT_PID,
-        MAX_FRAME,
-        GPUS,
-        TCP_BIND,
-        TRANSFER_TIMEOUT_MS,
-    ];
+    pub const ALL: [&str; 4] = [SOCKET, SECRET, WORKER_ID, PARENT_PID];
+    /// The secret of a worker started by hand (`--rdt-token` puts it in
+    /// the process's argument list, visible to other users; prefer this).
+    pub const TOKEN: &str = "RDT_TOKEN";
 }
 
-struct Boot {
-    worker: u64,
-    socket: String,
-    secret: Vec<u8>,
-    name: Arc<str>,
-    max_frame: usize,
-    tcp_bind: String,
-    transfer_timeout: Duration,
-}
-
-/// Makes this process a worker if the driver started it as one (invariant
-/// 1); returns at once otherwise. Call it first thing in `main`
+/// Makes this process a worker if the driver started it as one, or if it
+/// was started by hand with `--rdt-connect HOST:PORT` (invariant 1);
+/// returns at once otherwise. Call it first thing in `main`
 /// (`#[rdt::main]` does).
 pub fn init() {
     boot_if_worker();
 }
 
+/// How a worker reaches its driver.
+enum Link {
+    /// Spawned by the driver: its private Unix socket.
+    Unix(String),
+    /// Started by hand (Slurm, Kubernetes, mpirun): the driver's TCP
+    /// control address.
+    Tcp(String),
+}
+
 #[doc(hidden)]
 pub fn boot_if_worker() {
-    let Ok(type_name) = std::env::var(env::ACTOR_TYPE) else {
+    let (link, secret, worker) = if let Ok(socket) = std::env::var(env::SOCKET) {
+        match local_boot(socket) {
+            Ok(b) => b,
+            Err(e) => fail_boot(&e),
+        }
+    } else if let Some(addr) = cmdline_flag("--rdt-connect") {
+        let token = std::env::var(env::TOKEN)
+            .ok()
+            .or_else(|| cmdline_flag("--rdt-token"))
+            .unwrap_or_else(|| {
+                fail_boot(
+                    "--rdt-connect needs the runtime's token: set RDT_TOKEN or pass --rdt-token",
+                )
+            });
+        let secret =
+            hex::decode(token.trim()).unwrap_or_else(|_| fail_boot("the token is not hex"));
+        (Link::Tcp(addr), secret, 0)
+    } else {
         return;
     };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let control = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("rdt-control")
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| fail_boot(&format!("no tokio runtime: {e}")));
+    let joined = control
+        .block_on(join_driver(link, secret, worker))
+        .unwrap_or_else(|e| fail_boot(&e.to_string()));
+    let type_name = joined.order.actor_type.clone();
     match ACTOR_TYPES.iter().find(|r| r.name == type_name) {
-        Some(reg) => (reg.run)(),
+        Some(reg) => (reg.run)(WorkerStart { joined, control }),
         None => {
             let known: Vec<&str> = ACTOR_TYPES.iter().map(|r| r.name).collect();
-            eprintln!(
-                "rdt worker: actor type {type_name} is not registered in this binary (registered: {known:?}); \
-                 is the actor defined in a crate this binary links?"
-            );
-            std::process::exit(2);
+            let e = Error::Spawn(format!(
+                "actor type {type_name} is not registered in this worker's binary (registered: {known:?}); \
+                 run the same binary as the driver"
+            ));
+            let _ = joined.tx.send(&ToDriver::Spawned(Err(e.clone())));
+            fail_boot(&e.to_string())
         }
     }
 }
 
-fn read_boot() -> std::result::Result<Boot, String> {
+fn fail_boot(e: &str) -> ! {
+    eprintln!("rdt worker: {e}");
+    std::process::exit(2)
+}
+
+/// A flag's value from this process's command line. Read from
+/// `/proc/self/cmdline`: this runs before `main`, where `std::env::args`
+/// may not be set up yet.
+fn cmdline_flag(flag: &str) -> Option<String> {
+    let raw = std::fs::read("/proc/self/cmdline").ok()?;
+    let args: Vec<String> = raw
+        .split(|&b| b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let prefix = format!("{flag}=");
+    args.iter().enumerate().find_map(|(i, a)| {
+        if a == flag {
+            args.get(i + 1).cloned()
+        } else {
+            a.strip_prefix(&prefix).map(str::to_string)
+        }
+    })
+}
+
+fn local_boot(socket: String) -> std::result::Result<(Link, Vec<u8>, u64), String> {
     let var = |k: &str| std::env::var(k).map_err(|_| format!("missing environment variable {k}"));
-    let boot = Boot {
-        worker: var(env::WORKER_ID)?.parse().map_err(|_| "bad worker id")?,
-        socket: var(env::SOCKET)?,
-        secret: hex::decode(var(env::SECRET)?).map_err(|_| "bad secret")?,
-        name: var(env::ACTOR_NAME)?.into(),
-        max_frame: var(env::MAX_FRAME)?
-            .parse()
-            .map_err(|_| "bad frame limit")?,
-        tcp_bind: var(env::TCP_BIND)?,
-        transfer_timeout: Duration::from_millis(
-            var(env::TRANSFER_TIMEOUT_MS)?
-                .parse()
-                .map_err(|_| "bad transfer timeout")?,
-        ),
-    };
+    let secret = hex::decode(var(env::SECRET)?).map_err(|_| "bad secret")?;
+    let worker = var(env::WORKER_ID)?.parse().map_err(|_| "bad worker id")?;
     let parent: i32 = var(env::PARENT_PID)?
         .parse()
         .map_err(|_| "bad parent pid")?;
@@ -129,27 +160,30 @@ fn read_boot() -> std::result::Result<Boot, String> {
         // Children of the worker must not think they are workers.
         std::env::remove_var(k);
     }
-    Ok(boot)
+    Ok((Link::Unix(socket), secret, worker))
+}
+
+/// A worker that joined its driver and got its spawn order.
+#[doc(hidden)]
+pub struct WorkerStart {
+    joined: Joined,
+    control: tokio::runtime::Runtime,
+}
+
+struct Joined {
+    tx: protocol::Sender,
+    rx: protocol::Receiver<protocol::ReadHalf>,
+    order: protocol::SpawnOrder,
+    secret: Vec<u8>,
+    /// The local address of a TCP control link: remote workers bind their
+    /// data endpoints there by default (routable to the driver's network).
+    local_ip: Option<std::net::IpAddr>,
 }
 
 /// Entry point of a worker hosting `A`; never returns.
 #[doc(hidden)]
-pub fn run_worker<A: RdtActor>() -> ! {
-    let boot = match read_boot() {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("rdt worker: {e}");
-            std::process::exit(2);
-        }
-    };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
-    if let Err(e) = worker_main::<A>(boot) {
+pub fn run_worker<A: RdtActor>(start: WorkerStart) -> ! {
+    if let Err(e) = worker_main::<A>(start) {
         eprintln!("rdt worker: {e}");
         std::process::exit(1);
     }
@@ -275,29 +309,63 @@ fn hostname() -> String {
 
 /// Connects to the driver, authenticates, says hello and waits for the
 /// spawn order. Runs on the control runtime.
-async fn join_driver(
-    boot: &Boot,
-    endpoints: Vec<(String, String)>,
-) -> Result<(protocol::Sender, protocol::Receiver<OwnedReadHalf>, Blob)> {
-    let std = protocol::connect_unix(&boot.socket, &boot.secret)?;
-    let stream = UnixStream::from_std(std)?;
-    let (r, w) = stream.into_split();
-    let tx = protocol::spawn_writer(w, boot.max_frame);
-    let mut rx = protocol::Receiver::new(r, boot.max_frame);
+async fn join_driver(link: Link, secret: Vec<u8>, worker: u64) -> Result<Joined> {
+    // Until the spawn order says otherwise, accept frames up to the
+    // default limit.
+    let max = crate::runtime::DEFAULT_MAX_FRAME;
+    let (tx, mut rx, local_ip) = match link {
+        Link::Unix(path) => {
+            let s = UnixStream::from_std(protocol::connect_unix(&path, &secret)?)?;
+            let (r, w) = s.into_split();
+            (
+                protocol::spawn_writer(protocol::WriteHalf::Unix(w), max),
+                protocol::Receiver::new(protocol::ReadHalf::Unix(r), max),
+                None,
+            )
+        }
+        Link::Tcp(addr) => {
+            let s = tokio::net::TcpStream::from_std(protocol::connect_tcp(&addr, &secret)?)?;
+            let ip = s.local_addr()?.ip();
+            let (r, w) = s.into_split();
+            (
+                protocol::spawn_writer(protocol::WriteHalf::Tcp(w), max),
+                protocol::Receiver::new(protocol::ReadHalf::Tcp(r), max),
+                Some(ip),
+            )
+        }
+    };
     tx.send(&ToDriver::Hello {
-        worker: boot.worker,
+        worker,
         pid: std::process::id(),
         host: hostname(),
-        endpoints,
+        endpoints: Vec::new(),
     })?;
-    match rx.recv::<ToWorker>().await? {
-        Some(ToWorker::Spawn { args }) => Ok((tx, rx, args)),
-        Some(other) => Err(Error::Protocol(format!(
-            "expected a spawn order, got {other:?}"
-        ))),
-        None => Err(Error::Protocol(
-            "the driver closed the connection before the spawn order".into(),
-        )),
+    loop {
+        match rx.recv::<ToWorker>().await? {
+            Some(ToWorker::Spawn(order)) => {
+                rx.set_max_frame(order.max_frame);
+                tx.set_max_frame(order.max_frame);
+                return Ok(Joined {
+                    tx,
+                    rx,
+                    order,
+                    secret,
+                    local_ip,
+                });
+            }
+            // A volunteer may wait long for work: answer heartbeats.
+            Some(ToWorker::Ping) => tx.send(&ToDriver::Pong)?,
+            Some(other) => {
+                return Err(Error::Protocol(format!(
+                    "expected a spawn order, got {other:?}"
+                )))
+            }
+            None => {
+                return Err(Error::Protocol(
+                    "the driver closed the connection before the spawn order".into(),
+                ))
+            }
+        }
     }
 }
 
@@ -305,19 +373,28 @@ async fn join_driver(
 /// the actix system of the main thread; the control loop, deliveries and
 /// sends run on a separate tokio runtime, so a method that blocks its
 /// thread still lets transfers of objects it already produced go out.
-fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
-    let control = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("rdt-control")
-        .enable_all()
-        .build()?;
+fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
+    let WorkerStart { joined, control } = start;
+    let Joined {
+        tx,
+        mut rx,
+        order,
+        secret,
+        local_ip,
+    } = joined;
+    let tcp_bind = match (&order.tcp_bind, local_ip) {
+        (Some(b), _) => b.clone(),
+        (None, Some(ip)) => std::net::SocketAddr::new(ip, 0).to_string(),
+        (None, None) => "127.0.0.1:0".to_string(),
+    };
     let endpoints = crate::transport::configure_worker(crate::transport::WorkerTransportConfig {
-        me: boot.worker,
-        secret: boot.secret.clone(),
-        tcp_bind: boot.tcp_bind.clone(),
-        transfer_timeout: boot.transfer_timeout,
+        me: order.worker,
+        secret,
+        tcp_bind,
+        transfer_timeout: Duration::from_millis(order.transfer_timeout_ms),
     });
-    let (tx, mut rx, args) = control.block_on(join_driver(&boot, endpoints))?;
+    let boot_name: Arc<str> = order.name.clone().into();
+    let args = order.args.clone();
     let handle = control.handle().clone();
     let sys = actix::System::new();
     sys.block_on(async move {
@@ -329,12 +406,12 @@ fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
             Ok(args) => match AssertUnwindSafe(A::__construct(args)).catch_unwind().await {
                 Ok(Ok(a)) => Ok(a),
                 Ok(Err(msg)) => Err(Error::Application {
-                    actor: boot.name.to_string(),
+                    actor: boot_name.to_string(),
                     method: "new".into(),
                     message: msg,
                 }),
                 Err(p) => Err(Error::Panic {
-                    actor: boot.name.to_string(),
+                    actor: boot_name.to_string(),
                     method: "new".into(),
                     message: panic_message(&p),
                 }),
@@ -353,7 +430,7 @@ fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
             }
         };
         let shared = Arc::new(WorkerShared {
-            name: boot.name.clone(),
+            name: boot_name.clone(),
             store: Store::default(),
             tx: tx.clone(),
         });
@@ -366,12 +443,12 @@ fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
             state: Some(Box::new(actor)),
             shared: shared.clone(),
         });
-        let _ = tx.send(&ToDriver::Spawned(Ok(())));
+        let _ = tx.send(&ToDriver::Spawned(Ok(endpoints)));
         handle.spawn(async move {
             let code = match control_loop(&mut rx, addr, shared).await {
                 Ok(()) => 0,
                 Err(e) => {
-                    eprintln!("rdt worker {}: {e}", boot.name);
+                    eprintln!("rdt worker {boot_name}: {e}");
                     1
                 }
             };
@@ -385,7 +462,7 @@ fn worker_main<A: RdtActor>(boot: Boot) -> Result<()> {
 }
 
 async fn control_loop<A: RdtActor>(
-    rx: &mut protocol::Receiver<OwnedReadHalf>,
+    rx: &mut protocol::Receiver<protocol::ReadHalf>,
     addr: Addr<Host<A>>,
     shared: Arc<WorkerShared>,
 ) -> Result<()> {
@@ -441,8 +518,9 @@ async fn control_loop<A: RdtActor>(
                     })?;
                 }
             }
+            ToWorker::Ping => tx.send(&ToDriver::Pong)?,
             ToWorker::Shutdown => std::process::exit(0),
-            ToWorker::Spawn { .. } => tracing::warn!("second spawn order ignored"),
+            ToWorker::Spawn(_) => tracing::warn!("second spawn order ignored"),
         }
     }
 }

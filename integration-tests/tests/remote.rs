@@ -1,0 +1,261 @@
+//! Workers started by hand (`--rdt-connect`), as Slurm, Kubernetes or
+//! mpirun would start them: on loopback, and on another "host" — a second
+//! network namespace joined by a veth pair — including a cut link.
+
+use std::time::{Duration, Instant};
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+fn volunteer(addr: &str, token: &str) -> tokio::process::Command {
+    let mut c = tokio::process::Command::new(std::env::current_exe().unwrap());
+    c.args(["--rdt-connect", addr])
+        .env("RDT_TOKEN", token)
+        .kill_on_drop(true);
+    c
+}
+
+#[tokio::test]
+async fn worker_started_by_hand_joins_and_hosts_an_actor() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .listen("127.0.0.1:0")
+            .start()
+            .await
+            .unwrap();
+        let addr = rt.control_address().unwrap().to_string();
+        let mut w = volunteer(&addr, &rt.join_token()).spawn().unwrap();
+        let p = rt.spawn::<Producer>(()).on_joined_worker().await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        assert_eq!(p.pid(), None, "not a process of ours");
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let r = p.make(2.0, 1 << 20).transport(Transport::Tcp).remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote()).await.unwrap(),
+            (2u64 << 20) as f64
+        );
+        let r = p.make(1.0, 1000).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 1000.0);
+        // The worker goes away: its calls fail, the rest works.
+        w.start_kill().unwrap();
+        w.wait().await.unwrap();
+        let e = rt.get(p.echo(1).remote()).await.unwrap_err();
+        assert!(matches!(e, Error::ActorDied { .. }), "{e}");
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[3])).remote())
+                .await
+                .unwrap(),
+            3.0
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_worker_with_the_wrong_token_is_refused() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .listen("127.0.0.1:0")
+            .spawn_timeout(Duration::from_secs(2))
+            .start()
+            .await
+            .unwrap();
+        let addr = rt.control_address().unwrap().to_string();
+        let status = volunteer(&addr, &"00".repeat(32)).status().await.unwrap();
+        assert!(!status.success(), "an impostor worker exits with an error");
+        let e = rt
+            .spawn::<Producer>(())
+            .on_joined_worker()
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("no worker joined"), "{e}");
+        // The runtime is undisturbed.
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        assert_eq!(rt.get(c.seen().remote()).await.unwrap(), 0);
+    })
+    .await;
+}
+
+/// Two network namespaces joined by a veth pair; deleted on drop.
+struct TwoHosts {
+    a: String,
+    b: String,
+    ip_a: String,
+    ip_b: String,
+}
+
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("this test needs iproute2 (`ip`) and root: {e}"));
+    assert!(
+        out.status.success(),
+        "`ip {}` failed (this test needs root and network namespaces): {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl TwoHosts {
+    fn new() -> TwoHosts {
+        let id = std::process::id();
+        let net = id % 250;
+        let h = TwoHosts {
+            a: format!("rdt-a-{id}"),
+            b: format!("rdt-b-{id}"),
+            ip_a: format!("10.77.{net}.1"),
+            ip_b: format!("10.77.{net}.2"),
+        };
+        let (va, vb) = (format!("rdta{id}"), format!("rdtb{id}"));
+        let (va, vb) = (&va[..va.len().min(15)], &vb[..vb.len().min(15)]);
+        ip(&["netns", "add", &h.a]);
+        ip(&["netns", "add", &h.b]);
+        ip(&["link", "add", va, "type", "veth", "peer", "name", vb]);
+        ip(&["link", "set", va, "netns", &h.a]);
+        ip(&["link", "set", vb, "netns", &h.b]);
+        for (ns, dev, addr) in [(&h.a, va, &h.ip_a), (&h.b, vb, &h.ip_b)] {
+            ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev]);
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+        }
+        h
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in [&self.a, &self.b] {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", ns])
+                .status();
+        }
+    }
+}
+
+/// The driver and one local worker on "host A", a worker started by hand
+/// on "host B"; tcp between them; then the link is cut mid-transfer.
+#[tokio::test]
+async fn worker_on_another_host_and_a_cut_link() {
+    deadline(120, async {
+        let hosts = TwoHosts::new();
+        let out = tokio::process::Command::new("ip")
+            .args(["netns", "exec", &hosts.a])
+            .arg(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "two_hosts_driver",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(
+                "RDT_TEST_HOSTS",
+                format!("{} {} {}", hosts.b, hosts.ip_a, hosts.ip_b),
+            )
+            .kill_on_drop(true)
+            .output()
+            .await
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success() && text.contains("TWO-HOSTS-OK"),
+            "the driver on host A failed:\n{text}"
+        );
+    })
+    .await;
+}
+
+/// Not a test on its own: the driver side of
+/// `worker_on_another_host_and_a_cut_link`, run inside namespace A.
+#[tokio::test]
+#[ignore = "run by worker_on_another_host_and_a_cut_link"]
+async fn two_hosts_driver() {
+    let spec =
+        std::env::var("RDT_TEST_HOSTS").expect("run by worker_on_another_host_and_a_cut_link only");
+    let parts: Vec<&str> = spec.split(' ').collect();
+    let (ns_b, ip_a) = (parts[0], parts[1]);
+    rdt_integration_tests::logs();
+    let rt = Runtime::builder()
+        .listen(format!("{ip_a}:0"))
+        .tcp_bind(format!("{ip_a}:0"))
+        .transfer_timeout(Duration::from_secs(3))
+        .heartbeat_timeout(Duration::from_secs(2))
+        .start()
+        .await
+        .unwrap();
+    let addr = rt.control_address().unwrap().to_string();
+    // Host B: its own network namespace and its own host name.
+    let _w = tokio::process::Command::new("unshare")
+        .args(["--uts", "sh", "-c", "hostname rdt-host-b && exec \"$@\"", "sh", "ip", "netns", "exec", ns_b])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--rdt-connect", &addr])
+        .env("RDT_TOKEN", rt.join_token())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let p = rt.spawn::<Producer>(()).on_joined_worker().await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+        .await
+        .unwrap();
+    // Across the veth pair, both directions of the control plane and tcp.
+    let r = p.make(1.0, 2 << 20).transport(Transport::Tcp).remote();
+    assert_eq!(
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        (2u64 << 20) as f64
+    );
+    // shm cannot cross hosts: a clear error, not a hang.
+    let s = p.make(1.0, 16).transport(Transport::Shm).remote();
+    let e = rt.get(c.sum(&s).remote()).await.unwrap_err();
+    assert!(e.root_cause().to_string().contains("one host"), "{e}");
+    // Cut the link in the middle of a large transfer.
+    let big = p.make(1.0, 64 << 20).transport(Transport::Tcp).remote();
+    rt.wait(&big).await.unwrap();
+    let call = c.sum(&big).remote();
+    let dev = std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .find(|n| n.starts_with("rdta"))
+        .expect("the veth end of host A");
+    let t0 = Instant::now();
+    ip(&["link", "set", &dev, "down"]);
+    match rt.get(&call).await {
+        Ok(v) => assert_eq!(v, (64u64 << 20) as f64, "if it finished, it is whole"),
+        Err(e) => {
+            let root = e.root_cause();
+            assert!(
+                matches!(root, Error::Transport(_) | Error::ActorDied { .. }),
+                "{e}"
+            );
+        }
+    }
+    // The remote worker is declared dead by the heartbeat, in bounded time.
+    let e = rt.get(p.echo(1).remote()).await.unwrap_err();
+    assert!(
+        matches!(&e, Error::ActorDied { detail, .. } if detail.contains("silent")),
+        "{e}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        t0.elapsed()
+    );
+    // Host A's actor is fine.
+    assert_eq!(
+        rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
+            .await
+            .unwrap(),
+        4.0
+    );
+    println!("TWO-HOSTS-OK");
+}
