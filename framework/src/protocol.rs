@@ -209,19 +209,27 @@ pub enum WriteHalf {
     Unix(tokio::net::unix::OwnedWriteHalf),
     /// Remote worker.
     Tcp(tokio::net::tcp::OwnedWriteHalf),
+    /// Remote worker over TLS: always written by the writer task.
+    Tls(tokio::sync::Mutex<tokio::io::WriteHalf<TlsStream>>),
 }
+
+/// A TLS control connection (either end).
+pub type TlsStream = tokio_rustls::TlsStream<tokio::net::TcpStream>;
 
 impl WriteHalf {
     fn try_write_vectored(&self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
         match self {
             WriteHalf::Unix(w) => w.try_write_vectored(bufs),
             WriteHalf::Tcp(w) => w.try_write_vectored(bufs),
+            // Encryption happens in the writer task.
+            WriteHalf::Tls(_) => Err(std::io::ErrorKind::WouldBlock.into()),
         }
     }
     async fn writable(&self) -> std::io::Result<()> {
         match self {
             WriteHalf::Unix(w) => w.writable().await,
             WriteHalf::Tcp(w) => w.writable().await,
+            WriteHalf::Tls(_) => Ok(()),
         }
     }
 }
@@ -232,6 +240,8 @@ pub enum ReadHalf {
     Unix(tokio::net::unix::OwnedReadHalf),
     /// Remote worker.
     Tcp(tokio::net::tcp::OwnedReadHalf),
+    /// Remote worker over TLS.
+    Tls(tokio::io::ReadHalf<TlsStream>),
 }
 
 impl AsyncRead for ReadHalf {
@@ -243,6 +253,7 @@ impl AsyncRead for ReadHalf {
         match self.get_mut() {
             ReadHalf::Unix(r) => std::pin::Pin::new(r).poll_read(cx, buf),
             ReadHalf::Tcp(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+            ReadHalf::Tls(r) => std::pin::Pin::new(r).poll_read(cx, buf),
         }
     }
 }
@@ -345,6 +356,42 @@ fn write_ready(half: &WriteHalf, chunks: &mut VecDeque<Bytes>) -> std::io::Resul
     Ok(())
 }
 
+/// The writer task of a TLS connection: drains the queue in order through
+/// the encrypting stream.
+async fn tls_writer(me: &SenderInner, w: &tokio::sync::Mutex<tokio::io::WriteHalf<TlsStream>>) {
+    use tokio::io::AsyncWriteExt;
+    let mut w = w.lock().await;
+    loop {
+        let notified = me.wake.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let chunks: Vec<Bytes> = {
+            let mut q = me.queue.lock();
+            if q.closed {
+                return;
+            }
+            q.chunks.drain(..).collect()
+        };
+        if chunks.is_empty() {
+            notified.await;
+            continue;
+        }
+        for c in chunks {
+            if let Err(e) = w.write_all(&c).await {
+                tracing::debug!("TLS control connection write failed: {e}");
+                let mut q = me.queue.lock();
+                q.closed = true;
+                q.chunks.clear();
+                return;
+            }
+        }
+        if w.flush().await.is_err() {
+            me.queue.lock().closed = true;
+            return;
+        }
+    }
+}
+
 /// Wraps the writing half of a connection and starts its writer task.
 pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
     let inner = Arc::new(SenderInner {
@@ -355,6 +402,9 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
     });
     let me = inner.clone();
     tokio::spawn(async move {
+        if let WriteHalf::Tls(w) = &me.half {
+            return tls_writer(&me, w).await;
+        }
         loop {
             me.wake.notified().await;
             loop {
@@ -469,6 +519,91 @@ pub async fn accept_tcp(
     .await
     .map_err(|e| Error::Protocol(format!("handshake task: {e}")))??;
     Ok(tokio::net::TcpStream::from_std(std)?)
+}
+
+/// Accepting side over TLS: the TLS handshake, then the secret's challenge
+/// inside the encrypted stream.
+pub async fn accept_tls(
+    stream: tokio::net::TcpStream,
+    acceptor: &tokio_rustls::TlsAcceptor,
+    secret: [u8; 32],
+) -> Result<TlsStream> {
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+        stream.set_nodelay(true)?;
+        let mut tls = acceptor
+            .accept(stream)
+            .await
+            .map_err(|e| Error::Protocol(format!("TLS handshake: {e}")))?;
+        rdt_transport::auth::accept_async(&mut tls, &secret)
+            .await
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        Ok(TlsStream::from(tls))
+    })
+    .await
+    .map_err(|_| Error::Protocol("peer did not authenticate in time".into()))?
+}
+
+/// Connecting side over TLS (remote workers): trusts `ca_pem`'s
+/// certificates for `server_name`.
+pub async fn connect_tls(
+    addr: &str,
+    server_name: &str,
+    ca_pem: &[u8],
+    secret: &[u8],
+) -> Result<(TlsStream, std::net::IpAddr)> {
+    use rustls_pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_slice_iter(ca_pem) {
+        let cert = cert.map_err(|e| Error::Protocol(format!("TLS CA file: {e}")))?;
+        roots
+            .add(cert)
+            .map_err(|e| Error::Protocol(format!("TLS CA certificate: {e}")))?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| Error::Protocol(e.to_string()))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let name = rustls_pki_types::ServerName::try_from(server_name.to_string())
+        .map_err(|e| Error::Protocol(format!("TLS server name {server_name:?}: {e}")))?;
+    tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+        let tcp = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| Error::Io(format!("connect to the driver at {addr}: {e}")))?;
+        tcp.set_nodelay(true)?;
+        let ip = tcp.local_addr()?.ip();
+        let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+            .connect(name, tcp)
+            .await
+            .map_err(|e| Error::Protocol(format!("TLS handshake with {addr}: {e}")))?;
+        rdt_transport::auth::connect_async(&mut tls, secret)
+            .await
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        Ok((TlsStream::from(tls), ip))
+    })
+    .await
+    .map_err(|_| Error::Protocol(format!("the driver at {addr} did not authenticate in time")))?
+}
+
+/// A TLS acceptor from a PEM certificate chain and private key.
+pub fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8]) -> Result<tokio_rustls::TlsAcceptor> {
+    use rustls_pki_types::pem::PemObject;
+    let certs = rustls_pki_types::CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::Protocol(format!("TLS certificate: {e}")))?;
+    let key = rustls_pki_types::PrivateKeyDer::from_pem_slice(key_pem)
+        .map_err(|e| Error::Protocol(format!("TLS key: {e}")))?;
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| Error::Protocol(e.to_string()))?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .map_err(|e| Error::Protocol(format!("TLS certificate and key: {e}")))?;
+    Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
 }
 
 /// Connecting side of the handshake over TCP (remote workers), blocking.

@@ -50,6 +50,7 @@ pub struct RuntimeBuilder {
     transfer_timeout: Duration,
     listen: Option<String>,
     heartbeat_timeout: Duration,
+    tls: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 /// Default control frame limit (8 GiB).
@@ -65,6 +66,7 @@ impl Default for RuntimeBuilder {
             transfer_timeout: Duration::from_secs(120),
             listen: None,
             heartbeat_timeout: Duration::from_secs(10),
+            tls: None,
         }
     }
 }
@@ -105,6 +107,15 @@ impl RuntimeBuilder {
         self.listen = Some(addr.into());
         self
     }
+    /// Encrypt the control connections of workers started by hand with TLS
+    /// (rustls), presenting this PEM certificate chain and private key.
+    /// Workers then need `RDT_TLS_CA` (or `--rdt-tls-ca PATH`) naming a PEM
+    /// file they trust for it. The runtime secret is still proven inside
+    /// the encrypted stream.
+    pub fn tls(mut self, cert_chain_pem: impl Into<Vec<u8>>, key_pem: impl Into<Vec<u8>>) -> Self {
+        self.tls = Some((cert_chain_pem.into(), key_pem.into()));
+        self
+    }
     /// A remote worker silent for this long is declared dead (default
     /// 10 s; the driver pings every quarter of it).
     pub fn heartbeat_timeout(mut self, d: Duration) -> Self {
@@ -135,6 +146,10 @@ impl RuntimeBuilder {
             None => None,
         };
         let control_addr = tcp.as_ref().map(|l| l.local_addr()).transpose()?;
+        let tls = match &self.tls {
+            Some((cert, key)) => Some(protocol::tls_acceptor(cert, key)?),
+            None => None,
+        };
         let inner = Arc::new(Inner {
             config: self,
             secret: protocol::new_secret(),
@@ -147,7 +162,7 @@ impl RuntimeBuilder {
         });
         tokio::spawn(accept_loop(listener, Arc::downgrade(&inner)));
         if let Some(l) = tcp {
-            tokio::spawn(accept_tcp_loop(l, Arc::downgrade(&inner)));
+            tokio::spawn(accept_tcp_loop(l, tls, Arc::downgrade(&inner)));
         }
         Ok(Runtime { inner })
     }
@@ -1120,7 +1135,11 @@ async fn accept_loop(listener: UnixListener, rt: Weak<Inner>) {
 
 /// Accepts workers started by hand (`--rdt-connect`) on the TCP control
 /// address.
-async fn accept_tcp_loop(listener: tokio::net::TcpListener, rt: Weak<Inner>) {
+async fn accept_tcp_loop(
+    listener: tokio::net::TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    rt: Weak<Inner>,
+) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -1134,14 +1153,30 @@ async fn accept_tcp_loop(listener: tokio::net::TcpListener, rt: Weak<Inner>) {
         let secret = inner.secret;
         drop(inner);
         let rt = rt.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let joined = match protocol::accept_tcp(stream, secret).await {
-                Ok(s) => {
-                    let _ = socket2_keepalive(&s);
-                    let (r, w) = s.into_split();
-                    serve_worker(protocol::ReadHalf::Tcp(r), protocol::WriteHalf::Tcp(w), rt).await
-                }
-                Err(e) => Err(e),
+            let _ = socket2_keepalive(&stream);
+            let joined = match tls {
+                Some(acceptor) => match protocol::accept_tls(stream, &acceptor, secret).await {
+                    Ok(s) => {
+                        let (r, w) = tokio::io::split(s);
+                        serve_worker(
+                            protocol::ReadHalf::Tls(r),
+                            protocol::WriteHalf::Tls(tokio::sync::Mutex::new(w)),
+                            rt,
+                        )
+                        .await
+                    }
+                    Err(e) => Err(e),
+                },
+                None => match protocol::accept_tcp(stream, secret).await {
+                    Ok(s) => {
+                        let (r, w) = s.into_split();
+                        serve_worker(protocol::ReadHalf::Tcp(r), protocol::WriteHalf::Tcp(w), rt)
+                            .await
+                    }
+                    Err(e) => Err(e),
+                },
             };
             if let Err(e) = joined {
                 tracing::warn!("dropped a control connection from {peer}: {e}");
@@ -1186,7 +1221,7 @@ async fn serve_worker(
         let inner = rt.upgrade().ok_or(Error::Shutdown)?;
         (inner.config.max_frame_bytes, inner.config.heartbeat_timeout)
     };
-    let remote = matches!(r, protocol::ReadHalf::Tcp(_));
+    let remote = !matches!(r, protocol::ReadHalf::Unix(_));
     let mut rx = protocol::Receiver::new(r, max);
     let hello = tokio::time::timeout(protocol::HANDSHAKE_TIMEOUT, rx.recv::<ToDriver>())
         .await

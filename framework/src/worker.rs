@@ -46,6 +46,9 @@ pub(crate) mod env {
     /// The secret of a worker started by hand (`--rdt-token` puts it in
     /// the process's argument list, visible to other users; prefer this).
     pub const TOKEN: &str = "RDT_TOKEN";
+    /// PEM file of the certificate(s) to trust for a TLS control link
+    /// (or `--rdt-tls-ca PATH`); without it the link is plain TCP.
+    pub const TLS_CA: &str = "RDT_TLS_CA";
 }
 
 /// Makes this process a worker if the driver started it as one, or if it
@@ -63,6 +66,8 @@ enum Link {
     /// Started by hand (Slurm, Kubernetes, mpirun): the driver's TCP
     /// control address.
     Tcp(String),
+    /// Started by hand, over TLS: address, server name, trusted PEM.
+    Tls(String, String, Vec<u8>),
 }
 
 #[doc(hidden)]
@@ -83,7 +88,24 @@ pub fn boot_if_worker() {
             });
         let secret =
             hex::decode(token.trim()).unwrap_or_else(|_| fail_boot("the token is not hex"));
-        (Link::Tcp(addr), secret, 0)
+        let ca = std::env::var(env::TLS_CA)
+            .ok()
+            .or_else(|| cmdline_flag("--rdt-tls-ca"));
+        let link = match ca {
+            None => Link::Tcp(addr),
+            Some(path) => {
+                let pem = std::fs::read(&path).unwrap_or_else(|e| {
+                    fail_boot(&format!("cannot read the TLS CA file {path}: {e}"))
+                });
+                let name = cmdline_flag("--rdt-tls-name").unwrap_or_else(|| {
+                    addr.rsplit_once(':')
+                        .map(|(h, _)| h.trim_matches(['[', ']']).to_string())
+                        .unwrap_or_else(|| addr.clone())
+                });
+                Link::Tls(addr, name, pem)
+            }
+        };
+        (link, secret, 0)
     } else {
         return;
     };
@@ -321,6 +343,15 @@ async fn join_driver(link: Link, secret: Vec<u8>, worker: u64) -> Result<Joined>
                 protocol::spawn_writer(protocol::WriteHalf::Unix(w), max),
                 protocol::Receiver::new(protocol::ReadHalf::Unix(r), max),
                 None,
+            )
+        }
+        Link::Tls(addr, name, pem) => {
+            let (s, ip) = protocol::connect_tls(&addr, &name, &pem, &secret).await?;
+            let (r, w) = tokio::io::split(s);
+            (
+                protocol::spawn_writer(protocol::WriteHalf::Tls(tokio::sync::Mutex::new(w)), max),
+                protocol::Receiver::new(protocol::ReadHalf::Tls(r), max),
+                Some(ip),
             )
         }
         Link::Tcp(addr) => {

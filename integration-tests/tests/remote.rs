@@ -196,7 +196,17 @@ async fn two_hosts_driver() {
     let addr = rt.control_address().unwrap().to_string();
     // Host B: its own network namespace and its own host name.
     let _w = tokio::process::Command::new("unshare")
-        .args(["--uts", "sh", "-c", "hostname rdt-host-b && exec \"$@\"", "sh", "ip", "netns", "exec", ns_b])
+        .args([
+            "--uts",
+            "sh",
+            "-c",
+            "hostname rdt-host-b && exec \"$@\"",
+            "sh",
+            "ip",
+            "netns",
+            "exec",
+            ns_b,
+        ])
         .arg(std::env::current_exe().unwrap())
         .args(["--rdt-connect", &addr])
         .env("RDT_TOKEN", rt.join_token())
@@ -258,4 +268,51 @@ async fn two_hosts_driver() {
         4.0
     );
     println!("TWO-HOSTS-OK");
+}
+
+/// TLS on the control link of a worker started by hand: it joins with the
+/// certificate it trusts; a worker that tries plain TCP is refused.
+#[tokio::test]
+async fn tls_control_link() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let ck = rcgen::generate_simple_self_signed(vec![
+            "127.0.0.1".to_string(),
+            "localhost".to_string(),
+        ])
+        .unwrap();
+        let dir = std::env::temp_dir().join(format!("rdt-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca = dir.join("ca.pem");
+        std::fs::write(&ca, ck.cert.pem()).unwrap();
+        let rt = Runtime::builder()
+            .listen("127.0.0.1:0")
+            .tls(ck.cert.pem(), ck.key_pair.serialize_pem())
+            .spawn_timeout(Duration::from_secs(5))
+            .start()
+            .await
+            .unwrap();
+        let addr = rt.control_address().unwrap().to_string();
+        // Plain TCP against a TLS listener: refused, and it exits.
+        let plain = volunteer(&addr, &rt.join_token()).status().await.unwrap();
+        assert!(!plain.success());
+        let _w = volunteer(&addr, &rt.join_token())
+            .env("RDT_TLS_CA", &ca)
+            .spawn()
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).on_joined_worker().await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        // Large values cross the encrypted link in both directions.
+        let r = p.make(1.0, 4 << 20).remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote()).await.unwrap(),
+            (4u64 << 20) as f64
+        );
+        assert!(!rt
+            .get(p.is_kept(Tensor::full(1.0f32, &[1 << 20]), 0).remote())
+            .await
+            .unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    })
+    .await;
 }

@@ -108,3 +108,47 @@ mod tests {
         assert!(c.is_err());
     }
 }
+
+/// [`accept`] on an async stream (used inside TLS, where the handshake must
+/// run on the encrypted stream).
+pub async fn accept_async<S>(s: &mut S, secret: &[u8]) -> Result<(), AuthError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let ns = random32();
+    s.write_all(&ns).await?;
+    s.flush().await?;
+    let mut buf = [0u8; NONCE + TAG];
+    s.read_exact(&mut buf).await?;
+    let (nc, t) = buf.split_at(NONCE);
+    mac(secret, b"rdt-client", &ns, nc)
+        .verify_slice(t)
+        .map_err(|_| AuthError::BadPeer)?;
+    s.write_all(&mac(secret, b"rdt-server", nc, &ns).finalize().into_bytes())
+        .await?;
+    s.flush().await?;
+    Ok(())
+}
+
+/// [`connect`] on an async stream.
+pub async fn connect_async<S>(s: &mut S, secret: &[u8]) -> Result<(), AuthError>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut ns = [0u8; NONCE];
+    s.read_exact(&mut ns).await?;
+    let nc = random32();
+    let mut out = [0u8; NONCE + TAG];
+    out[..NONCE].copy_from_slice(&nc);
+    out[NONCE..].copy_from_slice(&mac(secret, b"rdt-client", &ns, &nc).finalize().into_bytes());
+    s.write_all(&out).await?;
+    s.flush().await?;
+    let mut t = [0u8; TAG];
+    s.read_exact(&mut t).await?;
+    mac(secret, b"rdt-server", &nc, &ns)
+        .verify_slice(&t)
+        .map_err(|_| AuthError::BadPeer)?;
+    Ok(())
+}
