@@ -84,31 +84,6 @@ pub fn connect<S: Read + Write>(s: &mut S, secret: &[u8]) -> Result<(), AuthErro
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::unix::net::UnixStream;
-
-    fn pair(a: &'static [u8], b: &'static [u8]) -> (Result<(), AuthError>, Result<(), AuthError>) {
-        let (mut x, mut y) = UnixStream::pair().unwrap();
-        x.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).unwrap();
-        y.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).unwrap();
-        let h = std::thread::spawn(move || accept(&mut x, a));
-        let r = connect(&mut y, b);
-        drop(y);
-        (h.join().unwrap(), r)
-    }
-
-    #[test]
-    fn same_secret_passes_other_secret_fails() {
-        let (a, c) = pair(b"k", b"k");
-        assert!(a.is_ok() && c.is_ok());
-        let (a, c) = pair(b"k", b"other");
-        assert!(matches!(a, Err(AuthError::BadPeer)));
-        assert!(c.is_err());
-    }
-}
-
 /// [`accept`] on an async stream (used inside TLS, where the handshake must
 /// run on the encrypted stream).
 pub async fn accept_async<S>(s: &mut S, secret: &[u8]) -> Result<(), AuthError>
@@ -151,4 +126,29 @@ where
         .verify_slice(&t)
         .map_err(|_| AuthError::BadPeer)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+
+    fn pair(a: &'static [u8], b: &'static [u8]) -> (Result<(), AuthError>, Result<(), AuthError>) {
+        let (mut x, mut y) = UnixStream::pair().unwrap();
+        x.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).unwrap();
+        y.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).unwrap();
+        let h = std::thread::spawn(move || accept(&mut x, a));
+        let r = connect(&mut y, b);
+        drop(y);
+        (h.join().unwrap(), r)
+    }
+
+    #[test]
+    fn same_secret_passes_other_secret_fails() {
+        let (a, c) = pair(b"k", b"k");
+        assert!(a.is_ok() && c.is_ok());
+        let (a, c) = pair(b"k", b"other");
+        assert!(matches!(a, Err(AuthError::BadPeer)));
+        assert!(c.is_err());
+    }
 }
