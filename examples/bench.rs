@@ -13,6 +13,11 @@
 //! - `transports`: a full pass (produce → pass ref → consume → result) of
 //!   one tensor of 1 KiB, 1 MiB, 64 MiB and 256 MiB over every CPU
 //!   transport this build has, with the object-store path as the baseline.
+//! - `soak`: the long form of the soak test: `--passes N` (default
+//!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
+//!   the per-pass latency and checks at the end that the owner table is
+//!   empty and the workers' resident memory came back (exits non-zero if
+//!   not).
 
 use std::time::{Duration, Instant};
 
@@ -33,6 +38,11 @@ impl Source {
 
     async fn ping(&mut self, x: u64) -> u64 {
         x
+    }
+
+    /// A fresh tensor of `n` bytes (the soak allocates every time).
+    async fn fresh(&mut self, n: usize) -> Tensor {
+        Tensor::full(1u8, &[n])
     }
 
     /// A tensor of `bytes` bytes, allocated once and handed out again
@@ -264,6 +274,82 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
     Ok(rows)
 }
 
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+async fn soak(rt: &Runtime, passes: usize) -> rdt::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    for transport in cpu_transports() {
+        let src = rt.spawn::<Source>(()).await?;
+        let sink = rt.spawn::<Sink>(()).await?;
+        if transport.is_collective() {
+            rt.create_collective_group(&[src.id(), sink.id()], transport)
+                .await?;
+        }
+        let sizes = [16usize, 1 << 10, 64 << 10, 256, 1 << 20, 4 << 10];
+        let mut inflight = std::collections::VecDeque::new();
+        let mut samples = Vec::with_capacity(passes);
+        let mut base = None;
+        let mut bytes = 0u64;
+        for i in 0..passes {
+            if i == passes / 10 {
+                base = Some((
+                    rss_kib(src.pid().unwrap_or(0)),
+                    rss_kib(sink.pid().unwrap_or(0)),
+                ));
+            }
+            let n = sizes[i % sizes.len()];
+            bytes += n as u64;
+            let t = Instant::now();
+            let r = src.fresh(n).transport(transport).remote();
+            inflight.push_back((t, sink.touch(&r).remote()));
+            drop(r);
+            if inflight.len() >= 32 {
+                let (t, s) = inflight.pop_front().expect("non-empty");
+                rt.get(&s).await?;
+                samples.push(t.elapsed());
+            }
+        }
+        for (t, s) in inflight {
+            rt.get(&s).await?;
+            samples.push(t.elapsed());
+        }
+        let live = rt.live_objects();
+        let end = (
+            rss_kib(src.pid().unwrap_or(0)),
+            rss_kib(sink.pid().unwrap_or(0)),
+        );
+        let (b0, b1) = base.unwrap_or(end);
+        println!(
+            "soak {transport}: {passes} passes, owner table {live} entries at the end, producer RSS {b0} -> {} KiB, consumer RSS {b1} -> {} KiB",
+            end.0, end.1
+        );
+        if live != 0 || end.0 > b0 + 64 * 1024 || end.1 > b1 + 64 * 1024 {
+            eprintln!("soak {transport}: leak suspected");
+            std::process::exit(1);
+        }
+        rows.push(row(
+            "soak",
+            &format!("{passes} mixed passes (latency with 32 in flight)"),
+            transport.name(),
+            bytes / passes as u64,
+            samples,
+        ));
+        src.kill();
+        sink.kill();
+    }
+    Ok(rows)
+}
+
 fn print(rows: &[Row]) {
     println!(
         "{:<12} {:<34} {:<13} {:>12} {:>12} {:>12} {:>10}",
@@ -315,17 +401,24 @@ async fn main() -> rdt::Result<()> {
         .and_then(|i| args.get(i + 1))
         .cloned();
     let quick = args.iter().any(|a| a == "--quick");
+    let passes = args
+        .iter()
+        .position(|a| a == "--passes")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100_000);
     let rt = Runtime::start().await?;
     let rows = match suite.as_str() {
         "control" => control(&rt, quick).await?,
         "transports" => transports(&rt, quick).await?,
+        "soak" => soak(&rt, passes).await?,
         "all" => {
             let mut r = control(&rt, quick).await?;
             r.extend(transports(&rt, quick).await?);
             r
         }
         other => {
-            eprintln!("unknown suite {other:?}; suites: control, transports, all");
+            eprintln!("unknown suite {other:?}; suites: control, transports, soak, all");
             std::process::exit(2);
         }
     };

@@ -1379,3 +1379,24 @@ mod gpu_assignment_tests {
         std::env::remove_var("RDT_GPUS");
     }
 }
+
+#[cfg(test)]
+mod security_tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    #[tokio::test]
+    async fn control_socket_lives_in_a_private_directory() {
+        tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            let rt = super::Runtime::start().await.unwrap();
+            let dir = rt.inner.sock.parent().unwrap();
+            let mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{dir:?}");
+            assert!(
+                rt.control_address().is_none(),
+                "no TCP listener unless asked for"
+            );
+        })
+        .await
+        .unwrap();
+    }
+}

@@ -316,3 +316,34 @@ async fn tls_control_link() {
     })
     .await;
 }
+
+/// Junk on the control port is dropped and logged; the runtime, its local
+/// actors and later workers are undisturbed.
+#[tokio::test]
+async fn junk_on_the_control_port_is_dropped() {
+    deadline(60, async {
+        use tokio::io::AsyncWriteExt;
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .listen("127.0.0.1:0")
+            .start()
+            .await
+            .unwrap();
+        let addr = rt.control_address().unwrap().to_string();
+        let mut junk = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let _ = junk.write_all(&[0xAB; 4096]).await;
+        let mut silent = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let _ = silent.write_all(b"GET / HTTP/1.1\r\n\r\n").await;
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[2])).remote())
+                .await
+                .unwrap(),
+            2.0
+        );
+        let _w = volunteer(&addr, &rt.join_token()).spawn().unwrap();
+        let p = rt.spawn::<Producer>(()).on_joined_worker().await.unwrap();
+        assert_eq!(rt.get(p.echo(7).remote()).await.unwrap(), 7);
+    })
+    .await;
+}
