@@ -29,7 +29,6 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes};
 use tokio::io::AsyncRead;
-use tokio::net::UnixStream;
 use tokio::sync::Notify;
 use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
 
@@ -478,47 +477,33 @@ pub fn new_secret() -> [u8; 32] {
     rdt_transport::auth::random32()
 }
 
-/// Accepting side of the handshake (invariant 1), on a blocking thread with
-/// read and write deadlines; hands the stream back to tokio when done.
-pub async fn accept_unix(stream: UnixStream, secret: [u8; 32]) -> Result<UnixStream> {
-    let std = stream.into_std()?;
-    let std = tokio::task::spawn_blocking(move || -> Result<std::os::unix::net::UnixStream> {
-        let mut s = std;
-        s.set_nonblocking(false)?;
-        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        rdt_transport::auth::accept(&mut s, &secret).map_err(|e| Error::Protocol(e.to_string()))?;
-        s.set_read_timeout(None)?;
-        s.set_write_timeout(None)?;
-        s.set_nonblocking(true)?;
-        Ok(s)
-    })
+/// Accepting side of the handshake (invariant 1) on a plain stream (Unix
+/// socket or TCP), bounded by [`HANDSHAKE_TIMEOUT`].
+pub async fn accept_plain<S: AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    secret: [u8; 32],
+) -> Result<()> {
+    tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        rdt_transport::auth::accept_async(stream, &secret),
+    )
     .await
-    .map_err(|e| Error::Protocol(format!("handshake task: {e}")))??;
-    Ok(UnixStream::from_std(std)?)
+    .map_err(|_| Error::Protocol("peer did not authenticate in time".into()))?
+    .map_err(|e| Error::Protocol(e.to_string()))
 }
 
-/// Accepting side of the handshake for a remote worker's TCP connection.
-pub async fn accept_tcp(
-    stream: tokio::net::TcpStream,
-    secret: [u8; 32],
-) -> Result<tokio::net::TcpStream> {
-    let std = stream.into_std()?;
-    let std = tokio::task::spawn_blocking(move || -> Result<std::net::TcpStream> {
-        let mut s = std;
-        s.set_nonblocking(false)?;
-        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-        rdt_transport::auth::accept(&mut s, &secret).map_err(|e| Error::Protocol(e.to_string()))?;
-        s.set_read_timeout(None)?;
-        s.set_write_timeout(None)?;
-        s.set_nodelay(true)?;
-        s.set_nonblocking(true)?;
-        Ok(s)
-    })
+/// Connecting side of the handshake (invariant 1) on a plain stream.
+pub async fn connect_plain<S: AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    secret: &[u8],
+) -> Result<()> {
+    tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        rdt_transport::auth::connect_async(stream, secret),
+    )
     .await
-    .map_err(|e| Error::Protocol(format!("handshake task: {e}")))??;
-    Ok(tokio::net::TcpStream::from_std(std)?)
+    .map_err(|_| Error::Protocol("the driver did not authenticate in time".into()))?
+    .map_err(|e| Error::Protocol(e.to_string()))
 }
 
 /// Accepting side over TLS: the TLS handshake, then the secret's challenge
@@ -606,36 +591,10 @@ pub fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8]) -> Result<tokio_rustls::Tls
     Ok(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config)))
 }
 
-/// Connecting side of the handshake over TCP (remote workers), blocking.
-pub fn connect_tcp(addr: &str, secret: &[u8]) -> Result<std::net::TcpStream> {
-    let mut s = std::net::TcpStream::connect(addr)
-        .map_err(|e| Error::Io(format!("connect to the driver at {addr}: {e}")))?;
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    rdt_transport::auth::connect(&mut s, secret).map_err(|e| Error::Protocol(e.to_string()))?;
-    s.set_read_timeout(None)?;
-    s.set_write_timeout(None)?;
-    s.set_nodelay(true)?;
-    s.set_nonblocking(true)?;
-    Ok(s)
-}
-
-/// Connecting side of the handshake (invariant 1), blocking; returns a
-/// non-blocking stream ready for tokio.
-pub fn connect_unix(path: &str, secret: &[u8]) -> Result<std::os::unix::net::UnixStream> {
-    let mut s = std::os::unix::net::UnixStream::connect(path)?;
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
-    rdt_transport::auth::connect(&mut s, secret).map_err(|e| Error::Protocol(e.to_string()))?;
-    s.set_read_timeout(None)?;
-    s.set_write_timeout(None)?;
-    s.set_nonblocking(true)?;
-    Ok(s)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::net::UnixStream;
 
     fn order(args: Blob) -> ToWorker {
         ToWorker::Spawn(SpawnOrder {

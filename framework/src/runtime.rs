@@ -1114,8 +1114,10 @@ async fn accept_loop(listener: UnixListener, rt: Weak<Inner>) {
         drop(inner);
         let rt = rt.clone();
         tokio::spawn(async move {
-            let joined = match protocol::accept_unix(stream, secret).await {
-                Ok(s) => {
+            let mut stream = stream;
+            let joined = match protocol::accept_plain(&mut stream, secret).await {
+                Ok(()) => {
+                    let s = stream;
                     let (r, w) = s.into_split();
                     serve_worker(
                         protocol::ReadHalf::Unix(r),
@@ -1154,6 +1156,8 @@ async fn accept_tcp_loop(
         drop(inner);
         let rt = rt.clone();
         let tls = tls.clone();
+        let _ = stream.set_nodelay(true);
+        let mut stream = stream;
         tokio::spawn(async move {
             let _ = socket2_keepalive(&stream);
             let joined = match tls {
@@ -1169,8 +1173,9 @@ async fn accept_tcp_loop(
                     }
                     Err(e) => Err(e),
                 },
-                None => match protocol::accept_tcp(stream, secret).await {
-                    Ok(s) => {
+                None => match protocol::accept_plain(&mut stream, secret).await {
+                    Ok(()) => {
+                        let s = stream;
                         let (r, w) = s.into_split();
                         serve_worker(protocol::ReadHalf::Tcp(r), protocol::WriteHalf::Tcp(w), rt)
                             .await

@@ -337,7 +337,8 @@ async fn join_driver(link: Link, secret: Vec<u8>, worker: u64) -> Result<Joined>
     let max = crate::runtime::DEFAULT_MAX_FRAME;
     let (tx, mut rx, local_ip) = match link {
         Link::Unix(path) => {
-            let s = UnixStream::from_std(protocol::connect_unix(&path, &secret)?)?;
+            let mut s = UnixStream::connect(&path).await?;
+            protocol::connect_plain(&mut s, &secret).await?;
             let (r, w) = s.into_split();
             (
                 protocol::spawn_writer(protocol::WriteHalf::Unix(w), max),
@@ -355,7 +356,11 @@ async fn join_driver(link: Link, secret: Vec<u8>, worker: u64) -> Result<Joined>
             )
         }
         Link::Tcp(addr) => {
-            let s = tokio::net::TcpStream::from_std(protocol::connect_tcp(&addr, &secret)?)?;
+            let mut s = tokio::net::TcpStream::connect(&addr)
+                .await
+                .map_err(|e| Error::Io(format!("connect to the driver at {addr}: {e}")))?;
+            s.set_nodelay(true)?;
+            protocol::connect_plain(&mut s, &secret).await?;
             let ip = s.local_addr()?.ip();
             let (r, w) = s.into_split();
             (
