@@ -97,6 +97,10 @@ pub struct SpawnOrder {
     pub tcp_bind: Option<String>,
     /// Deadline of a direct transfer, in milliseconds.
     pub transfer_timeout_ms: u64,
+    /// For workers over TCP: exit when the driver is silent this long
+    /// (it pings every quarter of it), so a worker cut off from its driver
+    /// does not live on.
+    pub heartbeat_ms: Option<u64>,
     /// postcard bytes of the actor's constructor argument.
     pub args: Blob,
 }
@@ -604,6 +608,7 @@ mod tests {
             max_frame: 1 << 30,
             tcp_bind: None,
             transfer_timeout_ms: 1000,
+            heartbeat_ms: None,
             args,
         })
     }

@@ -824,6 +824,7 @@ impl Inner {
                 None
             },
             transfer_timeout_ms: self.config.transfer_timeout.as_millis() as u64,
+            heartbeat_ms: (!local).then_some(self.config.heartbeat_timeout.as_millis() as u64),
             args: Blob(args.into()),
         })
     }

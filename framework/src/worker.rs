@@ -430,6 +430,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         transfer_timeout: Duration::from_millis(order.transfer_timeout_ms),
     });
     let boot_name: Arc<str> = order.name.clone().into();
+    let heartbeat = order.heartbeat_ms.map(Duration::from_millis);
     let args = order.args.clone();
     let handle = control.handle().clone();
     let sys = actix::System::new();
@@ -481,7 +482,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         });
         let _ = tx.send(&ToDriver::Spawned(Ok(endpoints)));
         handle.spawn(async move {
-            let code = match control_loop(&mut rx, addr, shared).await {
+            let code = match control_loop(&mut rx, addr, shared, heartbeat).await {
                 Ok(()) => 0,
                 Err(e) => {
                     eprintln!("rdt worker {boot_name}: {e}");
@@ -501,10 +502,23 @@ async fn control_loop<A: RdtActor>(
     rx: &mut protocol::Receiver<protocol::ReadHalf>,
     addr: Addr<Host<A>>,
     shared: Arc<WorkerShared>,
+    heartbeat: Option<Duration>,
 ) -> Result<()> {
     let tx = shared.tx.clone();
     loop {
-        let msg = match rx.recv::<ToWorker>().await {
+        let next = match heartbeat {
+            None => rx.recv::<ToWorker>().await,
+            // recv is cancel-safe: a frame in progress stays buffered.
+            Some(hb) => match tokio::time::timeout(hb, rx.recv::<ToWorker>()).await {
+                Ok(m) => m,
+                Err(_) => {
+                    return Err(Error::Protocol(format!(
+                        "the driver went silent for {hb:?} (network cut?); exiting"
+                    )))
+                }
+            },
+        };
+        let msg = match next {
             Ok(Some(m)) => m,
             Ok(None) => return Ok(()),
             Err(e) => return Err(e),

@@ -195,7 +195,7 @@ async fn two_hosts_driver() {
         .unwrap();
     let addr = rt.control_address().unwrap().to_string();
     // Host B: its own network namespace and its own host name.
-    let _w = tokio::process::Command::new("unshare")
+    let mut w = tokio::process::Command::new("unshare")
         .args([
             "--uts",
             "sh",
@@ -260,6 +260,12 @@ async fn two_hosts_driver() {
         "took {:?}",
         t0.elapsed()
     );
+    // And the worker, cut off from its driver, exits by itself.
+    let status = tokio::time::timeout(Duration::from_secs(15), w.wait())
+        .await
+        .expect("the cut-off worker exits within its heartbeat")
+        .unwrap();
+    assert!(!status.success(), "{status:?}");
     // Host A's actor is fine.
     assert_eq!(
         rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
