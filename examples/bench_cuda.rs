@@ -1,36 +1,70 @@
 //! CUDA benchmark: `cargo run --release --example bench_cuda -- [--json PATH] [--quick]`.
 //!
-//! A pass = produce a CUDA tensor in one actor, hand the ref to another
-//! actor on the same GPU, which waits until the tensor is usable on its
-//! GPU, and the result reaches the driver. Measured over `cuda_ipc`
-//! (first pass of a fresh actor pair = new mapping; later passes = cached
-//! mapping) and over the object-store path (GPU → host → driver → host →
-//! GPU) on the same tensors, next to a raw `cuMemcpyDtoD` of the same bytes
-//! and a bare actor call (the control-plane round trip). Rows use the
-//! harness schema: `suite, case, transport, device, bytes, iters,
-//! median_us, p90_us, gbps`.
+//! Measures the hand-off of a CUDA tensor between two actors, cleanly: the
+//! producer returns a tensor it made (and finished on the GPU) once and
+//! kept, like `bench.rs`'s `Source::tensor`, so a **pass** is only: the
+//! driver asks the producer for the ref, hands it to the consumer, the
+//! consumer's stream waits for the producer's event and the consumer sees
+//! the tensor usable on its GPU (`cuda_ready`), and its answer reaches the
+//! driver. No fill or allocation is timed.
+//!
+//! For each placement (`same_gpu`: both actors on GPU 0; `cross_gpu`:
+//! producer on GPU 0, consumer on GPU 1, when two are visible) and size:
+//! * `pass_first_open`: the first `cuda_ipc` pass to a fresh consumer (it
+//!   opens the producer's event and maps the slab); the producer made the
+//!   tensor before, untimed.
+//! * `pass_cached`: later `cuda_ipc` passes (mapping cached).
+//! * `pass` over `object_store` on the same tensor (GPU → host → driver →
+//!   host → GPU).
+//! * `memcpy_dtod`: a raw `cuMemcpyDtoDAsync` of the same bytes in the
+//!   driver process (GPU 0 → GPU 0, or GPU 0 → GPU 1 with peer access),
+//!   waited for the same way.
+//!
+//! and the control plane in the same run: `actor_call_rtt` (a tiny call to
+//! the consumer) and `ref_chain_rtt` (a tiny value passed by ref from the
+//! producer to the consumer: the same two calls as a pass, without a
+//! tensor). Rows use the harness schema (`suite, case, transport, device,
+//! bytes, iters, median_us, p90_us, gbps`) plus `placement`, `device_name`
+//! and `commit` (from `RDT_COMMIT`, set by `scripts/gpu-bundle.sh`).
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use rdt::prelude::*;
 use serde::Serialize;
 
 #[rdt::actor]
-pub struct CudaSource {}
+pub struct CudaSource {
+    kept: HashMap<usize, Tensor>,
+}
 
 #[rdt::actor]
 impl CudaSource {
     fn new() -> Self {
-        CudaSource {}
+        CudaSource {
+            kept: HashMap::new(),
+        }
     }
 
-    /// A fresh CUDA tensor of `bytes` bytes (filled on the GPU).
-    async fn make(&mut self, bytes: usize) -> rdt::Result<Tensor> {
+    /// Makes the tensor of `bytes` bytes now (allocated, filled and
+    /// finished on the GPU), so that passes do not time it.
+    async fn prepare(&mut self, bytes: usize) -> rdt::Result<usize> {
         let t = Tensor::cuda_full(1u8, &[bytes], 0)?;
-        Ok(t)
+        t.cuda_ready().await?;
+        self.kept.insert(bytes, t);
+        Ok(bytes)
     }
 
-    async fn ping(&mut self, x: u64) -> u64 {
+    /// The kept tensor of `bytes` bytes (see `prepare`).
+    async fn tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
+        match self.kept.get(&bytes) {
+            Some(t) => Ok(t.clone()),
+            None => Err(Error::Protocol(format!("prepare({bytes}) first"))),
+        }
+    }
+
+    /// A tiny value (for the ref-chain round trip).
+    async fn tiny(&mut self, x: u64) -> u64 {
         x
     }
 }
@@ -48,6 +82,18 @@ impl CudaSink {
     async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
         t.cuda_ready().await?;
         Ok(t.nbytes())
+    }
+
+    /// A tiny call.
+    async fn ping(&mut self, x: u64) -> u64 {
+        x
+    }
+
+    /// Starts CUDA in this process (context and stream of its GPU), so
+    /// that the first pass does not time it.
+    async fn warm(&mut self) -> rdt::Result<String> {
+        let g = rdt::data::cuda::gpu(0).map_err(cuda_err)?;
+        Ok(g.uuid().to_string())
     }
 
     /// (new mappings, cached mappings) of cuda_ipc in this process.
@@ -68,9 +114,19 @@ struct Row {
     median_us: f64,
     p90_us: f64,
     gbps: f64,
+    placement: String,
+    device_name: String,
+    commit: String,
 }
 
-fn row(case: &str, transport: &str, device: &str, bytes: usize, mut us: Vec<f64>) -> Row {
+struct Ctx {
+    device: String,
+    device_name: String,
+    commit: String,
+    placement: &'static str,
+}
+
+fn row(cx: &Ctx, case: &str, transport: &str, bytes: usize, mut us: Vec<f64>) -> Row {
     us.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let median = us[us.len() / 2];
     let p90 = us[((us.len() as f64 * 0.9) as usize).min(us.len() - 1)];
@@ -78,22 +134,29 @@ fn row(case: &str, transport: &str, device: &str, bytes: usize, mut us: Vec<f64>
         suite: "cuda",
         case: case.to_string(),
         transport: transport.to_string(),
-        device: device.to_string(),
+        device: cx.device.clone(),
         bytes,
         iters: us.len(),
         median_us: median,
         p90_us: p90,
-        gbps: if median > 0.0 {
+        gbps: if median > 0.0 && bytes > 0 {
             bytes as f64 / (median * 1e3)
         } else {
             0.0
         },
+        placement: cx.placement.to_string(),
+        device_name: cx.device_name.clone(),
+        commit: cx.commit.clone(),
     };
     println!(
-        "{:<28} {:<13} {:>12} B {:>5} it  median {:>12.1} us  p90 {:>12.1} us  {:>9.2} GB/s",
-        r.case, r.transport, r.bytes, r.iters, r.median_us, r.p90_us, r.gbps
+        "{:<10} {:<16} {:<13} {:>11} B {:>4} it  median {:>11.1} us  p90 {:>11.1} us  {:>8.2} GB/s",
+        r.placement, r.case, r.transport, r.bytes, r.iters, r.median_us, r.p90_us, r.gbps
     );
     r
+}
+
+fn us_since(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64() * 1e6
 }
 
 async fn pass(
@@ -104,11 +167,27 @@ async fn pass(
     t: Transport,
 ) -> rdt::Result<f64> {
     let t0 = Instant::now();
-    let r = p.make(bytes).transport(t).remote();
+    let r = p.tensor(bytes).transport(t).remote();
     let n = rt.get(c.touch(&r).remote()).await?;
-    let us = t0.elapsed().as_secs_f64() * 1e6;
+    let us = us_since(t0);
     assert_eq!(n, bytes);
     Ok(us)
+}
+
+fn cuda_err(e: impl std::fmt::Display) -> Error {
+    Error::Protocol(e.to_string())
+}
+
+fn median(rows: &[Row], placement: &str, case: &str, transport: &str, bytes: usize) -> f64 {
+    rows.iter()
+        .find(|r| {
+            r.placement == placement
+                && r.case == case
+                && r.transport == transport
+                && r.bytes == bytes
+        })
+        .map(|r| r.median_us)
+        .unwrap_or(f64::NAN)
 }
 
 #[rdt::main]
@@ -119,108 +198,152 @@ async fn main() -> rdt::Result<()> {
         .position(|a| a == "--json")
         .and_then(|i| args.get(i + 1).cloned());
     let quick = args.iter().any(|a| a == "--quick");
-    rdt::data::cuda::available().map_err(|e| Error::Protocol(e.to_string()))?;
-    let gpu = rdt::data::cuda::gpu(0).map_err(|e| Error::Protocol(e.to_string()))?;
-    let device = format!("cuda ({})", gpu.uuid());
+    rdt::data::cuda::available().map_err(cuda_err)?;
+    let n_gpus = rdt::data::cuda::device_count();
+    let gpu0 = rdt::data::cuda::gpu(0).map_err(cuda_err)?;
+    let commit = std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into());
+    let device_name = gpu0.name();
+    println!(
+        "== bench_cuda  commit {commit}  {n_gpus} x {device_name}  ({})",
+        gpu0.uuid()
+    );
     let rt = Runtime::builder()
         .max_frame_bytes((1usize << 30) + (64 << 20))
         .start()
         .await?;
-    let mut rows = Vec::new();
     let sizes: &[usize] = if quick {
         &[4 << 10, 1 << 20]
     } else {
         &[4 << 10, 1 << 20, 64 << 20, 1 << 30]
     };
-    let iters = if quick { 5 } else { 30 };
-
-    // Control-plane floor: a bare call.
-    {
-        let p = rt.spawn::<CudaSource>(()).gpus(1).await?;
-        let mut us = Vec::new();
-        for i in 0..iters.max(50) {
-            let t0 = Instant::now();
-            rt.get(p.ping(i as u64).remote()).await?;
-            us.push(t0.elapsed().as_secs_f64() * 1e6);
-        }
-        rows.push(row("actor_call_rtt", "none", &device, 0, us));
+    let iters = if quick { 10 } else { 100 };
+    let mut rows = Vec::new();
+    let mut placements = vec![("same_gpu", 0u32, 0u32)];
+    if n_gpus >= 2 {
+        placements.push(("cross_gpu", 0, 1));
     }
 
-    for &bytes in sizes {
-        // cuda_ipc, first pass on a fresh pair (new mapping), then cached.
-        let p = rt.spawn::<CudaSource>(()).gpus(1).await?;
-        let c = rt.spawn::<CudaSink>(()).gpus(1).await?;
-        let first = pass(&rt, &p, &c, bytes, Transport::CudaIpc).await?;
-        rows.push(row(
-            "pass_first_open",
-            "cuda_ipc",
-            &device,
-            bytes,
-            vec![first],
-        ));
-        let mut us = Vec::new();
-        for _ in 0..iters {
-            us.push(pass(&rt, &p, &c, bytes, Transport::CudaIpc).await?);
-        }
-        let (opened, cached) = rt.get(c.stats().remote()).await?;
-        println!("  cuda_ipc mappings for {bytes} B: {opened} opened, {cached} cached");
-        let ipc = row("pass_cached", "cuda_ipc", &device, bytes, us);
-        let ipc_median = ipc.median_us;
-        rows.push(ipc);
-        rows.push(Row {
-            suite: "cuda",
-            case: format!("mappings_opened_of_{}", iters + 1),
-            transport: "cuda_ipc".into(),
-            device: device.clone(),
-            bytes,
-            iters: (opened + cached) as usize,
-            median_us: opened as f64,
-            p90_us: cached as f64,
-            gbps: 0.0,
-        });
-
-        // Object store on the same kind of tensor.
-        let os_iters = if bytes >= 1 << 30 {
-            3
-        } else if bytes >= 64 << 20 {
-            5
-        } else {
-            iters
+    for &(placement, pg, cg) in &placements {
+        let dst_gpu = rdt::data::cuda::gpu(cg as usize).map_err(cuda_err)?;
+        let cx = Ctx {
+            device: if pg == cg {
+                format!("cuda ({})", gpu0.uuid())
+            } else {
+                format!("cuda ({} -> {})", gpu0.uuid(), dst_gpu.uuid())
+            },
+            device_name: device_name.clone(),
+            commit: commit.clone(),
+            placement,
         };
-        let mut us = Vec::new();
-        for _ in 0..os_iters {
-            us.push(pass(&rt, &p, &c, bytes, Transport::ObjectStore).await?);
-        }
-        let os = row("pass", "object_store", &device, bytes, us);
-        println!(
-            "  cuda_ipc cached is {:.1}x faster than the object store",
-            os.median_us / ipc_median
-        );
-        rows.push(os);
 
-        // Raw device-to-device copy of the same bytes, in this process.
-        let a = Tensor::cuda_full(1u8, &[bytes], 0)?;
-        let b = Tensor::cuda_empty(DType::U8, &[bytes], 0)?;
-        let (pa, pb) = (
-            a.with_device_buffer(|d| d.device_ptr())?,
-            b.with_device_buffer(|d| d.device_ptr())?,
-        );
-        let mut us = Vec::new();
-        for _ in 0..iters {
-            let t0 = Instant::now();
-            gpu.copy_dtod(pb, pa, bytes)
-                .map_err(|e| Error::Protocol(e.to_string()))?;
-            gpu.completion()
-                .map_err(|e| Error::Protocol(e.to_string()))?
-                .wait()
-                .await
-                .map_err(|e| Error::Protocol(e.to_string()))?;
-            us.push(t0.elapsed().as_secs_f64() * 1e6);
+        // Control plane, same run, same placement.
+        {
+            let p = rt.spawn::<CudaSource>(()).on_gpus([pg]).await?;
+            let c = rt.spawn::<CudaSink>(()).on_gpus([cg]).await?;
+            for i in 0..20 {
+                rt.get(c.ping(i).remote()).await?;
+                let r = p.tiny(i).remote();
+                rt.get(c.ping(&r).remote()).await?;
+            }
+            let mut us = Vec::new();
+            for i in 0..iters.max(100) {
+                let t0 = Instant::now();
+                rt.get(c.ping(i as u64).remote()).await?;
+                us.push(us_since(t0));
+            }
+            rows.push(row(&cx, "actor_call_rtt", "none", 0, us));
+            let mut us = Vec::new();
+            for i in 0..iters.max(100) {
+                let t0 = Instant::now();
+                let r = p.tiny(i as u64).remote();
+                rt.get(c.ping(&r).remote()).await?;
+                us.push(us_since(t0));
+            }
+            rows.push(row(&cx, "ref_chain_rtt", "none", 0, us));
+            p.kill();
+            c.kill();
         }
-        rows.push(row("memcpy_dtod", "raw", &device, bytes, us));
-        drop((a, b));
-        p.kill();
-        c.kill();
+
+        for &bytes in sizes {
+            // A fresh pair per size: the first pass maps a new slab.
+            let p = rt.spawn::<CudaSource>(()).on_gpus([pg]).await?;
+            let c = rt.spawn::<CudaSink>(()).on_gpus([cg]).await?;
+            rt.get(p.prepare(bytes).remote()).await?;
+            rt.get(c.warm().remote()).await?;
+            let first = pass(&rt, &p, &c, bytes, Transport::CudaIpc).await?;
+            rows.push(row(&cx, "pass_first_open", "cuda_ipc", bytes, vec![first]));
+            let mut us = Vec::new();
+            for _ in 0..iters {
+                us.push(pass(&rt, &p, &c, bytes, Transport::CudaIpc).await?);
+            }
+            let (opened, cached) = rt.get(c.stats().remote()).await?;
+            println!("  cuda_ipc mappings: {opened} opened, {cached} cached");
+            rows.push(row(&cx, "pass_cached", "cuda_ipc", bytes, us));
+
+            let os_iters = if bytes >= 1 << 30 {
+                3
+            } else if bytes >= 64 << 20 {
+                5
+            } else {
+                iters.min(30)
+            };
+            let mut us = Vec::new();
+            for _ in 0..os_iters {
+                us.push(pass(&rt, &p, &c, bytes, Transport::ObjectStore).await?);
+            }
+            rows.push(row(&cx, "pass", "object_store", bytes, us));
+
+            // Raw device-to-device copy of the same bytes, in this process.
+            let a = Tensor::cuda_full(1u8, &[bytes], pg as usize)?;
+            let b = Tensor::cuda_empty(DType::U8, &[bytes], cg as usize)?;
+            a.cuda_ready().await?;
+            let (pa, pb) = (
+                a.with_device_buffer(|d| d.device_ptr())?,
+                b.with_device_buffer(|d| d.device_ptr())?,
+            );
+            let mut us = Vec::new();
+            for i in 0..iters + 3 {
+                let t0 = Instant::now();
+                dst_gpu.copy_dtod(pb, pa, bytes).map_err(cuda_err)?;
+                dst_gpu
+                    .completion()
+                    .map_err(cuda_err)?
+                    .wait()
+                    .await
+                    .map_err(cuda_err)?;
+                if i >= 3 {
+                    us.push(us_since(t0));
+                }
+            }
+            rows.push(row(&cx, "memcpy_dtod", "raw", bytes, us));
+            drop((a, b));
+            p.kill();
+            c.kill();
+        }
+    }
+
+    println!("\n== summary (medians; target: cached cuda_ipc pass <= 100 us + control round trip, >= 50x faster than the object store)");
+    for &(placement, _, _) in &placements {
+        let rtt = median(&rows, placement, "actor_call_rtt", "none", 0);
+        let chain = median(&rows, placement, "ref_chain_rtt", "none", 0);
+        println!("{placement}: actor call {rtt:.1} us, ref chain {chain:.1} us");
+        for &bytes in sizes {
+            let ipc = median(&rows, placement, "pass_cached", "cuda_ipc", bytes);
+            let first = median(&rows, placement, "pass_first_open", "cuda_ipc", bytes);
+            let os = median(&rows, placement, "pass", "object_store", bytes);
+            let raw = median(&rows, placement, "memcpy_dtod", "raw", bytes);
+            let budget = 100.0 + rtt;
+            println!(
+                "  {bytes:>10} B: cached {ipc:>8.1} us (first {first:>9.1}), object store {os:>11.1} us = {:>7.1}x, \
+                 raw dtod {raw:>7.1} us, cached - call rtt {:>6.1} us, cached - ref chain {:>6.1} us; \
+                 <= 100 us + rtt ({budget:.0} us): {}; >= 50x: {}",
+                os / ipc,
+                ipc - rtt,
+                ipc - chain,
+                if ipc <= budget { "yes" } else { "NO" },
+                if os / ipc >= 50.0 { "yes" } else { "no" },
+            );
+        }
     }
 
     if let Some(path) = json {

@@ -26,6 +26,14 @@ cargo build -p rdt-examples --release --example bench_cuda
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
 cp target/release/examples/bench_cuda "$out/bin/bench_cuda"
 rm "$out/tests.txt"
+# The commit the bundle was built from (with -dirty for uncommitted
+# changes), recorded by the benchmark in every row.
+commit="$(git rev-parse --short HEAD)"
+git diff --quiet HEAD -- . ':!book' 2>/dev/null || commit="$commit-dirty"
+echo "$commit" > "$out/COMMIT"
+# Unstripped copies stay here, to resolve addresses of a crash report.
+mkdir -p target/gpu-unstripped
+cp "$out/bin/"* target/gpu-unstripped/
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -36,7 +44,8 @@ logs="${1:-$here/out}"
 mkdir -p "$logs"
 export NCCL_NVLS_ENABLE=0
 export RUST_BACKTRACE=1
-echo "== host: $(hostname)  date: $(date -u +%FT%TZ)"
+export RDT_COMMIT="$(cat "$here/COMMIT" 2>/dev/null || echo unknown)"
+echo "== host: $(hostname)  date: $(date -u +%FT%TZ)  rdt commit: $RDT_COMMIT  RDT_EXPECT_GPUS=${RDT_EXPECT_GPUS:-}"
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv 2>&1 || true
 rc=0
 echo "== gpu tests"

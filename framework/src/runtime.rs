@@ -283,7 +283,7 @@ impl Runtime {
         Spawn {
             rt: self.clone(),
             args,
-            gpus: 0,
+            gpus: GpuRequest::None,
             name: None,
             remote: false,
         }
@@ -526,15 +526,64 @@ fn send_to(actors: &Actors, to: u64, msg: &ToWorker) {
 pub struct Spawn<A: Actor> {
     rt: Runtime,
     args: A::Args,
-    gpus: u32,
+    gpus: GpuRequest,
     name: Option<String>,
     remote: bool,
 }
 
+/// The GPUs a worker asks for (see [`Spawn::gpus`] and [`Spawn::on_gpus`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+enum GpuRequest {
+    /// No GPU (`CUDA_VISIBLE_DEVICES` is inherited unchanged).
+    #[default]
+    None,
+    /// This many, assigned round-robin.
+    Count(u32),
+    /// These indices of the GPU pool, in this order.
+    Devices(Vec<u32>),
+}
+
 impl<A: Actor> Spawn<A> {
-    /// Number of GPUs to give the worker (through `CUDA_VISIBLE_DEVICES`).
+    /// Gives the worker `n` GPUs, assigned round-robin over the host's GPU
+    /// pool (`RDT_GPUS`, else the driver's `CUDA_VISIBLE_DEVICES`, else
+    /// every device of the host): consecutive GPU actors land on different
+    /// devices while there are enough, and share devices after that. The
+    /// worker sees exactly those devices (`CUDA_VISIBLE_DEVICES`); its
+    /// `cuda:0` is the first. Use [`on_gpus`](Self::on_gpus) to choose.
     pub fn gpus(mut self, n: u32) -> Self {
-        self.gpus = n;
+        self.gpus = if n == 0 {
+            GpuRequest::None
+        } else {
+            GpuRequest::Count(n)
+        };
+        self
+    }
+    /// Gives the worker exactly these GPUs of the pool (indices into the
+    /// list [`gpus`](Self::gpus) draws from; with neither `RDT_GPUS` nor
+    /// `CUDA_VISIBLE_DEVICES` set in the driver, the host's device
+    /// numbers), in this order: its `cuda:0` is `ids[0]`. Two actors given
+    /// the same id share a device; `on_gpus([0, 1])` lets a worker see a
+    /// second device as well (e.g. the producer's, to map its memory in
+    /// that device's own context). Spawning fails if an id is not in the
+    /// pool or appears twice.
+    ///
+    /// ```no_run
+    /// # use rdt::prelude::*;
+    /// # #[rdt::actor] pub struct A {}
+    /// # #[rdt::actor] impl A { fn new() -> Self { A {} } }
+    /// # async fn f(rt: Runtime) -> rdt::Result<()> {
+    /// let producer = rt.spawn::<A>(()).on_gpus([0]).await?;
+    /// let same_gpu = rt.spawn::<A>(()).on_gpus([0]).await?;
+    /// let other_gpu = rt.spawn::<A>(()).on_gpus([1]).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn on_gpus(mut self, ids: impl IntoIterator<Item = u32>) -> Self {
+        let ids: Vec<u32> = ids.into_iter().collect();
+        self.gpus = if ids.is_empty() {
+            GpuRequest::None
+        } else {
+            GpuRequest::Devices(ids)
+        };
         self
     }
     /// A name for logs and errors (default `Type#id`).
@@ -709,8 +758,21 @@ impl Inner {
         short: &str,
         name: Option<String>,
         args: Vec<u8>,
-        gpus: u32,
+        gpus: GpuRequest,
     ) -> Result<RawHandle> {
+        let visible = match &gpus {
+            GpuRequest::None => None,
+            GpuRequest::Count(n) => {
+                static GPU_SPAWNS: std::sync::atomic::AtomicU64 =
+                    std::sync::atomic::AtomicU64::new(0);
+                let nth = GPU_SPAWNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Some((*n, gpu_assignment(*n, nth)))
+            }
+            GpuRequest::Devices(ids) => Some((
+                ids.len() as u32,
+                gpu_devices(ids).map_err(|e| Error::Spawn(format!("{type_name}: {e}")))?,
+            )),
+        };
         let id = self.next_id();
         let name = name.unwrap_or_else(|| format!("{short}#{id}"));
         let (jtx, jrx) = oneshot::channel();
@@ -736,10 +798,8 @@ impl Inner {
             .env(wenv::SECRET, hex::encode(self.secret))
             .env(wenv::PARENT_PID, std::process::id().to_string())
             .stdin(std::process::Stdio::null());
-        if gpus > 0 {
-            static GPU_SPAWNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let nth = GPU_SPAWNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            cmd.env("CUDA_VISIBLE_DEVICES", gpu_assignment(gpus, nth));
+        if let Some((_n, devices)) = visible {
+            cmd.env("CUDA_VISIBLE_DEVICES", devices);
         }
         // SAFETY: prctl is async-signal-safe; nothing else runs in the child
         // between fork and exec.
@@ -1341,13 +1401,47 @@ async fn read_worker(
 /// absent). Several workers may share one device (fractional GPUs); a
 /// worker never gets the same device twice.
 pub(crate) fn gpu_assignment(n: u32, worker: u64) -> String {
+    let pool = gpu_pool();
+    let k = (n as usize).min(pool.len());
+    let start = worker as usize % pool.len();
+    (0..k)
+        .map(|i| pool[(start + i) % pool.len()].clone())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The `CUDA_VISIBLE_DEVICES` value for [`Spawn::on_gpus`]`(ids)`: those
+/// entries of the pool, in order.
+pub(crate) fn gpu_devices(ids: &[u32]) -> std::result::Result<String, String> {
+    let pool = gpu_pool();
+    let mut out: Vec<&str> = Vec::with_capacity(ids.len());
+    for (i, &id) in ids.iter().enumerate() {
+        if ids[..i].contains(&id) {
+            return Err(format!("GPU {id} is listed twice in on_gpus({ids:?})"));
+        }
+        match pool.get(id as usize) {
+            Some(d) => out.push(d),
+            None => {
+                return Err(format!(
+                    "on_gpus({ids:?}): there is no GPU {id}; the pool has {} ({})",
+                    pool.len(),
+                    pool.join(",")
+                ))
+            }
+        }
+    }
+    Ok(out.join(","))
+}
+
+/// The devices GPU workers are placed on (see [`gpu_assignment`]).
+fn gpu_pool() -> Vec<String> {
     let list = |v: String| -> Vec<String> {
         v.split(',')
             .map(|s| s.trim().to_string())
             .filter(|s| !s.is_empty())
             .collect()
     };
-    let pool: Vec<String> = std::env::var("RDT_GPUS")
+    std::env::var("RDT_GPUS")
         .ok()
         .map(list)
         .filter(|l| !l.is_empty())
@@ -1363,13 +1457,7 @@ pub(crate) fn gpu_assignment(n: u32, worker: u64) -> String {
                 .unwrap_or(1)
                 .max(1);
             (0..count).map(|i| i.to_string()).collect()
-        });
-    let k = (n as usize).min(pool.len());
-    let start = worker as usize % pool.len();
-    (0..k)
-        .map(|i| pool[(start + i) % pool.len()].clone())
-        .collect::<Vec<_>>()
-        .join(",")
+        })
 }
 
 #[cfg(test)]
@@ -1382,6 +1470,10 @@ mod gpu_assignment_tests {
         assert_eq!(super::gpu_assignment(1, 2), "3");
         assert_eq!(super::gpu_assignment(2, 1), "5,3");
         assert_eq!(super::gpu_assignment(4, 0), "3,5");
+        assert_eq!(super::gpu_devices(&[1]).unwrap(), "5");
+        assert_eq!(super::gpu_devices(&[1, 0]).unwrap(), "5,3");
+        assert!(super::gpu_devices(&[2]).unwrap_err().contains("no GPU 2"));
+        assert!(super::gpu_devices(&[0, 0]).unwrap_err().contains("twice"));
         std::env::remove_var("RDT_GPUS");
     }
 }

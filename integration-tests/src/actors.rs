@@ -243,6 +243,65 @@ fn tensor_err(e: rdt::TensorError) -> Error {
     Error::from(e)
 }
 
+extern "C" {
+    // glibc's <execinfo.h>.
+    fn backtrace(buffer: *mut *mut libc::c_void, size: libc::c_int) -> libc::c_int;
+    fn backtrace_symbols_fd(buffer: *const *mut libc::c_void, size: libc::c_int, fd: libc::c_int);
+}
+
+extern "C" fn on_fatal_signal(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // Only write(2) and glibc's backtrace (its unwinder was loaded at
+    // install time), then die of the same signal (core dump included).
+    // SAFETY: the buffers are local; `info` is the kernel's.
+    unsafe {
+        let head = b"\n=== rdt gpu test worker: fatal signal; backtrace (resolve +offsets with addr2line -e <unstripped binary>) ===\n";
+        libc::write(2, head.as_ptr().cast(), head.len());
+        let addr = format_hex((*info).si_addr() as usize);
+        libc::write(2, b"fault address ".as_ptr().cast(), 14);
+        libc::write(2, addr.as_ptr().cast(), addr.len());
+        libc::write(2, b"\n".as_ptr().cast(), 1);
+        let mut frames = [std::ptr::null_mut::<libc::c_void>(); 64];
+        let n = backtrace(frames.as_mut_ptr(), frames.len() as libc::c_int);
+        backtrace_symbols_fd(frames.as_ptr(), n, 2);
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
+    }
+}
+
+/// `0x...` without allocating.
+fn format_hex(mut v: usize) -> [u8; 18] {
+    let mut out = [b'0'; 18];
+    out[1] = b'x';
+    for i in (2..18).rev() {
+        out[i] = b"0123456789abcdef"[v & 15];
+        v >>= 4;
+    }
+    out
+}
+
+/// Makes a segfault (or bus error) in this worker print a raw backtrace to
+/// stderr before the process dies of it, so that a crash inside the driver
+/// on a GPU host is located even without a debugger there.
+pub fn report_fatal_signals() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: installs a handler that only uses async-signal-tolerant
+        // calls; the first `backtrace` call loads the unwinder now, not in
+        // the handler.
+        unsafe {
+            let mut frames = [std::ptr::null_mut::<libc::c_void>(); 4];
+            backtrace(frames.as_mut_ptr(), 4);
+            for sig in [libc::SIGSEGV, libc::SIGBUS] {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_fatal_signal as *const () as usize;
+                sa.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
+        }
+    });
+}
+
 /// Produces CUDA tensors on its first visible device.
 #[rdt::actor]
 pub struct GpuProducer {
@@ -252,12 +311,26 @@ pub struct GpuProducer {
 #[rdt::actor]
 impl GpuProducer {
     fn new() -> Self {
+        report_fatal_signals();
         GpuProducer { kept: Vec::new() }
     }
 
     /// A CUDA tensor of `n` f32 equal to `v`, ready when returned.
     async fn make(&mut self, v: f32, n: usize) -> rdt::Result<Tensor> {
         let t = Tensor::cuda_full(v, &[n], 0).map_err(tensor_err)?;
+        Ok(t)
+    }
+
+    /// Like `make`, but returns while the GPU is still busy with it: the
+    /// tensor is filled `reps` times (the last time with `v`), so a
+    /// consumer that does not wait for the producer's event sees a wrong
+    /// sum.
+    async fn make_busy(&mut self, v: f32, n: usize, reps: usize) -> rdt::Result<Tensor> {
+        let t = Tensor::cuda_full(-1.0f32, &[n], 0).map_err(tensor_err)?;
+        for i in 0..reps {
+            t.fill_(if i + 1 == reps { v } else { -(i as f32) })
+                .map_err(tensor_err)?;
+        }
         Ok(t)
     }
 
@@ -304,6 +377,11 @@ impl GpuProducer {
         })
     }
 
+    /// A CUDA tensor `[0, 1, ..., n-1]` (f32), to check element order.
+    async fn iota(&mut self, n: usize) -> rdt::Result<Tensor> {
+        Tensor::arange::<f32>(n).to_device(0).map_err(tensor_err)
+    }
+
     /// The UUID of its device.
     async fn uuid(&mut self) -> rdt::Result<String> {
         Ok(rdt::data::cuda::gpu(0)
@@ -337,6 +415,7 @@ pub struct GpuConsumer {
 #[rdt::actor]
 impl GpuConsumer {
     fn new() -> Self {
+        report_fatal_signals();
         GpuConsumer { held: Vec::new() }
     }
 
@@ -408,5 +487,33 @@ impl GpuConsumer {
     /// Number of devices this worker sees.
     async fn devices(&mut self) -> usize {
         rdt::data::cuda::device_count()
+    }
+
+    /// UUIDs of the devices this worker sees, in local ordinal order.
+    async fn uuids(&mut self) -> rdt::Result<Vec<String>> {
+        (0..rdt::data::cuda::device_count())
+            .map(|i| {
+                rdt::data::cuda::gpu(i)
+                    .map(|g| g.uuid().to_string())
+                    .map_err(|e| tensor_err(e.into()))
+            })
+            .collect()
+    }
+
+    /// Where `t` lives (its device's UUID) and a copy of its elements made on
+    /// this worker's GPU (device-to-device from the import, then to the
+    /// host): checks that the consumer's own device can read the bytes.
+    async fn inspect(&mut self, t: Tensor) -> rdt::Result<(String, Vec<f32>)> {
+        let local = t.to_device(0).map_err(tensor_err)?;
+        let v = local
+            .to_cpu()
+            .map_err(tensor_err)?
+            .to_vec::<f32>()
+            .map_err(tensor_err)?;
+        let uuid = match t.device() {
+            Device::Cuda { uuid, .. } => uuid.clone(),
+            Device::Cpu => "cpu".into(),
+        };
+        Ok((uuid, v))
     }
 }

@@ -25,13 +25,66 @@ fn require_gpu() -> usize {
     n
 }
 
+/// A producer on GPU 0 and a consumer on the last GPU: the same device on
+/// a one-GPU host, another device (seeing only its own) on a two-GPU host.
 async fn setup() -> (Runtime, GpuProducerHandle, GpuConsumerHandle) {
-    require_gpu();
+    let n = require_gpu() as u32;
+    setup_on(&[0], &[n - 1]).await
+}
+
+async fn setup_on(p: &[u32], c: &[u32]) -> (Runtime, GpuProducerHandle, GpuConsumerHandle) {
     rdt_integration_tests::logs();
     let rt = Runtime::start().await.unwrap();
-    let p = rt.spawn::<GpuProducer>(()).gpus(1).await.unwrap();
-    let c = rt.spawn::<GpuConsumer>(()).gpus(1).await.unwrap();
+    let p = rt
+        .spawn::<GpuProducer>(())
+        .on_gpus(p.iter().copied())
+        .await
+        .unwrap();
+    let c = rt
+        .spawn::<GpuConsumer>(())
+        .on_gpus(c.iter().copied())
+        .await
+        .unwrap();
     (rt, p, c)
+}
+
+/// Passes `[0, 1, ..., n-1]` from `p` to `c` over cuda_ipc and checks what
+/// the consumer reads (through a copy on its own device), where the tensor
+/// lives, and that a write by the consumer reaches the producer.
+async fn check_pass(rt: &Runtime, p: &GpuProducerHandle, c: &GpuConsumerHandle) {
+    let producer_uuid = rt.get(p.uuid().remote()).await.unwrap();
+    for n in [1usize, 1000, 3 << 20] {
+        let r = p.iota(n).transport(IPC).remote();
+        let (uuid, v) = rt.get(c.inspect(&r).remote()).await.unwrap();
+        assert_eq!(
+            uuid, producer_uuid,
+            "the tensor lives on the producer's GPU"
+        );
+        assert_eq!(v.len(), n);
+        assert!(
+            v.iter().enumerate().all(|(i, &x)| x == i as f32),
+            "{n} elements read back in order"
+        );
+    }
+    let r = p.make(2.0, 1 << 20).transport(IPC).remote();
+    assert_eq!(
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        ((2u64 << 20) as f64, true)
+    );
+    // The producer's GPU is still busy at export: the consumer's stream
+    // waits on the producer's event (cuStreamWaitEvent on an IPC event).
+    let n = 64 << 20;
+    let r = p.make_busy(5.0, n, 20).transport(IPC).remote();
+    assert_eq!(
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        (5.0 * n as f64, true)
+    );
+    let (_, _, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
+    assert_eq!(events, 1, "the producer's event was opened (once)");
+    rt.get(p.forget().remote()).await.unwrap();
+    let r = p.make_kept(1.0, 64).transport(IPC).remote();
+    rt.get(c.fill(&r, 7.0).remote()).await.unwrap();
+    assert_eq!(rt.get(p.read_kept(0).remote()).await.unwrap(), 7.0);
 }
 
 macro_rules! gpu_test {
@@ -73,9 +126,11 @@ gpu_test!(point_to_point, async {
         (0.5 * (3 << 20) as f64, true)
     );
     // Both tensors live in the producer's first slab: one new mapping, then
-    // the cache.
+    // the cache. The producer's event is opened once at most (not at all
+    // when its stream was idle at every export: nothing to wait for).
     let (opened, cached, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
-    assert_eq!((opened, cached, events), (1, 1, 1));
+    assert_eq!((opened, cached), (1, 1));
+    assert!(events <= 1, "{events}");
 });
 
 gpu_test!(nested_values, async {
@@ -181,6 +236,55 @@ gpu_test!(object_store_on_cuda_tensors, async {
     assert_eq!(rt.get(c.sum(&put).remote()).await.unwrap(), (10.0, true));
 });
 
+gpu_test!(waits_for_the_producers_gpu_work, async {
+    let (rt, p, c) = setup().await;
+    // 1 GiB filled 20 times: the producer's stream is busy at export, so
+    // the consumer's stream must wait on the producer's event.
+    let n = 256 << 20;
+    for _ in 0..2 {
+        let r = p.make_busy(3.0, n, 20).transport(IPC).remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote()).await.unwrap(),
+            (3.0 * n as f64, true)
+        );
+    }
+    let (_, _, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
+    assert_eq!(events, 1, "the producer's event was opened (once)");
+});
+
+gpu_test!(same_gpu, async {
+    require_gpu();
+    let (rt, p, c) = setup_on(&[0], &[0]).await;
+    let mine = rt.get(c.uuids().remote()).await.unwrap();
+    assert_eq!(mine, vec![rt.get(p.uuid().remote()).await.unwrap()]);
+    check_pass(&rt, &p, &c).await;
+});
+
+// Producer on GPU 0, consumer on GPU 1 seeing only GPU 1: CUDA IPC opens
+// the producer's memory in the consumer's context with peer access (the
+// exporting device need not be visible to the importer).
+gpu_test!(cross_gpu, async {
+    let n = require_gpu();
+    if n < 2 {
+        eprintln!("cross_gpu: only {n} device visible; nothing to test");
+        return;
+    }
+    let (rt, p, c) = setup_on(&[0], &[1]).await;
+    let mine = rt.get(c.uuids().remote()).await.unwrap();
+    let theirs = rt.get(p.uuid().remote()).await.unwrap();
+    assert_eq!(mine.len(), 1);
+    assert_ne!(mine[0], theirs, "the consumer is on another GPU");
+    check_pass(&rt, &p, &c).await;
+    // Mappings are cached across passes to another GPU too.
+    let (opened, cached, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
+    assert!(
+        opened >= 1 && cached >= 1 && events <= 1,
+        "{opened} {cached} {events}"
+    );
+});
+
+// Consumers that see both GPUs: the producer's device is visible to them,
+// so its memory is mapped in that device's own context.
 gpu_test!(two_gpus, async {
     let n = require_gpu();
     if n < 2 {
@@ -189,17 +293,17 @@ gpu_test!(two_gpus, async {
     }
     rdt_integration_tests::logs();
     let rt = Runtime::start().await.unwrap();
-    let p = rt.spawn::<GpuProducer>(()).gpus(1).await.unwrap();
-    // The consumer sees both devices (its first is another one than the
-    // producer's), so it maps the producer's memory through peer access.
+    let p = rt.spawn::<GpuProducer>(()).on_gpus([0]).await.unwrap();
+    // Round-robin placement of two GPUs, then explicit orders.
     let c = rt.spawn::<GpuConsumer>(()).gpus(2).await.unwrap();
     assert_eq!(rt.get(c.devices().remote()).await.unwrap(), 2);
-    let r = p.make(2.0, 1 << 20).transport(IPC).remote();
-    assert_eq!(
-        rt.get(c.sum(&r).remote()).await.unwrap(),
-        ((2u64 << 20) as f64, true)
-    );
-    let r = p.make_kept(1.0, 64).transport(IPC).remote();
-    rt.get(c.fill(&r, 7.0).remote()).await.unwrap();
-    assert_eq!(rt.get(p.read_kept(0).remote()).await.unwrap(), 7.0);
+    check_pass(&rt, &p, &c).await;
+    for order in [[1u32, 0], [0, 1]] {
+        let c = rt.spawn::<GpuConsumer>(()).on_gpus(order).await.unwrap();
+        assert_eq!(rt.get(c.devices().remote()).await.unwrap(), 2);
+        check_pass(&rt, &p, &c).await;
+    }
+    // A bad placement is a spawn error, not a worker that cannot start.
+    let e = rt.spawn::<GpuConsumer>(()).on_gpus([9]).await.unwrap_err();
+    assert!(e.to_string().contains("no GPU 9"), "{e}");
 });

@@ -8,7 +8,9 @@
 //!    slab), the slab id, the range's offset and length, and the range's
 //!    import counter slot; and, per device, the handle of the producer's
 //!    interprocess event, recorded on rdt's stream at export, so it
-//!    completes when the work that produced the tensors does. The handles
+//!    completes when the work that produced the tensors does (no handle
+//!    when that stream is idle: the tensors are ready, and a pass of ready
+//!    tensors puts no work on either GPU). The handles
 //!    also carry the host's boot id and pid namespace, the producer's pid
 //!    and the descriptor and inode of its import-counter memfd. A tensor in
 //!    memory the producer did not allocate (one it received itself) is
@@ -17,8 +19,9 @@
 //!    checks the producer is alive (its counter memfd is still at
 //!    `/proc/<pid>/fd/<fd>` with the same inode: a dead producer is a clear
 //!    error, never a hang), makes its stream wait on the producer's event
-//!    (`cuStreamWaitEvent`: no host sync; each event handle is opened once
-//!    per process), and maps each slab **once** (`cuIpcOpenMemHandle` with
+//!    unless it has already passed (`cuStreamWaitEvent`: no host sync; each
+//!    event handle is opened once per process, in the context of the device
+//!    whose stream waits on it), and maps each slab **once** (`cuIpcOpenMemHandle` with
 //!    lazy peer access), caching the mapping for every later tensor in that
 //!    slab (gpu.md pitfall 2). [`stats`] counts new mappings vs cache hits.
 //!    The tensors it returns share the producer's memory: a write by the
@@ -50,7 +53,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::alloc::{self, Counters, SlabRange};
-use super::{CudaError, DeviceBuffer, Event, Gpu};
+use super::{cuda_trace, CudaError, DeviceBuffer, Event, Gpu};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
 };
@@ -191,9 +194,11 @@ impl CudaIpcTransport {
         }
         let mut events = Vec::with_capacity(gpus.len());
         for g in &gpus {
+            // No handle: the producer's stream was idle, nothing to wait for.
+            let ev = g.record_ipc_event().map_err(err)?;
             events.push((
                 g.uuid().to_string(),
-                g.record_ipc_event().map_err(err)?.to_vec(),
+                ev.map(|h| h.to_vec()).unwrap_or_default(),
             ));
         }
         let h = Handles {
@@ -238,8 +243,18 @@ impl CudaIpcTransport {
         let mut local: HashMap<String, Arc<Gpu>> = HashMap::new();
         for (uuid, ev) in &h.events {
             let g = local_gpu(uuid).map_err(|e| perr(e.to_string()))?;
-            let ev = open_event(&h, uuid, ev).map_err(|e| perr(e.to_string()))?;
-            g.wait_event(ev).map_err(|e| perr(e.to_string()))?;
+            if !ev.is_empty() {
+                let ev = open_event(&h, uuid, ev, &g).map_err(|e| perr(e.to_string()))?;
+                // Already passed (the producer re-records this event at
+                // every export, so a passed event covers ours): no GPU work.
+                if !event_passed(ev, &g).map_err(|e| perr(e.to_string()))? {
+                    cuda_trace!(
+                        "stream of local device {} waits on the event of {uuid}",
+                        g.ordinal()
+                    );
+                    g.wait_event(ev).map_err(|e| perr(e.to_string()))?;
+                }
+            }
             local.insert(uuid.clone(), g);
         }
         let mut out = Vec::with_capacity(h.tensors.len());
@@ -329,7 +344,7 @@ fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
 
 type EventKey = (u32, (u64, u64), String);
 
-fn open_event(h: &Handles, uuid: &str, handle: &[u8]) -> Result<Event, CudaError> {
+fn open_event(h: &Handles, uuid: &str, handle: &[u8], g: &Gpu) -> Result<Event, CudaError> {
     static CACHE: OnceLock<Mutex<HashMap<EventKey, Event>>> = OnceLock::new();
     let key = (h.pid, h.counters_id, uuid.to_string());
     let mut cache = CACHE.get_or_init(Default::default).lock();
@@ -343,6 +358,14 @@ fn open_event(h: &Handles, uuid: &str, handle: &[u8]) -> Result<Event, CudaError
     for (d, s) in raw.reserved.iter_mut().zip(handle) {
         *d = *s as _;
     }
+    // Opened in the context of the device whose stream will wait on it
+    // (the driver call needs a current context on this thread).
+    g.bind()?;
+    cuda_trace!(
+        "opening the event of pid {} on {uuid} in local device {}",
+        h.pid,
+        g.ordinal()
+    );
     let mut ev = std::ptr::null_mut();
     // SAFETY: out-pointer valid; the handle came from cuIpcGetEventHandle.
     unsafe { sys::cuIpcOpenEventHandle(&mut ev, raw) }
@@ -351,6 +374,20 @@ fn open_event(h: &Handles, uuid: &str, handle: &[u8]) -> Result<Event, CudaError
     EVENTS_OPENED.fetch_add(1, Ordering::Relaxed);
     cache.insert(key, Event(ev));
     Ok(Event(ev))
+}
+
+/// Has the GPU passed the (opened) producer event?
+fn event_passed(ev: Event, g: &Gpu) -> Result<bool, CudaError> {
+    g.bind()?;
+    // SAFETY: a valid event opened in this process.
+    match unsafe { sys::cuEventQuery(ev.0) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        r => Err(CudaError::call(
+            "cuEventQuery",
+            cudarc::driver::result::DriverError(r),
+        )),
+    }
 }
 
 /// One mapping of a producer's slab in this process.
@@ -395,6 +432,14 @@ fn open_slab(h: &Handles, th: &TensorHandle, g: &Arc<Gpu>) -> Result<Arc<Mapping
         *d = *s as _;
     }
     g.bind()?;
+    cuda_trace!(
+        "mapping slab {} of pid {} ({} B) in local device {} ({})",
+        th.slab,
+        h.pid,
+        th.slab_len,
+        g.ordinal(),
+        g.uuid()
+    );
     let mut ptr = 0;
     // SAFETY: out-pointer valid; the handle came from cuIpcGetMemHandle.
     unsafe {
@@ -418,6 +463,7 @@ fn open_slab(h: &Handles, th: &TensorHandle, g: &Arc<Gpu>) -> Result<Arc<Mapping
         gpu: g.clone(),
         describe: format!("pid {} slab {}", h.pid, th.slab),
     });
+    cuda_trace!("slab {} of pid {} mapped at {ptr:#x}", th.slab, h.pid);
     OPENED.fetch_add(1, Ordering::Relaxed);
     cache.insert(key, m.clone());
     Ok(m)

@@ -21,13 +21,17 @@
 //! local ordinal of a UUID.
 //!
 //! # Completion
-//! [`Gpu::completion`] records an event on the stream and returns a future
-//! that resolves when the GPU has passed it. It polls `cuEventQuery`: first
-//! with `yield_now` for up to [`SPIN`] (short passes finish in microseconds,
-//! and a tokio timer would add a millisecond), then with sleeps that back off
-//! from 20 µs to 1 ms. It never blocks an executor thread, works on
-//! current-thread runtimes (actix) and needs no helper thread; the cost is a
-//! little polling while long GPU work runs.
+//! [`Gpu::completion`] returns a future that resolves when the GPU has done
+//! everything enqueued on the stream so far. If the stream is already idle
+//! (`cuStreamQuery`) it is ready at once and nothing is enqueued: work on a
+//! GPU that another process is using costs a context switch (hundreds of
+//! microseconds on one GPU shared by two processes), so an idle stream must
+//! not be given any. Otherwise it records an event and polls
+//! `cuEventQuery` with `yield_now` for up to [`SPIN`] (short work finishes
+//! in microseconds, and a tokio timer would add a millisecond: its
+//! resolution), then waits in `cuEventSynchronize` on tokio's blocking pool
+//! (exact wake-up, no executor thread blocked; outside a tokio runtime it
+//! blocks the caller). Works on current-thread runtimes (actix).
 //!
 //! # Memory
 //! Every CUDA tensor rdt allocates comes from [`alloc`]'s slab allocator over
@@ -68,6 +72,33 @@ impl CudaError {
     }
 }
 
+/// Is `RDT_CUDA_TRACE` set (non-empty, not `0`)? Then every context
+/// binding and IPC step of this process is printed to stderr with the
+/// calling thread's name (a debugging aid for multi-GPU set-ups).
+pub fn tracing_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("RDT_CUDA_TRACE")
+            .map(|v| !v.is_empty() && v != "0")
+            .unwrap_or(false)
+    })
+}
+
+/// Prints a trace line when [`tracing_enabled`].
+macro_rules! cuda_trace {
+    ($($arg:tt)*) => {
+        if $crate::cuda::tracing_enabled() {
+            eprintln!(
+                "[rdt-cuda pid {} thread {}] {}",
+                std::process::id(),
+                std::thread::current().name().unwrap_or("?"),
+                format!($($arg)*)
+            );
+        }
+    };
+}
+pub(crate) use cuda_trace;
+
 /// How long [`Gpu::completion`] spins with `yield_now` before sleeping.
 pub const SPIN: Duration = Duration::from_micros(500);
 
@@ -77,6 +108,7 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGet",
     "cuDeviceGetCount",
     "cuDeviceGetUuid",
+    "cuDeviceGetName",
     "cuDeviceGetAttribute",
     "cuDeviceCanAccessPeer",
     "cuDevicePrimaryCtxRetain",
@@ -84,6 +116,8 @@ const SYMBOLS: &[&str] = &[
     "cuCtxEnablePeerAccess",
     "cuStreamCreate",
     "cuStreamSynchronize",
+    "cuStreamQuery",
+    "cuEventSynchronize",
     "cuStreamWaitEvent",
     "cuEventCreate",
     "cuEventRecord",
@@ -217,6 +251,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
             "device ordinal {ordinal} does not exist: this process sees {count} device(s)"
         )));
     }
+    cuda_trace!("creating the context of local device {ordinal}");
     let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::call("creating a context", e))?;
     let uuid = format_uuid(
         &ctx.uuid()
@@ -237,6 +272,9 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
         g.enable_peer(other);
         other.enable_peer(&g);
     }
+    // Leave the new device's context current, as `CudaContext::new` did.
+    g.bind()?;
+    cuda_trace!("local device {ordinal} is {}", g.uuid);
     map.insert(ordinal, g.clone());
     Ok(g)
 }
@@ -266,6 +304,12 @@ impl Gpu {
     /// The device UUID (`GPU-...`).
     pub fn uuid(&self) -> &str {
         &self.uuid
+    }
+    /// The device's product name (e.g. `NVIDIA H100 80GB HBM3`).
+    pub fn name(&self) -> String {
+        self.ctx
+            .name()
+            .unwrap_or_else(|_| "unknown CUDA device".into())
     }
     /// The [`Device`] value for tensors on this GPU.
     pub fn device(&self) -> Device {
@@ -300,6 +344,7 @@ impl Gpu {
                 return;
             }
             if self.bind().is_ok() {
+                cuda_trace!("enabling peer access {} -> {}", self.uuid, other.uuid);
                 let r = sys::cuCtxEnablePeerAccess(other.ctx.cu_ctx(), 0);
                 if r != sys::CUresult::CUDA_SUCCESS
                     && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
@@ -314,19 +359,36 @@ impl Gpu {
         }
     }
 
-    /// Records a fresh event on the stream and resolves when the GPU has
-    /// done everything enqueued before it (see the module docs).
+    /// Resolves when the GPU has done everything enqueued on the stream so
+    /// far: at once if the stream is idle, else through a fresh event (see
+    /// the module docs).
     pub fn completion(&self) -> Result<Completion, CudaError> {
-        self.bind()?;
+        if self.stream_idle()? {
+            return Ok(Completion {
+                event: None,
+                ctx: self.ctx.clone(),
+            });
+        }
         let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| CudaError::call("cuEventCreate", e))?;
         // SAFETY: valid event and stream of this context.
         unsafe { cu::event::record(ev, self.stream.0) }
             .map_err(|e| CudaError::call("cuEventRecord", e))?;
         Ok(Completion {
-            event: Event(ev),
-            owned: true,
+            event: Some(Event(ev)),
+            ctx: self.ctx.clone(),
         })
+    }
+
+    /// Has the GPU finished everything enqueued on the stream?
+    pub fn stream_idle(&self) -> Result<bool, CudaError> {
+        self.bind()?;
+        // SAFETY: valid stream of the bound context.
+        match unsafe { sys::cuStreamQuery(self.stream.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => Err(CudaError::call("cuStreamQuery", cu::DriverError(r))),
+        }
     }
 
     /// Waits on the host until the stream is idle (blocking; for test
@@ -355,9 +417,13 @@ impl Gpu {
 
     /// Records this GPU's interprocess event on the stream and returns its
     /// IPC handle (the event is created once per process and device; a
-    /// consumer that waits on it waits for at least this record).
-    pub(crate) fn record_ipc_event(&self) -> Result<[u8; 64], CudaError> {
-        self.bind()?;
+    /// consumer that waits on it waits for at least this record); `None`
+    /// when the stream is idle: there is nothing to wait for, and recording
+    /// would put work on the GPU (see the module docs).
+    pub(crate) fn record_ipc_event(&self) -> Result<Option<[u8; 64]>, CudaError> {
+        if self.stream_idle()? {
+            return Ok(None);
+        }
         let mut slot = self.ipc_event.lock();
         if slot.is_none() {
             let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
@@ -380,7 +446,7 @@ impl Gpu {
         // SAFETY: valid event and stream.
         unsafe { cu::event::record(ev.0, self.stream.0) }
             .map_err(|e| CudaError::call("cuEventRecord", e))?;
-        Ok(handle)
+        Ok(Some(handle))
     }
 
     /// Allocates `len` bytes with `cuMemAlloc` (IPC-capable).
@@ -478,38 +544,71 @@ impl Gpu {
 /// A future that resolves when the GPU has passed an event (see the module
 /// docs for how it waits).
 pub struct Completion {
-    event: Event,
-    owned: bool,
+    /// `None`: the stream was idle, nothing to wait for.
+    event: Option<Event>,
+    /// The context the event was created in: bound before every query and
+    /// at destruction, whatever thread polls (executors move futures).
+    ctx: Arc<CudaContext>,
 }
 
 impl Completion {
-    /// Waits without blocking the executor thread.
+    /// Waits without blocking the executor thread (see the module docs).
     pub async fn wait(self) -> Result<(), CudaError> {
+        let Some(event) = self.event else {
+            return Ok(());
+        };
         let start = Instant::now();
-        let mut nap = Duration::from_micros(20);
         loop {
-            // SAFETY: valid event.
-            match unsafe { sys::cuEventQuery(self.event.0) } {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                r => return Err(CudaError::call("cuEventQuery", cu::DriverError(r))),
+            if self.query(event)? {
+                return Ok(());
             }
-            if start.elapsed() < SPIN {
-                tokio::task::yield_now().await;
-            } else {
-                tokio::time::sleep(nap).await;
-                nap = (nap * 2).min(Duration::from_millis(1));
+            if start.elapsed() >= SPIN {
+                break;
             }
+            tokio::task::yield_now().await;
         }
+        // Longer work: wait in the driver, on a blocking thread.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.synchronize(event);
+        }
+        tokio::task::spawn_blocking(move || self.synchronize(event))
+            .await
+            .map_err(|e| CudaError(format!("waiting for the GPU: {e}")))?
+    }
+
+    /// Has the GPU passed the event?
+    fn query(&self, event: Event) -> Result<bool, CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::call("cuCtxSetCurrent", e))?;
+        // SAFETY: valid event of the bound context.
+        match unsafe { sys::cuEventQuery(event.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => Err(CudaError::call("cuEventQuery", cu::DriverError(r))),
+        }
+    }
+
+    /// Blocks the calling thread until the GPU has passed the event.
+    fn synchronize(&self, event: Event) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::call("cuCtxSetCurrent", e))?;
+        // SAFETY: valid event of the bound context.
+        unsafe { sys::cuEventSynchronize(event.0) }
+            .result()
+            .map_err(|e| CudaError::call("cuEventSynchronize", e))
     }
 }
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        if self.owned {
-            // SAFETY: our event; destroying one that is pending is allowed.
-            unsafe {
-                let _ = cu::event::destroy(self.event.0);
+        if let Some(event) = self.event {
+            if self.ctx.bind_to_thread().is_ok() {
+                // SAFETY: our event; destroying one that is pending is allowed.
+                unsafe {
+                    let _ = cu::event::destroy(event.0);
+                }
             }
         }
     }
