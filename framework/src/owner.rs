@@ -62,6 +62,23 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
+    /// A new entry held by one driver ref (the one its creator returns).
+    fn new(producer: Option<ActorId>, transport: &str, state: ObjState) -> Entry {
+        Entry {
+            producer,
+            transport: transport.to_string(),
+            state,
+            refs: 1,
+            pending_calls: 0,
+            holders: HashSet::new(),
+            waiting: Vec::new(),
+            getters: Vec::new(),
+            passed_back: false,
+            sent_elsewhere: false,
+            warned: false,
+        }
+    }
+
     fn sidedness(&self) -> Sidedness {
         match self.transport.parse::<Transport>() {
             Ok(t) => t.sidedness(),
@@ -110,41 +127,15 @@ pub(crate) struct OwnerTable {
 impl OwnerTable {
     /// A call's result, pending. The returned ref counts as one.
     pub fn insert_pending(&mut self, id: u64, producer: ActorId, transport: &str) {
-        self.objects.insert(
-            id,
-            Entry {
-                producer: Some(producer),
-                transport: transport.to_string(),
-                state: ObjState::Pending,
-                refs: 1,
-                pending_calls: 0,
-                holders: HashSet::new(),
-                waiting: Vec::new(),
-                getters: Vec::new(),
-                passed_back: false,
-                sent_elsewhere: false,
-                warned: false,
-            },
-        );
+        self.objects
+            .insert(id, Entry::new(Some(producer), transport, ObjState::Pending));
     }
 
     /// A value put by the driver, or a call that failed before it was sent.
     pub fn insert_done(&mut self, id: u64, producer: Option<ActorId>, state: ObjState) {
         self.objects.insert(
             id,
-            Entry {
-                producer,
-                transport: Transport::ObjectStore.name().to_string(),
-                state,
-                refs: 1,
-                pending_calls: 0,
-                holders: HashSet::new(),
-                waiting: Vec::new(),
-                getters: Vec::new(),
-                passed_back: false,
-                sent_elsewhere: false,
-                warned: false,
-            },
+            Entry::new(producer, Transport::ObjectStore.name(), state),
         );
     }
 
