@@ -406,6 +406,11 @@ impl GpuProducer {
     }
 }
 
+/// What [`GpuConsumer::fill_own_copy`] saw: (sum of the copy as taken,
+/// after the fill, sum of the received tensor, shared storage, copy's
+/// device UUID, the worker's device UUID).
+pub type CopyReport = (f64, f64, f64, bool, String, String);
+
 /// Consumes CUDA tensors.
 #[rdt::actor]
 pub struct GpuConsumer {
@@ -451,6 +456,32 @@ impl GpuConsumer {
         t.fill_(v).map_err(tensor_err)?;
         t.cuda_ready().await.map_err(tensor_err)?;
         Ok(())
+    }
+
+    /// cuda_ipc's copy mode: takes its own copy of `t` (`deep_copy`), reads
+    /// it, fills the copy with `v` and returns (sum of the copy as taken,
+    /// sum of the copy after the fill, sum of `t`, whether copy and `t`
+    /// share storage, the copy's device UUID, this worker's device UUID).
+    async fn fill_own_copy(&mut self, t: Tensor, v: f32) -> rdt::Result<CopyReport> {
+        let own = t.deep_copy().map_err(tensor_err)?;
+        let taken = own.sum().map_err(tensor_err)?;
+        own.fill_(v).map_err(tensor_err)?;
+        own.cuda_ready().await.map_err(tensor_err)?;
+        let uuid = match own.device() {
+            Device::Cuda { uuid, .. } => uuid.clone(),
+            Device::Cpu => "cpu".into(),
+        };
+        let mine = rdt::data::cuda::gpu(0)
+            .map(|g| g.uuid().to_string())
+            .map_err(|e| tensor_err(e.into()))?;
+        Ok((
+            taken,
+            own.sum().map_err(tensor_err)?,
+            t.sum().map_err(tensor_err)?,
+            own.shares_storage(&t),
+            uuid,
+            mine,
+        ))
     }
 
     /// Waits until `t` is usable on the GPU; returns its byte size (the

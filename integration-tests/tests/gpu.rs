@@ -162,6 +162,25 @@ gpu_test!(colocated_write_is_visible_at_the_source, async {
     );
 });
 
+gpu_test!(copy_mode_gives_the_consumer_its_own_memory, async {
+    let (rt, p, c) = setup().await;
+    // The producer's stream is busy at export: the copy (enqueued on the
+    // consumer's stream after the event wait) must see the finished bytes.
+    let n = 64 << 20;
+    let r = p.make_busy(3.0, n, 20).transport(IPC).remote();
+    let (taken, filled, source, shared, uuid, mine) =
+        rt.get(c.fill_own_copy(&r, 9.0).remote()).await.unwrap();
+    assert_eq!(taken, 3.0 * n as f64, "the copy holds the producer's bytes");
+    assert_eq!(filled, 9.0 * n as f64);
+    assert_eq!(source, 3.0 * n as f64, "the producer's memory is untouched");
+    assert!(!shared);
+    assert_eq!(uuid, mine, "the copy lives on the consumer's own device");
+    // A write to the copy never reaches the producer.
+    let r = p.make_kept(1.0, 4096).transport(IPC).remote();
+    rt.get(c.fill_own_copy(&r, 5.0).remote()).await.unwrap();
+    assert_eq!(rt.get(p.read_kept(0).remote()).await.unwrap(), 1.0);
+});
+
 gpu_test!(ref_freed, async {
     let (rt, p, c) = setup().await;
     for i in 0..20 {

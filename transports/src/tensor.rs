@@ -634,8 +634,21 @@ impl Tensor {
         Ok(())
     }
 
-    /// A new CPU tensor with a copy of the bytes (its own storage).
+    /// A new tensor with a copy of the bytes in storage of its own, on the
+    /// same device. A CPU tensor is copied on the host. A CUDA tensor gets
+    /// fresh exportable memory on the local device its memory is used from
+    /// (for a `cuda_ipc` import: the consumer's device), filled by a
+    /// device-to-device copy enqueued on that device's stream, hence
+    /// ordered after everything the stream waits for (the producer's event
+    /// of a `cuda_ipc` receive) and before every later rdt op on it. This is
+    /// `cuda_ipc`'s copy mode: the copy does not share the producer's
+    /// memory. Await [`cuda_ready`](Self::cuda_ready) to know the copy is
+    /// done.
     pub fn deep_copy(&self) -> Result<Tensor, TensorError> {
+        if self.is_cuda() {
+            let ordinal = self.with_device_buffer(|d| d.gpu().ordinal())?;
+            return self.to_device(ordinal);
+        }
         let bytes = self.with_bytes(|b| b.to_vec())?;
         Tensor::from_bytes(self.dtype, &self.shape, bytes)
     }
