@@ -26,7 +26,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use rdt_transport::object_store;
 use rdt_transport::value::{self, Payload};
-use rdt_transport::{Blob, Exported};
+use rdt_transport::Blob;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::net::UnixListener;
@@ -492,20 +492,12 @@ fn decode_wire<T: DeserializeOwned>(wv: &WireValue, id: u64) -> Result<T> {
 
 /// A value with its tensors inline (object-store path).
 pub(crate) fn inline_value(p: Payload) -> Result<WireValue> {
-    let mut exported = Exported::default();
-    for t in &p.tensors {
-        // CUDA tensors go through the host: copied device to host here, and
-        // back to a device where they are received (object_store::unpack).
-        exported.metas.push(t.meta());
-        exported
-            .inline
-            .push(Blob(t.to_cpu().and_then(|c| c.to_bytes()).map_err(
-                |e| Error::Decode {
-                    what: "a tensor".into(),
-                    message: e.to_string(),
-                },
-            )?));
-    }
+    // CUDA tensors go through the host: copied device to host here, and
+    // back to a device where they are received (object_store::unpack).
+    let exported = object_store::pack(&p.tensors).map_err(|e| Error::Decode {
+        what: "a tensor".into(),
+        message: e.message,
+    })?;
     Ok(WireValue {
         data: Blob(p.data),
         transport: Transport::ObjectStore.name().to_string(),
@@ -642,17 +634,13 @@ impl Inner {
     }
 
     pub(crate) fn kill_actor(&self, actor: u64) {
-        if self.actor_pid(actor).is_none() {
-            // A worker that joined by hand: ask it to exit.
-            let st = self.state.lock();
-            send_to(&st.actors, actor, &ToWorker::Shutdown);
-            return;
-        }
-        if let Some(pid) = self.actor_pid(actor) {
+        match self.actor_pid(actor) {
             // SAFETY: plain syscall on our child's pid.
-            unsafe {
+            Some(pid) => unsafe {
                 libc::kill(pid as i32, libc::SIGKILL);
-            }
+            },
+            // A worker that joined by hand: ask it to exit.
+            None => send_to(&self.state.lock().actors, actor, &ToWorker::Shutdown),
         }
     }
 
@@ -850,16 +838,27 @@ impl Inner {
             .conn
             .send(&self.spawn_order(type_name, id, &name, args, true))
             .map_err(|e| fail(self, e))?;
-        let constructed = tokio::select! {
-            r = srx => r.unwrap_or_else(|_| Err(Error::Spawn(format!("{name}: worker died while constructing the actor")))),
-            _ = tokio::time::sleep_until(deadline) => Err(Error::Spawn(format!("{name}: the actor was not constructed within {:?}", self.config.spawn_timeout))),
-        };
-        constructed.map_err(|e| fail(self, e))?;
+        self.constructed(srx, deadline, &name)
+            .await
+            .map_err(|e| fail(self, e))?;
         Ok(RawHandle {
             rt: self.clone(),
             actor: id,
             name: name.into(),
         })
+    }
+
+    /// Waits for the worker's answer to its spawn order, up to `deadline`.
+    async fn constructed(
+        &self,
+        srx: oneshot::Receiver<Result<()>>,
+        deadline: tokio::time::Instant,
+        name: &str,
+    ) -> Result<()> {
+        tokio::select! {
+            r = srx => r.unwrap_or_else(|_| Err(Error::Spawn(format!("{name}: worker died while constructing the actor")))),
+            _ = tokio::time::sleep_until(deadline) => Err(Error::Spawn(format!("{name}: the actor was not constructed within {:?}", self.config.spawn_timeout))),
+        }
     }
 
     /// The spawn order for a worker. `RuntimeBuilder::tcp_bind` is for
@@ -940,11 +939,7 @@ impl Inner {
             Some(v.conn.clone()),
             self.config.heartbeat_timeout,
         ));
-        let constructed = tokio::select! {
-            r = srx => r.unwrap_or_else(|_| Err(Error::Spawn(format!("{name}: worker died while constructing the actor")))),
-            _ = tokio::time::sleep_until(deadline) => Err(Error::Spawn(format!("{name}: the actor was not constructed within {:?}", self.config.spawn_timeout))),
-        };
-        if let Err(e) = constructed {
+        if let Err(e) = self.constructed(srx, deadline, &name).await {
             let _ = v.conn.send(&ToWorker::Shutdown);
             self.on_death(id, e.to_string());
             return Err(e);
@@ -1220,7 +1215,7 @@ async fn accept_tcp_loop(
         let _ = stream.set_nodelay(true);
         let mut stream = stream;
         tokio::spawn(async move {
-            let _ = socket2_keepalive(&stream);
+            let _ = set_keepalive(&stream);
             let joined = match tls {
                 Some(acceptor) => match protocol::accept_tls(stream, &acceptor, secret).await {
                     Ok(s) => {
@@ -1252,7 +1247,7 @@ async fn accept_tcp_loop(
 }
 
 /// Lets the kernel notice a vanished remote peer too (beside heartbeats).
-fn socket2_keepalive(s: &tokio::net::TcpStream) -> std::io::Result<()> {
+fn set_keepalive(s: &tokio::net::TcpStream) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
     let on: libc::c_int = 1;
     // SAFETY: setsockopt on a socket we own, with a correctly sized value.

@@ -257,16 +257,22 @@ impl Store {
         self.map.lock().get(&id).cloned()
     }
 
-    async fn wait_for(&self, id: u64) -> Slot {
+    /// Waits until `ready` returns a value, checking again after every
+    /// change of the store (registered before the check: no lost wake-up).
+    async fn wait_until<T>(&self, ready: impl Fn(&Store) -> Option<T>) -> T {
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(s) = self.get(id) {
-                return s;
+            if let Some(v) = ready(self) {
+                return v;
             }
             notified.await;
         }
+    }
+
+    async fn wait_for(&self, id: u64) -> Slot {
+        self.wait_until(|s| s.get(id)).await
     }
 
     fn holds_storage(&self, t: &Tensor) -> bool {
@@ -296,15 +302,10 @@ pub async fn wait_tensor_freed(tensor: &Tensor) -> Result<()> {
             "wait_tensor_freed works inside an actor method; the driver holds no tensors in a store".into(),
         ));
     };
-    loop {
-        let notified = w.store.changed.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        if !w.store.holds_storage(tensor) {
-            return Ok(());
-        }
-        notified.await;
-    }
+    w.store
+        .wait_until(|s| (!s.holds_storage(tensor)).then_some(()))
+        .await;
+    Ok(())
 }
 
 /// Inside an actor: how many objects this worker's store holds (produced

@@ -50,19 +50,7 @@ impl TensorTransport for ObjectStoreTransport {
         _key: ObjectKey,
         tensors: &'a [Tensor],
     ) -> BoxFuture<'a, Result<Exported, TransportError>> {
-        Box::pin(async move {
-            let mut out = Exported::default();
-            for t in tensors {
-                self.check_device(t.device())?;
-                out.metas.push(t.meta());
-                let bytes = t
-                    .to_cpu()
-                    .and_then(|c| c.to_bytes())
-                    .map_err(|e| TransportError::new(NAME, e.to_string()))?;
-                out.inline.push(Blob(bytes));
-            }
-            Ok(out)
-        })
+        Box::pin(async move { pack(tensors) })
     }
 
     fn receive<'a>(
@@ -73,6 +61,21 @@ impl TensorTransport for ObjectStoreTransport {
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         Box::pin(async move { unpack(exported) })
     }
+}
+
+/// Puts each tensor's bytes inline, after its metadata (CUDA tensors are
+/// copied to the host first). The inverse of [`unpack`].
+pub fn pack(tensors: &[Tensor]) -> Result<Exported, TransportError> {
+    let mut out = Exported::default();
+    for t in tensors {
+        out.metas.push(t.meta());
+        let bytes = t
+            .to_cpu()
+            .and_then(|c| c.to_bytes())
+            .map_err(|e| TransportError::new(NAME, e.to_string()))?;
+        out.inline.push(Blob(bytes));
+    }
+    Ok(out)
 }
 
 /// Builds tensors from the inline blobs of `exported`, checking every size.
