@@ -4,8 +4,10 @@
 # runs), with .gpu/run.sh to run them all on a GPU host.
 #   scripts/gpu-bundle.sh            # build the bundle
 #   bash .gpu/run.sh [LOGDIR]        # on the GPU host; logs + bench JSON in LOGDIR (default .gpu/out)
-# libcuda is found by the binaries themselves; set LD_LIBRARY_PATH for
-# anything else. RDT_EXPECT_GPUS=2 makes the two-GPU tests mandatory.
+# libcuda is found by the binaries themselves; run.sh looks for NVRTC and
+# cuRAND in the usual places (and RDT_CUDA_LIB_DIRS) when the loader does
+# not know them; set LD_LIBRARY_PATH for anything else.
+# RDT_EXPECT_GPUS=2 makes the two-GPU tests mandatory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu
@@ -46,6 +48,24 @@ export NCCL_NVLS_ENABLE=0
 export RUST_BACKTRACE=1
 export RDT_COMMIT="$(cat "$here/COMMIT" 2>/dev/null || echo unknown)"
 echo "== host: $(hostname)  date: $(date -u +%FT%TZ)  rdt commit: $RDT_COMMIT  RDT_EXPECT_GPUS=${RDT_EXPECT_GPUS:-}"
+# cuRAND and NVRTC (on-device random fill, sum and compare) ship with the
+# CUDA toolkit and with PyTorch's nvidia-* wheels. Where the loader does not
+# know them, look in RDT_CUDA_LIB_DIRS and the usual places, and say what
+# was added.
+known() { ldconfig -p 2>/dev/null | grep -q "$1"; }
+for lib in libnvrtc.so libcurand.so; do
+  known "$lib" && continue
+  for d in ${RDT_CUDA_LIB_DIRS:-} /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+           /usr/local/lib/python3*/dist-packages/nvidia/*/lib /opt/*/.venv/lib/python3*/site-packages/nvidia/*/lib; do
+    if [ -d "$d" ] && ls "$d" 2>/dev/null | grep -q "^$lib"; then
+      case ":${LD_LIBRARY_PATH:-}:" in *":$d:"*) ;; *) LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d";; esac
+      echo "== $lib: not on the loader path; using $d"
+      break
+    fi
+  done
+done
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv 2>&1 || true
 rc=0
 echo "== gpu tests"

@@ -149,6 +149,24 @@ impl RawHandle {
     pub fn kill(&self) {
         self.rt.kill_actor(self.actor);
     }
+    /// Resolves once the actor's worker process has exited and been
+    /// reaped, with how it ended (`"was killed by signal 9"`); use it after
+    /// [`kill`](Self::kill) to know the process, and every GPU mapping it
+    /// held, is gone. Errs for a worker that joined by hand (its process
+    /// is not this runtime's child) and when the runtime shuts down first.
+    pub async fn exited(&self) -> crate::Result<String> {
+        let mut rx = self.rt.exit_notice(self.actor).ok_or_else(|| {
+            crate::Error::Protocol(format!(
+                "{} runs in a worker that joined by hand: its exit cannot be observed here",
+                self.name
+            ))
+        })?;
+        let seen = rx
+            .wait_for(|s| s.is_some())
+            .await
+            .map_err(|_| crate::Error::Shutdown)?;
+        Ok(seen.clone().unwrap_or_default())
+    }
     /// The worker process id.
     pub fn pid(&self) -> Option<u32> {
         self.rt.actor_pid(self.actor)

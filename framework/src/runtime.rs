@@ -633,6 +633,16 @@ impl Inner {
         self.state.lock().processes.get(&actor).map(|p| p.pid)
     }
 
+    /// The exit notice of the actor's worker process, if this runtime
+    /// started it.
+    pub(crate) fn exit_notice(&self, actor: u64) -> Option<watch::Receiver<Option<String>>> {
+        self.state
+            .lock()
+            .processes
+            .get(&actor)
+            .map(|p| p.exit.clone())
+    }
+
     pub(crate) fn kill_actor(&self, actor: u64) {
         match self.actor_pid(actor) {
             // SAFETY: plain syscall on our child's pid.

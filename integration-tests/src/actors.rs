@@ -334,6 +334,11 @@ impl GpuProducer {
         Ok(t)
     }
 
+    /// A CUDA tensor of `n` random f32 from `seed` (cuRAND).
+    async fn make_rand(&mut self, seed: u64, n: usize) -> rdt::Result<Tensor> {
+        Tensor::cuda_rand(DType::F32, &[n], 0, seed).map_err(tensor_err)
+    }
+
     /// Like `make`, keeping a clone (to look at it after a consumer wrote).
     async fn make_kept(&mut self, v: f32, n: usize) -> rdt::Result<Tensor> {
         let t = Tensor::cuda_full(v, &[n], 0).map_err(tensor_err)?;
@@ -393,6 +398,18 @@ impl GpuProducer {
     /// Objects in its store.
     async fn stored(&mut self) -> usize {
         rdt::local_objects()
+    }
+
+    /// Returns unused slabs to the driver (`alloc::trim`): (bytes freed now,
+    /// bytes waiting for importers to close their mappings).
+    async fn trim(&mut self) -> (usize, usize) {
+        let t = rdt::data::cuda::alloc::trim();
+        (t.freed_bytes, t.waiting_bytes)
+    }
+
+    /// Bytes this process holds in slabs (in use, cached or retiring).
+    async fn slab_bytes(&mut self) -> usize {
+        rdt::data::cuda::alloc::slab_bytes().values().sum()
     }
 
     /// Exits the process abruptly.
@@ -491,6 +508,11 @@ impl GpuConsumer {
         Ok(t.nbytes())
     }
 
+    /// A host copy of `t`.
+    async fn copy_of(&mut self, t: Tensor) -> rdt::Result<Tensor> {
+        t.to_cpu().map_err(tensor_err)
+    }
+
     /// Keeps `t`.
     async fn hold(&mut self, t: Tensor) -> usize {
         self.held.push(t);
@@ -513,6 +535,13 @@ impl GpuConsumer {
     async fn ipc_stats(&mut self) -> (u64, u64, u64) {
         let s = rdt::data::cuda::ipc::stats();
         (s.opened, s.cached, s.events_opened)
+    }
+
+    /// Closes mappings of slabs their producer retired; returns (closed by
+    /// this call, closed by this process so far).
+    async fn close_retired(&mut self) -> (usize, u64) {
+        let n = rdt::data::cuda::ipc::close_retired_mappings();
+        (n, rdt::data::cuda::ipc::stats().closed)
     }
 
     /// Number of devices this worker sees.

@@ -53,6 +53,11 @@ async fn sigkill_mid_call_fails_that_call_quickly() {
             rt.get(&queued).await,
             Err(Error::ActorDied { .. })
         ));
+        // The process is reaped: `exited` says how it ended, and the pid
+        // is gone.
+        let pid = p.pid().unwrap();
+        assert_eq!(p.raw().exited().await.unwrap(), "was killed by signal 9");
+        assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
         assert!(
             t0.elapsed() < Duration::from_secs(5),
             "noticed in {:?}",

@@ -326,3 +326,143 @@ gpu_test!(two_gpus, async {
     let e = rt.spawn::<GpuConsumer>(()).on_gpus([9]).await.unwrap_err();
     assert!(e.to_string().contains("no GPU 9"), "{e}");
 });
+
+gpu_test!(device_ops, async {
+    let gpus = require_gpu();
+    use rdt::data::cuda::ops;
+    ops::nvrtc_available().expect("NVRTC (on-device sum and compare)");
+    ops::curand_available().expect("cuRAND (random fill)");
+    // cuRAND: uniform in (0, 1], reproducible from the seed.
+    let n = 16 << 20;
+    let a = Tensor::cuda_rand(DType::F32, &[n], 0, 7).unwrap();
+    let host = a.to_cpu().unwrap();
+    let v = host.to_vec::<f32>().unwrap();
+    assert!(v.iter().all(|&x| x > 0.0 && x <= 1.0));
+    let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n as f64;
+    assert!((mean - 0.5).abs() < 0.01, "mean {mean}");
+    // The NVRTC sum agrees with the host's.
+    let (dev, hs) = (a.sum().unwrap(), host.sum().unwrap());
+    assert!((dev - hs).abs() <= 1e-9 * hs.abs(), "{dev} vs {hs}");
+    let b = Tensor::cuda_rand(DType::F32, &[n], 0, 7).unwrap();
+    assert!(a.equal(&b).unwrap(), "same seed, same values");
+    let c = Tensor::cuda_rand(DType::F32, &[n], 0, 8).unwrap();
+    assert!(!a.equal(&c).unwrap(), "another seed, other values");
+    // The on-device compare finds one changed element.
+    let mut w = v.clone();
+    w[n - 3] = 2.0;
+    let d = Tensor::from_slice(&w, &[n]).unwrap().to_device(0).unwrap();
+    assert!(!a.equal(&d).unwrap());
+    let diffs = a
+        .with_device_buffer(|x| {
+            d.with_device_buffer(|y| {
+                ops::count_differences(x.gpu(), x.device_ptr(), y.device_ptr(), x.len())
+            })
+        })
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(diffs, 1);
+    // Other types, odd byte lengths (the byte-wise tail of the compare).
+    for (dt, len, exact) in [
+        (DType::U8, 1001usize, true),
+        (DType::I16, 4097, true),
+        (DType::BF16, 333, true),
+        (DType::F64, 1 << 20, false),
+        (DType::I64, 1000, false),
+    ] {
+        let t = Tensor::cuda_rand(dt, &[len], 0, 42).unwrap();
+        let h = t.to_cpu().unwrap();
+        let (ds, hs) = (t.sum().unwrap(), h.sum().unwrap());
+        if exact {
+            assert_eq!(ds, hs, "{dt:?}");
+        } else {
+            assert!(
+                (ds - hs).abs() <= 1e-9 * hs.abs().max(1.0),
+                "{dt:?}: {ds} vs {hs}"
+            );
+        }
+        assert!(t.equal(&h.to_device(0).unwrap()).unwrap(), "{dt:?}");
+        let other = Tensor::cuda_rand(dt, &[len], 0, 43).unwrap();
+        assert!(!t.equal(&other).unwrap(), "{dt:?}");
+    }
+    if gpus >= 2 {
+        // Compare across devices (the other one is copied over first).
+        let e = a.to_device(1).unwrap();
+        assert!(e.equal(&a).unwrap() && a.equal(&e).unwrap());
+        assert_eq!(e.sum().unwrap(), dev);
+    }
+    let e = Tensor::zeros(DType::F32, &[4]).uniform_(1).unwrap_err();
+    assert!(e.to_string().contains("CUDA tensors"), "{e}");
+});
+
+gpu_test!(random_tensors_pass_bit_exact, async {
+    let (rt, p, c) = setup().await;
+    let r = p.make_rand(11, 1 << 20).transport(IPC).remote();
+    let expect = Tensor::cuda_rand(DType::F32, &[1 << 20], 0, 11).unwrap();
+    let got: Tensor = rt.get(c.copy_of(&r).remote()).await.unwrap();
+    assert!(got.equal(&expect.to_cpu().unwrap()).unwrap());
+});
+
+/// Bytes of the slab a tensor of `n` f32 gets when it is larger than a
+/// shared slab (rounded to 2 MiB).
+fn own_slab(n: usize) -> usize {
+    (n * 4).div_ceil(2 << 20) * (2 << 20)
+}
+
+gpu_test!(slabs_are_freed_only_after_importers_close_them, async {
+    let (rt, p, c) = setup().await;
+    let n = 32 << 20; // 128 MiB: a slab of its own
+    let r = p.make(1.0, n).transport(IPC).remote();
+    assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), (n as f64, true));
+    drop(r);
+    // The free reached both (calls are ordered after it on each link).
+    assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0);
+    assert_eq!(rt.get(c.close_retired().remote()).await.unwrap(), (0, 0));
+    // Freed object, cached slab: the consumer still maps it, so trimming
+    // cannot free it yet.
+    assert_eq!(
+        rt.get(p.trim().remote()).await.unwrap(),
+        (0, own_slab(n)),
+        "a slab an importer maps is not freed"
+    );
+    // The importer closes it (this call, or its housekeeping before it).
+    let (_, closed) = rt.get(c.close_retired().remote()).await.unwrap();
+    assert_eq!(closed, 1);
+    assert_eq!(rt.get(p.trim().remote()).await.unwrap().1, 0);
+    assert_eq!(rt.get(p.slab_bytes().remote()).await.unwrap(), 0);
+    // Passing works on: a new slab, a new mapping.
+    let r = p.make(2.0, n).transport(IPC).remote();
+    assert_eq!(
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        (2.0 * n as f64, true)
+    );
+    let (opened, _, _) = rt.get(c.ipc_stats().remote()).await.unwrap();
+    assert_eq!(opened, 2);
+    // Without a trim the slab stays cached: the next tensor of that size
+    // reuses it, and the consumer its mapping.
+    drop(r);
+    let r = p.make(3.0, n).transport(IPC).remote();
+    assert_eq!(
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        (3.0 * n as f64, true)
+    );
+    let (opened, _, _) = rt.get(c.ipc_stats().remote()).await.unwrap();
+    assert_eq!(opened, 2, "the cached mapping was reused");
+});
+
+gpu_test!(a_dead_importer_keeps_no_memory, async {
+    let (rt, p, c) = setup().await;
+    let n = 32 << 20;
+    let r = p.make(1.0, n).transport(IPC).remote();
+    // The consumer holds a tensor over the range, and maps the slab.
+    assert_eq!(rt.get(c.hold(&r).remote()).await.unwrap(), 1);
+    drop(r);
+    assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0);
+    assert_eq!(rt.get(p.trim().remote()).await.unwrap(), (0, 0), "held");
+    assert_eq!(rt.get(p.slab_bytes().remote()).await.unwrap(), own_slab(n));
+    c.kill();
+    c.raw().exited().await.unwrap();
+    // Its share of the range and its mapping died with it.
+    assert_eq!(rt.get(p.trim().remote()).await.unwrap(), (own_slab(n), 0));
+    assert_eq!(rt.get(p.slab_bytes().remote()).await.unwrap(), 0);
+});

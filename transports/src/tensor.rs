@@ -454,12 +454,23 @@ impl Tensor {
         })
     }
 
-    /// Sum of all elements, as `f64`, for any numeric element type.
+    /// Sum of all elements, as `f64`, for any numeric element type (`F16`
+    /// and `BF16`: the raw 16-bit words, a checksum).
     ///
-    /// A CUDA tensor is copied to the host first (a test helper, not a
-    /// fast reduction).
+    /// A CUDA tensor is summed on its device by an NVRTC-compiled kernel
+    /// (see [`cuda::ops`]; blocks until the result is back; the order of
+    /// additions differs from the host's, so a floating-point sum may
+    /// differ in its last bits). Without NVRTC it is copied to the host
+    /// first; [`cuda::ops::nvrtc_available`] says which.
     pub fn sum(&self) -> Result<f64, TensorError> {
         if self.is_cuda() {
+            if cuda::ops::nvrtc_available().is_ok() {
+                let n = self.numel();
+                let dtype = self.dtype;
+                return Ok(self.with_device_buffer(|d| {
+                    cuda::ops::sum(d.gpu(), dtype, d.device_ptr(), n)
+                })??);
+            }
             return self.to_cpu()?.sum();
         }
         macro_rules! sum_as {
@@ -498,6 +509,22 @@ impl Tensor {
         }
         if self.shares_storage(other) {
             return Ok(true);
+        }
+        if self.is_cuda() && other.is_cuda() && cuda::ops::nvrtc_available().is_ok() {
+            // On the device: `other` is brought to `self`'s GPU first when
+            // it lives on another one.
+            let here = self.with_device_buffer(|d| d.gpu().clone())?;
+            let there = other.with_device_buffer(|d| d.gpu().clone())?;
+            let other = if Arc::ptr_eq(&here, &there) {
+                other.clone()
+            } else {
+                other.to_device(here.ordinal())?
+            };
+            let b = other.with_device_buffer(|d| d.device_ptr())?;
+            let diff = self.with_device_buffer(|d| {
+                cuda::ops::count_differences(d.gpu(), d.device_ptr(), b, d.len())
+            })??;
+            return Ok(diff == 0);
         }
         if self.is_cuda() || other.is_cuda() {
             let a = if self.is_cuda() {
@@ -585,6 +612,38 @@ impl Tensor {
         let t = Self::cuda_empty(T::DTYPE, shape, ordinal)?;
         t.fill_(value)?;
         Ok(t)
+    }
+
+    /// A CUDA tensor of random values from `seed` on local device
+    /// `ordinal` (see [`uniform_`](Self::uniform_)).
+    pub fn cuda_rand(
+        dtype: DType,
+        shape: &[usize],
+        ordinal: usize,
+        seed: u64,
+    ) -> Result<Self, TensorError> {
+        let t = Self::cuda_empty(dtype, shape, ordinal)?;
+        t.uniform_(seed)?;
+        Ok(t)
+    }
+
+    /// Fills a CUDA tensor with random values from `seed` with cuRAND, on
+    /// its device's stream: uniform in (0, 1] for `F32` and `F64`, random
+    /// bits for every other type. The same seed gives the same values. CPU
+    /// tensors are refused (fill them through
+    /// [`with_bytes_mut`](Self::with_bytes_mut)).
+    pub fn uniform_(&self, seed: u64) -> Result<(), TensorError> {
+        if !self.is_cuda() {
+            return Err(TensorError::Cuda(format!(
+                "uniform_ fills CUDA tensors with cuRAND; this tensor is on {}: \
+                 fill a CPU tensor through with_bytes_mut",
+                self.storage.device
+            )));
+        }
+        let dtype = self.dtype;
+        Ok(self.with_device_buffer(|d| {
+            cuda::ops::random_fill(d.gpu(), dtype, d.device_ptr(), d.len(), seed)
+        })??)
     }
 
     /// A copy of this tensor on local CUDA device `ordinal` (host to device

@@ -6,25 +6,40 @@
 //! consumer of the [`ipc`](super::ipc) transport that mapped a slab once
 //! reuses that mapping for every later tensor in it (gpu.md pitfall 2).
 //!
-//! # Lifetime (why the owner never frees memory an importer maps)
-//! * Slabs are never returned to the driver while the process lives (like a
-//!   caching allocator). A consumer's mapping of a slab therefore never
-//!   outlives the slab: the driver releases both when the processes exit.
-//! * A *range* is recycled once the producer's last tensor over it is
-//!   dropped **and** no consumer holds a tensor over it. Consumers count
-//!   themselves in a shared-memory counter of the range ([`Counters`]): the
-//!   consumer increments it when it builds tensors over the range and
-//!   decrements it when its last such tensor is dropped. A producer range
-//!   whose counter is not zero when the producer drops it waits in a pending
-//!   list, reclaimed on later allocations. A consumer that dies holding a
-//!   range leaves it pending for the producer's lifetime (leaked, never
-//!   reused: safe).
+//! # Lifetime invariants
+//! 1. **Ranges.** A range is recycled once the producer's last tensor over
+//!    it is dropped **and** no live consumer holds a tensor over it. Each
+//!    consumer process counts its tensors over the range in its own cell
+//!    of the range's shared record ([`Counters`]): up when it builds a
+//!    tensor over the range, down when the tensor is dropped (which
+//!    happens when the owner table frees the object). A range still held
+//!    when the producer drops it waits in a pending list, reclaimed on
+//!    later allocations, releases and the worker's housekeeping. The share
+//!    of a consumer that died is discarded (its process, and with it its
+//!    mapping, is gone).
+//! 2. **Slabs are cached.** A slab whose ranges are all free stays
+//!    allocated (like a caching allocator), so the next tensor of that size
+//!    lands in memory consumers have already mapped.
+//! 3. **Slabs are freed only after every importer closed its mapping.**
+//!    [`trim`] (and an allocation that runs out of memory) *retires* every
+//!    slab with no range in use: a slab never exported is freed at once;
+//!    an exported one is flagged retiring in its shared slab record, and
+//!    freed (`cuMemFree`) once no live process is registered in that record.
+//!    An importer registers its pid when it maps the slab and unregisters
+//!    after `cuIpcCloseMemHandle`; it closes a retiring slab's mapping as
+//!    soon as no tensor of its own uses it (when the owner table frees the
+//!    object, at its next receive, or at the worker's periodic
+//!    housekeeping). An importer that died counts as gone. An importer that
+//!    found no free cell in the record pins the slab (never freed: safe).
+//! 4. A retiring slab is never allocated from again; slab ids are never
+//!    reused, so an importer's cached mapping can never be mistaken for a
+//!    later slab at the same address.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use memmap2::MmapRaw;
@@ -40,6 +55,17 @@ pub const ALIGN: usize = 512;
 const LARGE_ROUND: usize = 2 << 20;
 /// Number of import counters (live exported ranges) per process.
 pub const COUNTER_SLOTS: usize = 1 << 16;
+/// Number of slab records (exported slabs alive at once) per process.
+pub const SLAB_RECORDS: usize = 1 << 12;
+/// `u64` cells per range or slab record: one of flags, then importers.
+const RECORD_CELLS: usize = 8;
+/// Slab record flag: the producer wants to free the slab.
+pub(crate) const RETIRING: u32 = 1;
+/// Record flag: an importer found no free cell; never recycle the range or
+/// free the slab.
+const PINNED: u32 = 2;
+/// Size of the shared record file (sparse: only touched pages use memory).
+const COUNTER_FILE_BYTES: usize = (COUNTER_SLOTS + SLAB_RECORDS) * RECORD_CELLS * 8;
 
 static NEXT_SLAB: AtomicU64 = AtomicU64::new(1);
 
@@ -49,27 +75,54 @@ pub(crate) struct Slab {
     pub(crate) gpu: Arc<Gpu>,
     pub(crate) base: u64,
     pub(crate) len: usize,
-    /// IPC handle, made on first export.
-    handle: OnceLock<Result<[u8; 64], CudaError>>,
+    /// IPC handle and shared slab record, made on first export.
+    handle: OnceLock<Result<([u8; 64], u32), CudaError>>,
     /// Free ranges: offset -> length.
     free: Mutex<BTreeMap<usize, usize>>,
 }
 
 impl Slab {
-    pub(crate) fn ipc_handle(&self) -> Result<[u8; 64], CudaError> {
+    /// The slab's IPC handle and the index of its shared slab record
+    /// (invariant 3), made on first export.
+    pub(crate) fn ipc_handle(&self) -> Result<([u8; 64], u32), CudaError> {
         self.handle
             .get_or_init(|| {
-                self.gpu.bind()?;
-                let mut h = std::mem::MaybeUninit::<cudarc::driver::sys::CUipcMemHandle>::uninit();
-                // SAFETY: `base` is the start of a cuMemAlloc allocation.
-                unsafe {
-                    cudarc::driver::sys::cuIpcGetMemHandle(h.as_mut_ptr(), self.base)
-                        .result()
-                        .map_err(|e| CudaError::call("cuIpcGetMemHandle", e))?;
-                    Ok(h.assume_init().reserved.map(|c| c as u8))
+                let record = counters()?.take_record()?;
+                let made = (|| {
+                    self.gpu.bind()?;
+                    let mut h =
+                        std::mem::MaybeUninit::<cudarc::driver::sys::CUipcMemHandle>::uninit();
+                    // SAFETY: `base` is the start of a cuMemAlloc allocation.
+                    unsafe {
+                        cudarc::driver::sys::cuIpcGetMemHandle(h.as_mut_ptr(), self.base)
+                            .result()
+                            .map_err(|e| CudaError::call("cuIpcGetMemHandle", e))?;
+                        Ok(h.assume_init().reserved.map(|c| c as u8))
+                    }
+                })();
+                match made {
+                    Ok(h) => Ok((h, record)),
+                    Err(e) => {
+                        counters()?.free_record(record);
+                        Err(e)
+                    }
                 }
             })
             .clone()
+    }
+
+    /// The slab record, if the slab was ever exported.
+    fn record(&self) -> Option<u32> {
+        match self.handle.get() {
+            Some(Ok((_, r))) => Some(*r),
+            _ => None,
+        }
+    }
+
+    /// Is every byte of the slab free (no range in use or pending)?
+    fn unused(&self) -> bool {
+        let free = self.free.lock();
+        free.len() == 1 && free.get(&0) == Some(&self.len)
     }
 
     fn take(&self, len: usize) -> Option<usize> {
@@ -100,6 +153,30 @@ impl Slab {
     }
 }
 
+impl Drop for Slab {
+    fn drop(&mut self) {
+        // Only the allocator drops slabs, and only unused ones whose
+        // importers are all gone (invariant 3).
+        if self.gpu.bind().is_ok() {
+            // SAFETY: `base` came from cuMemAlloc; no range and no importer
+            // uses it any more.
+            let r = unsafe { cudarc::driver::result::free_sync(self.base) };
+            if let Err(e) = r {
+                tracing::warn!("cuMemFree of slab {}: {e:?}", self.id);
+            }
+        }
+        if let (Some(record), Ok(c)) = (self.record(), counters()) {
+            c.free_record(record);
+        }
+        super::cuda_trace!(
+            "freed slab {} ({} B) on {}",
+            self.id,
+            self.len,
+            self.gpu.uuid()
+        );
+    }
+}
+
 struct Pending {
     slab: Arc<Slab>,
     offset: usize,
@@ -109,8 +186,13 @@ struct Pending {
 
 #[derive(Default)]
 struct Allocator {
+    /// Slabs allocations are served from, per local ordinal.
     slabs: HashMap<usize, Vec<Arc<Slab>>>,
+    /// Ranges waiting for importers to drop their tensors (invariant 1).
     pending: Vec<Pending>,
+    /// Unused slabs waiting for importers to close their mappings
+    /// (invariant 3).
+    retiring: Vec<Arc<Slab>>,
 }
 
 fn allocator() -> &'static Mutex<Allocator> {
@@ -122,16 +204,20 @@ fn round(len: usize, to: usize) -> usize {
     len.div_ceil(to).max(1) * to
 }
 
-/// Recycles pending ranges no consumer holds any more.
+/// Recycles pending ranges no consumer holds any more, and frees retiring
+/// slabs no importer maps any more.
 pub(crate) fn reclaim() {
     let mut a = allocator().lock();
     reclaim_locked(&mut a);
 }
 
 fn reclaim_locked(a: &mut Allocator) {
+    if a.pending.is_empty() && a.retiring.is_empty() {
+        return;
+    }
     let Ok(c) = counters() else { return };
     a.pending.retain(|p| {
-        if c.get(p.slot) == 0 {
+        if !c.range_busy(p.slot) {
             p.slab.give(p.offset, p.len);
             c.free_slot(p.slot);
             false
@@ -139,6 +225,62 @@ fn reclaim_locked(a: &mut Allocator) {
             true
         }
     });
+    // Dropping a slab frees it (`Slab::drop`).
+    a.retiring
+        .retain(|s| s.record().is_some_and(|r| !c.importers_gone(r)));
+}
+
+/// What [`trim`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Trimmed {
+    /// Bytes returned to the driver now.
+    pub freed_bytes: usize,
+    /// Bytes in retiring slabs that other processes still map: freed once
+    /// they close their mappings (see the module docs, invariant 3).
+    pub waiting_bytes: usize,
+}
+
+/// Returns the memory of every unused slab of this process to the driver:
+/// at once where no other process maps it, else as soon as the importers
+/// close their mappings (they do when their tensors over it are gone). Like
+/// `torch.cuda.empty_cache`; an allocation that runs out of memory does
+/// this by itself before it fails.
+pub fn trim() -> Trimmed {
+    let mut a = allocator().lock();
+    trim_locked(&mut a)
+}
+
+fn trim_locked(a: &mut Allocator) -> Trimmed {
+    reclaim_locked(a);
+    let mut out = Trimmed::default();
+    let mut retire = Vec::new();
+    for slabs in a.slabs.values_mut() {
+        slabs.retain(|s| {
+            if s.unused() {
+                retire.push(s.clone());
+                false
+            } else {
+                true
+            }
+        });
+    }
+    for s in retire {
+        match (s.record(), counters()) {
+            (Some(r), Ok(c)) => {
+                c.set_retiring(r);
+                super::cuda_trace!("retiring slab {} ({} B)", s.id, s.len);
+                a.retiring.push(s);
+            }
+            // Never exported: nobody else maps it.
+            _ => out.freed_bytes += s.len,
+        }
+    }
+    let before: usize = a.retiring.iter().map(|s| s.len).sum();
+    reclaim_locked(a);
+    let after: usize = a.retiring.iter().map(|s| s.len).sum();
+    out.freed_bytes += before - after;
+    out.waiting_bytes = after;
+    out
 }
 
 /// A fresh range of `len` bytes on `gpu` (contents undefined).
@@ -157,7 +299,22 @@ pub(crate) fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<SlabRange, CudaError> 
     } else {
         SLAB_BYTES
     };
-    let base = gpu.malloc(slab_len)?;
+    let base = match gpu.malloc(slab_len) {
+        Ok(b) => b,
+        Err(e) if e.0.contains("OUT_OF_MEMORY") => {
+            // Give cached slabs back and try once more (invariant 3).
+            let t = trim_locked(&mut a);
+            gpu.malloc(slab_len).map_err(|e| {
+                CudaError(format!(
+                    "{e}; rdt returned {} B of cached slabs to the driver first, and {} B more \
+                     wait for other processes to drop tensors they received from this one",
+                    t.freed_bytes, t.waiting_bytes
+                ))
+            })?
+        }
+        Err(e) => return Err(e),
+    };
+    let slabs = a.slabs.entry(gpu.ordinal()).or_default();
     let slab = Arc::new(Slab {
         id: NEXT_SLAB.fetch_add(1, Ordering::Relaxed),
         gpu: gpu.clone(),
@@ -171,14 +328,17 @@ pub(crate) fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<SlabRange, CudaError> 
     Ok(SlabRange::new(slab, off, len, want))
 }
 
-/// Bytes held in slabs on each local ordinal (for diagnostics).
+/// Bytes held in slabs (in use, cached or retiring) on each local ordinal.
 pub fn slab_bytes() -> HashMap<usize, usize> {
-    allocator()
-        .lock()
-        .slabs
-        .iter()
-        .map(|(k, v)| (*k, v.iter().map(|s| s.len).sum()))
-        .collect()
+    let a = allocator().lock();
+    let mut out: HashMap<usize, usize> = HashMap::new();
+    for (k, v) in &a.slabs {
+        *out.entry(*k).or_default() += v.iter().map(|s| s.len).sum::<usize>();
+    }
+    for s in &a.retiring {
+        *out.entry(s.gpu.ordinal()).or_default() += s.len;
+    }
+    out
 }
 
 /// A range of a slab: the memory of CUDA tensors made in this process.
@@ -219,7 +379,7 @@ impl Drop for SlabRange {
         let slot = *self.slot.get_mut();
         let mut a = allocator().lock();
         match (slot, counters()) {
-            (Some(slot), Ok(c)) if c.get(slot) != 0 => a.pending.push(Pending {
+            (Some(slot), Ok(c)) if c.range_busy(slot) => a.pending.push(Pending {
                 slab: self.slab.clone(),
                 offset: self.offset,
                 len: self.reserved,
@@ -259,37 +419,120 @@ impl DeviceBuffer for SlabRange {
     }
 }
 
-/// Import counters shared with consumers: a memfd of `u32`s that consumers
-/// map through `/proc/<pid>/fd/<fd>` (as the `shm` transport does).
+/// Import records shared with consumers: a memfd of `u64` cells that
+/// consumers map through `/proc/<pid>/fd/<fd>` (as the `shm` transport
+/// does). Two regions:
+///
+/// * **Range records** ([`COUNTER_SLOTS`] of [`RECORD_CELLS`] cells), one
+///   per exported range: cell 0 holds flags, every other cell one importer
+///   as `pid << 32 | tensors`, the number of tensors that process holds
+///   over the range. An importer updates only its own cell (one atomic
+///   compare-and-swap), so the producer can tell a dead importer's share
+///   apart and discard it.
+/// * **Slab records** ([`SLAB_RECORDS`] of [`RECORD_CELLS`] cells), one per
+///   exported slab: cell 0 holds flags ([`RETIRING`], [`PINNED`]), every
+///   other cell the pid of one process that maps the slab.
+///
+/// An importer that finds no free cell sets [`PINNED`]: the range or slab
+/// is then never recycled (leaked, never unsafe).
 pub(crate) struct Counters {
     file: File,
     map: MmapRaw,
     free: Mutex<Vec<u32>>,
+    /// Free slab records (producer side).
+    free_records: Mutex<Vec<u32>>,
     /// (device, inode) of the memfd, so that a consumer can tell it apart
     /// from a reused descriptor.
     pub(crate) id: (u64, u64),
 }
 
 impl Counters {
-    fn cell(&self, slot: u32) -> &AtomicU32 {
-        assert!(
-            (slot as usize) < self.map.len() / 4,
-            "counter slot in range"
-        );
-        // SAFETY: the mapping lives as long as `self`, is 4-aligned (page)
-        // and the slot is in range; the memory is shared, so only atomics
+    fn cell(&self, index: usize) -> &AtomicU64 {
+        assert!(index < self.map.len() / 8, "record cell in range");
+        // SAFETY: the mapping lives as long as `self`, is 8-aligned (page)
+        // and the index is in range; the memory is shared, so only atomics
         // touch it.
-        unsafe { &*(self.map.as_mut_ptr().add(slot as usize * 4) as *const AtomicU32) }
+        unsafe { &*(self.map.as_mut_ptr().add(index * 8) as *const AtomicU64) }
     }
-    pub(crate) fn get(&self, slot: u32) -> u32 {
-        self.cell(slot).load(Ordering::Acquire)
+    /// Cell `i` of range record `slot`.
+    fn range_cell(&self, slot: u32, i: usize) -> &AtomicU64 {
+        assert!((slot as usize) < COUNTER_SLOTS && i < RECORD_CELLS);
+        self.cell(slot as usize * RECORD_CELLS + i)
     }
-    pub(crate) fn add(&self, slot: u32, d: i32) {
-        if d > 0 {
-            self.cell(slot).fetch_add(d as u32, Ordering::AcqRel);
-        } else {
-            self.cell(slot).fetch_sub((-d) as u32, Ordering::AcqRel);
+    /// Cell `i` of slab record `record`.
+    fn record_cell(&self, record: u32, i: usize) -> &AtomicU64 {
+        assert!((record as usize) < SLAB_RECORDS && i < RECORD_CELLS);
+        self.cell((COUNTER_SLOTS + record as usize) * RECORD_CELLS + i)
+    }
+
+    /// Counts one more tensor of this process over range `slot` (consumer).
+    pub(crate) fn import_range(&self, slot: u32) {
+        let me = std::process::id() as u64;
+        // Our own cell if we have one, else a free one.
+        for want_empty in [false, true] {
+            for i in 1..RECORD_CELLS {
+                let c = self.range_cell(slot, i);
+                let mut v = c.load(Ordering::Acquire);
+                loop {
+                    let ours = v >> 32 == me;
+                    if !(ours || (want_empty && v == 0)) {
+                        break;
+                    }
+                    let next = if ours { v + 1 } else { (me << 32) | 1 };
+                    match c.compare_exchange(v, next, Ordering::AcqRel, Ordering::Acquire) {
+                        Ok(_) => return,
+                        Err(now) => v = now,
+                    }
+                }
+            }
         }
+        self.range_cell(slot, 0)
+            .fetch_or(PINNED as u64, Ordering::AcqRel);
+    }
+    /// Counts one tensor of this process fewer over range `slot`.
+    pub(crate) fn release_range(&self, slot: u32) {
+        let me = std::process::id() as u64;
+        for i in 1..RECORD_CELLS {
+            let c = self.range_cell(slot, i);
+            let mut v = c.load(Ordering::Acquire);
+            while v >> 32 == me && v & 0xffff_ffff != 0 {
+                // The last tensor empties the cell for other importers.
+                let next = if v & 0xffff_ffff == 1 { 0 } else { v - 1 };
+                match c.compare_exchange(v, next, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return,
+                    Err(now) => v = now,
+                }
+            }
+        }
+        // Pinned ranges have no cell of ours: nothing to count down.
+    }
+    /// Does a live importer hold a tensor over range `slot`? Clears the
+    /// cells of dead importers.
+    pub(crate) fn range_busy(&self, slot: u32) -> bool {
+        if self.range_cell(slot, 0).load(Ordering::Acquire) & PINNED as u64 != 0 {
+            return true;
+        }
+        let mut busy = false;
+        for i in 1..RECORD_CELLS {
+            let c = self.range_cell(slot, i);
+            let v = c.load(Ordering::Acquire);
+            if v == 0 {
+                continue;
+            }
+            if process_alive((v >> 32) as u32) {
+                busy = true;
+            } else {
+                let _ = c.compare_exchange(v, 0, Ordering::AcqRel, Ordering::Acquire);
+            }
+        }
+        busy
+    }
+    /// Tensors importers hold over range `slot`.
+    #[cfg(test)]
+    fn range_holders(&self, slot: u32) -> u64 {
+        (1..RECORD_CELLS)
+            .map(|i| self.range_cell(slot, i).load(Ordering::Acquire) & 0xffff_ffff)
+            .sum()
     }
     fn take_slot(&self) -> Result<u32, CudaError> {
         self.free.lock().pop().ok_or_else(|| {
@@ -299,32 +542,105 @@ impl Counters {
         })
     }
     fn free_slot(&self, slot: u32) {
-        self.cell(slot).store(0, Ordering::Release);
+        for i in 0..RECORD_CELLS {
+            self.range_cell(slot, i).store(0, Ordering::Release);
+        }
         self.free.lock().push(slot);
     }
     pub(crate) fn fd(&self) -> i32 {
         self.file.as_raw_fd()
     }
 
+    fn take_record(&self) -> Result<u32, CudaError> {
+        self.free_records.lock().pop().ok_or_else(|| {
+            CudaError(format!(
+                "more than {SLAB_RECORDS} exported CUDA slabs are alive in this process"
+            ))
+        })
+    }
+    fn free_record(&self, record: u32) {
+        for i in 0..RECORD_CELLS {
+            self.record_cell(record, i).store(0, Ordering::Release);
+        }
+        self.free_records.lock().push(record);
+    }
+    fn set_retiring(&self, record: u32) {
+        self.record_cell(record, 0)
+            .fetch_or(RETIRING as u64, Ordering::AcqRel);
+    }
+    /// The slab record's flags ([`RETIRING`], [`PINNED`]).
+    pub(crate) fn record_flags(&self, record: u32) -> u32 {
+        self.record_cell(record, 0).load(Ordering::Acquire) as u32
+    }
+    /// Registers this process as an importer of the slab (after mapping
+    /// it). Returns the cell to clear after closing the mapping; `None`
+    /// when every cell was taken: the slab is then pinned (invariant 3).
+    pub(crate) fn register_importer(&self, record: u32) -> Option<usize> {
+        let me = std::process::id() as u64;
+        for i in 1..RECORD_CELLS {
+            if self
+                .record_cell(record, i)
+                .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Some(i);
+            }
+        }
+        self.record_cell(record, 0)
+            .fetch_or(PINNED as u64, Ordering::AcqRel);
+        None
+    }
+    /// Clears this process's cell (after closing the mapping).
+    pub(crate) fn unregister_importer(&self, record: u32, cell: usize) {
+        let _ = self.record_cell(record, cell).compare_exchange(
+            std::process::id() as u64,
+            0,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+    /// Has every importer of the slab closed its mapping or died?
+    /// Clears the cells of dead importers.
+    fn importers_gone(&self, record: u32) -> bool {
+        if self.record_flags(record) & PINNED != 0 {
+            return false;
+        }
+        let mut gone = true;
+        for i in 1..RECORD_CELLS {
+            let c = self.record_cell(record, i);
+            let pid = c.load(Ordering::Acquire);
+            if pid == 0 {
+                continue;
+            }
+            if process_alive(pid as u32) {
+                gone = false;
+            } else {
+                let _ = c.compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
+            }
+        }
+        gone
+    }
+
     fn create() -> Result<Counters, String> {
         let mfd = memfd::MemfdOptions::default()
             .close_on_exec(true)
-            .create("rdt-cuda-import-counters")
+            .create("rdt-cuda-import-records")
             .map_err(|e| format!("memfd_create: {e}"))?;
         let file = mfd.into_file();
-        file.set_len((COUNTER_SLOTS * 4) as u64)
-            .map_err(|e| format!("sizing the counter memfd: {e}"))?;
-        let map = MmapRaw::map_raw(&file).map_err(|e| format!("mapping counters: {e}"))?;
+        file.set_len(COUNTER_FILE_BYTES as u64)
+            .map_err(|e| format!("sizing the import record memfd: {e}"))?;
+        let map = MmapRaw::map_raw(&file).map_err(|e| format!("mapping import records: {e}"))?;
         let md = file.metadata().map_err(|e| e.to_string())?;
         Ok(Counters {
             id: (md.dev(), md.ino()),
             file,
             map,
             free: Mutex::new((0..COUNTER_SLOTS as u32).rev().collect()),
+            free_records: Mutex::new((0..SLAB_RECORDS as u32).rev().collect()),
         })
     }
 
-    /// Opens a producer's counters (consumer side).
+    /// Opens a producer's records (consumer side).
     pub(crate) fn open(pid: u32, fd: i32, id: (u64, u64)) -> Result<Counters, String> {
         let path = format!("/proc/{pid}/fd/{fd}");
         let file = std::fs::OpenOptions::new()
@@ -332,12 +648,12 @@ impl Counters {
             .write(true)
             .open(&path)
             .map_err(|e| {
-                format!("cannot open the producer's import counters at {path} ({e}): has the producer exited?")
+                format!("cannot open the producer's import records at {path} ({e}): has the producer exited?")
             })?;
         let md = file.metadata().map_err(|e| e.to_string())?;
-        if (md.dev(), md.ino()) != id || md.len() < (COUNTER_SLOTS * 4) as u64 {
+        if (md.dev(), md.ino()) != id || md.len() < COUNTER_FILE_BYTES as u64 {
             return Err(format!(
-                "{path} is not the producer's counter file any more: the producer has exited"
+                "{path} is not the producer's import record file any more: the producer has exited"
             ));
         }
         let map = MmapRaw::map_raw(&file).map_err(|e| format!("mapping {path}: {e}"))?;
@@ -346,7 +662,21 @@ impl Counters {
             file,
             map,
             free: Mutex::new(Vec::new()),
+            free_records: Mutex::new(Vec::new()),
         })
+    }
+}
+
+/// Is process `pid` (of this pid namespace) alive? A zombie is not: its
+/// memory, CUDA mappings included, is already gone.
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which ends at the last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
+            .unwrap_or(true),
+        Err(_) => false,
     }
 }
 
@@ -363,20 +693,107 @@ mod tests {
     use super::*;
 
     #[test]
-    fn counters_count() {
+    fn range_records_count_tensors_per_importer() {
         let c = counters().unwrap();
         let s = c.take_slot().unwrap();
-        c.add(s, 1);
-        c.add(s, 1);
-        c.add(s, -1);
-        assert_eq!(c.get(s), 1);
-        c.free_slot(s);
-        assert_eq!(c.get(s), 0);
+        assert!(!c.range_busy(s));
+        // A consumer (another mapping of the same file, as in another
+        // process) holds two tensors, then one.
         let other = Counters::open(std::process::id(), c.fd(), c.id).unwrap();
-        let s = c.take_slot().unwrap();
-        other.add(s, 3);
-        assert_eq!(c.get(s), 3);
+        other.import_range(s);
+        other.import_range(s);
+        other.release_range(s);
+        assert_eq!(c.range_holders(s), 1);
+        assert!(c.range_busy(s));
+        other.release_range(s);
+        assert_eq!(c.range_holders(s), 0);
+        assert!(!c.range_busy(s));
+        // A dead importer's share is discarded.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id() as u64;
+        child.wait().unwrap();
+        c.range_cell(s, 2)
+            .store((dead << 32) | 5, Ordering::Release);
+        other.import_range(s);
+        assert_eq!(c.range_holders(s), 6);
+        assert!(c.range_busy(s), "the live importer still holds one");
+        assert_eq!(c.range_holders(s), 1, "the dead one's five are gone");
+        other.release_range(s);
+        assert!(!c.range_busy(s));
+        // Every cell taken by other (live) processes: pinned.
+        for i in 1..RECORD_CELLS {
+            c.range_cell(s, i)
+                .store((1u64 << 32) | 1, Ordering::Release);
+        }
+        other.import_range(s);
+        for i in 1..RECORD_CELLS {
+            c.range_cell(s, i).store(0, Ordering::Release);
+        }
+        assert!(c.range_busy(s), "pinned");
         c.free_slot(s);
+        assert!(!c.range_busy(s), "a freed record is reset");
         assert!(Counters::open(std::process::id(), c.fd(), (0, 0)).is_err());
+    }
+
+    #[test]
+    fn slab_records_track_live_importers() {
+        let c = counters().unwrap();
+        let importer = Counters::open(std::process::id(), c.fd(), c.id).unwrap();
+        let r = c.take_record().unwrap();
+        assert!(c.importers_gone(r), "a fresh record has no importer");
+        // An importer (this live process) maps the slab.
+        let cell = importer.register_importer(r).expect("a free cell");
+        c.set_retiring(r);
+        assert_ne!(
+            importer.record_flags(r) & RETIRING,
+            0,
+            "importer sees the flag"
+        );
+        assert!(!c.importers_gone(r), "a live importer keeps the slab");
+        importer.unregister_importer(r, cell);
+        assert!(c.importers_gone(r), "closed: the slab may be freed");
+
+        // A dead importer (an exited child) does not keep it, and its cell
+        // is cleared.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        c.record_cell(r, 3).store(dead as u64, Ordering::Release);
+        assert!(c.importers_gone(r));
+        assert_eq!(c.record_cell(r, 3).load(Ordering::Acquire), 0);
+
+        // A zombie (exited, not reaped yet) is dead too: its mappings are
+        // gone. `waitid(WNOWAIT)` waits for the exit without reaping.
+        let child = std::process::Command::new("true").spawn().unwrap();
+        let zombie = child.id();
+        // SAFETY: plain syscall with a valid out-pointer.
+        let rc = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::waitid(
+                libc::P_PID,
+                zombie,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        assert_eq!(rc, 0);
+        c.record_cell(r, 5).store(zombie as u64, Ordering::Release);
+        assert!(!process_alive(zombie));
+        assert!(c.importers_gone(r));
+        // Reap it now.
+        let mut child = child;
+        child.wait().unwrap();
+
+        // More importers than cells: the slab is pinned, never freed.
+        let cells: Vec<usize> = (1..RECORD_CELLS)
+            .map(|_| importer.register_importer(r).expect("a free cell"))
+            .collect();
+        assert_eq!(importer.register_importer(r), None);
+        for cell in cells {
+            importer.unregister_importer(r, cell);
+        }
+        assert!(!c.importers_gone(r), "pinned");
+        c.free_record(r);
+        assert_eq!(c.record_flags(r), 0, "a freed record is reset");
     }
 }

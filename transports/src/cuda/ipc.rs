@@ -6,17 +6,17 @@
 //!    range of a `cuMemAlloc` slab ([`alloc`](super::alloc)). Export
 //!    publishes, per tensor, its slab's `cuIpcGetMemHandle` (made once per
 //!    slab), the slab id, the range's offset and length, and the range's
-//!    import counter slot; and, per device, the handle of the producer's
+//!    import record slot; and, per device, the handle of the producer's
 //!    interprocess event, recorded on rdt's stream at export, so it
 //!    completes when the work that produced the tensors does (no handle
 //!    when that stream is idle: the tensors are ready, and a pass of ready
 //!    tensors puts no work on either GPU). The handles
 //!    also carry the host's boot id and pid namespace, the producer's pid
-//!    and the descriptor and inode of its import-counter memfd. A tensor in
+//!    and the descriptor and inode of its import-record memfd. A tensor in
 //!    memory the producer did not allocate (one it received itself) is
 //!    copied into a fresh range first, kept until [`release`].
 //! 2. **Receive (consumer).** The consumer checks it runs on the same host,
-//!    checks the producer is alive (its counter memfd is still at
+//!    checks the producer is alive (its import-record memfd is still at
 //!    `/proc/<pid>/fd/<fd>` with the same inode: a dead producer is a clear
 //!    error, never a hang), makes its stream wait on the producer's event
 //!    unless it has already passed (`cuStreamWaitEvent`: no host sync; each
@@ -26,14 +26,21 @@
 //!    slab (gpu.md pitfall 2). [`stats`] counts new mappings vs cache hits.
 //!    The tensors it returns share the producer's memory: a write by the
 //!    consumer is seen by the producer (Ray's semantics). Each tensor counts
-//!    itself in the range's shared import counter while it lives.
+//!    itself in the range's shared import record while it lives.
 //! 3. **Release (producer).** Drops the copies made at export. The
 //!    producer's own tensors give their ranges back to the slab when they
-//!    are dropped, but a range whose import counter is not zero waits until
+//!    are dropped, but a range that a live importer still holds waits until
 //!    every importer dropped its tensors (see `alloc` for the lifetime
-//!    rules). Slabs are never freed while the producer lives, so no
-//!    importer's mapping ever outlives its memory; importers keep mappings
-//!    cached until they exit or call [`close_unused_mappings`].
+//!    rules).
+//! 4. **Mappings and freeing.** An importer keeps each slab mapping cached
+//!    while the slab lives, so later tensors in it cost no new mapping, and
+//!    registers its pid in the slab's shared record. The producer frees a
+//!    slab only once it is unused and every registered importer has closed
+//!    its mapping or died ([`alloc::trim`], invariant 3 of `alloc`). An
+//!    importer closes a mapping of a slab the producer retires as soon as
+//!    its last tensor in that slab is dropped (the owner table freed the
+//!    object), or, if it had none left, at its next receive or at the
+//!    worker's periodic [`housekeeping`].
 //!
 //! Devices are matched by UUID: a consumer that sees the producer's device
 //! maps it there; otherwise it maps it in its first device's context with
@@ -65,6 +72,7 @@ pub const NAME: &str = "cuda_ipc";
 static OPENED: AtomicU64 = AtomicU64::new(0);
 static CACHED: AtomicU64 = AtomicU64::new(0);
 static EVENTS_OPENED: AtomicU64 = AtomicU64::new(0);
+static CLOSED: AtomicU64 = AtomicU64::new(0);
 
 /// How often this process, as a consumer, had to open a new mapping.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,6 +83,8 @@ pub struct IpcStats {
     pub cached: u64,
     /// Producer events opened (`cuIpcOpenEventHandle`).
     pub events_opened: u64,
+    /// Mappings closed (`cuIpcCloseMemHandle`).
+    pub closed: u64,
 }
 
 /// This process's counts (consumer side).
@@ -83,6 +93,7 @@ pub fn stats() -> IpcStats {
         opened: OPENED.load(Ordering::Relaxed),
         cached: CACHED.load(Ordering::Relaxed),
         events_opened: EVENTS_OPENED.load(Ordering::Relaxed),
+        closed: CLOSED.load(Ordering::Relaxed),
     }
 }
 
@@ -103,6 +114,8 @@ struct TensorHandle {
     slab: u64,
     slab_handle: Vec<u8>,
     slab_len: u64,
+    /// The slab's shared record (retiring flag, importer pids).
+    slab_record: u32,
     offset: u64,
     len: u64,
     slot: u32,
@@ -178,10 +191,12 @@ impl CudaIpcTransport {
                     if !gpus.iter().any(|g| Arc::ptr_eq(g, d.gpu())) {
                         gpus.push(d.gpu().clone());
                     }
+                    let (slab_handle, slab_record) = r.slab.ipc_handle()?;
                     Ok(TensorHandle {
                         slab: r.slab.id,
-                        slab_handle: r.slab.ipc_handle()?.to_vec(),
+                        slab_handle: slab_handle.to_vec(),
                         slab_len: r.slab.len as u64,
+                        slab_record,
                         offset: r.offset as u64,
                         len: d.len() as u64,
                         slot: r.counter_slot()?,
@@ -238,6 +253,7 @@ impl CudaIpcTransport {
         }
         super::available().map_err(|e| perr(format!("this consumer cannot use CUDA: {e}")))?;
         let counters = open_counters(&h).map_err(perr)?;
+        close_retired_mappings();
 
         // Order this process's stream after the producer's work.
         let mut local: HashMap<String, Arc<Gpu>> = HashMap::new();
@@ -276,7 +292,7 @@ impl CudaIpcTransport {
                 Some(g) => g.clone(),
                 None => local_gpu(uuid).map_err(|e| perr(e.to_string()))?,
             };
-            let map = open_slab(&h, th, &g).map_err(|e| perr(e.to_string()))?;
+            let map = open_slab(&h, th, &g, &counters).map_err(|e| perr(e.to_string()))?;
             if th
                 .offset
                 .checked_add(th.len)
@@ -284,7 +300,7 @@ impl CudaIpcTransport {
             {
                 return Err(perr("tensor range reaches past its slab".into()));
             }
-            counters.add(th.slot, 1);
+            counters.import_range(th.slot);
             let buf = ImportedRange {
                 map,
                 offset: th.offset as usize,
@@ -392,10 +408,23 @@ fn event_passed(ev: Event, g: &Gpu) -> Result<bool, CudaError> {
 
 /// One mapping of a producer's slab in this process.
 struct Mapping {
+    key: SlabKey,
     ptr: u64,
     len: usize,
     gpu: Arc<Gpu>,
     describe: String,
+    /// The producer's counters, holding the slab's record.
+    counters: Arc<Counters>,
+    record: u32,
+    /// Our cell in the record (`None`: the slab is pinned).
+    cell: Option<usize>,
+}
+
+impl Mapping {
+    /// Has the producer retired the slab (wants to free it)?
+    fn retiring(&self) -> bool {
+        self.counters.record_flags(self.record) & alloc::RETIRING != 0
+    }
 }
 
 impl Drop for Mapping {
@@ -407,6 +436,12 @@ impl Drop for Mapping {
                 let _ = sys::cuIpcCloseMemHandle(self.ptr);
             }
         }
+        // Only after the close: the producer may free the slab now.
+        if let Some(cell) = self.cell {
+            self.counters.unregister_importer(self.record, cell);
+        }
+        CLOSED.fetch_add(1, Ordering::Relaxed);
+        cuda_trace!("closed the mapping of {}", self.describe);
     }
 }
 
@@ -417,7 +452,12 @@ fn mappings() -> &'static Mutex<HashMap<SlabKey, Arc<Mapping>>> {
     CACHE.get_or_init(Default::default)
 }
 
-fn open_slab(h: &Handles, th: &TensorHandle, g: &Arc<Gpu>) -> Result<Arc<Mapping>, CudaError> {
+fn open_slab(
+    h: &Handles,
+    th: &TensorHandle,
+    g: &Arc<Gpu>,
+    counters: &Arc<Counters>,
+) -> Result<Arc<Mapping>, CudaError> {
     let key = (h.pid, h.counters_id, th.slab, g.ordinal());
     let mut cache = mappings().lock();
     if let Some(m) = cache.get(&key) {
@@ -457,11 +497,23 @@ fn open_slab(h: &Handles, th: &TensorHandle, g: &Arc<Gpu>) -> Result<Arc<Mapping
         );
         c
     })?;
+    if th.slab_record as usize >= alloc::SLAB_RECORDS {
+        // SAFETY: just opened; nothing uses it.
+        unsafe {
+            let _ = sys::cuIpcCloseMemHandle(ptr);
+        }
+        return Err(CudaError("malformed slab record index".into()));
+    }
+    let cell = counters.register_importer(th.slab_record);
     let m = Arc::new(Mapping {
+        key,
         ptr,
         len: th.slab_len as usize,
         gpu: g.clone(),
         describe: format!("pid {} slab {}", h.pid, th.slab),
+        counters: counters.clone(),
+        record: th.slab_record,
+        cell,
     });
     cuda_trace!("slab {} of pid {} mapped at {ptr:#x}", th.slab, h.pid);
     OPENED.fetch_add(1, Ordering::Relaxed);
@@ -478,6 +530,31 @@ pub fn close_unused_mappings() -> usize {
     before - cache.len()
 }
 
+/// Closes every cached mapping that no tensor of this process uses and
+/// whose slab the producer retired, so that the producer can free it.
+/// Returns how many were closed. Cheap when nothing is mapped.
+pub fn close_retired_mappings() -> usize {
+    let mut cache = mappings().lock();
+    if cache.is_empty() {
+        return 0;
+    }
+    let before = cache.len();
+    cache.retain(|_, m| Arc::strong_count(m) > 1 || !m.retiring());
+    before - cache.len()
+}
+
+/// Periodic upkeep for a process that uses CUDA IPC (the rdt worker runs it
+/// every [`HOUSEKEEPING_PERIOD`]): importers close mappings of retired
+/// slabs, producers free retired slabs no importer maps any more. Touches
+/// no CUDA state in a process that never used CUDA.
+pub fn housekeeping() {
+    close_retired_mappings();
+    alloc::reclaim();
+}
+
+/// How often the rdt worker runs [`housekeeping`].
+pub const HOUSEKEEPING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// A range of a producer's slab, as this consumer maps it.
 struct ImportedRange {
     map: Arc<Mapping>,
@@ -489,7 +566,18 @@ struct ImportedRange {
 
 impl Drop for ImportedRange {
     fn drop(&mut self) {
-        self.counters.add(self.slot, -1);
+        self.counters.release_range(self.slot);
+        // The last tensor in a slab the producer retires: close the mapping
+        // now (it closes when `self.map`, the last user, drops right after).
+        if self.map.retiring() {
+            let mut cache = mappings().lock();
+            if cache
+                .get(&self.map.key)
+                .is_some_and(|m| Arc::ptr_eq(m, &self.map) && Arc::strong_count(m) == 2)
+            {
+                cache.remove(&self.map.key);
+            }
+        }
     }
 }
 

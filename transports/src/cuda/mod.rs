@@ -41,6 +41,7 @@
 
 pub mod alloc;
 pub mod ipc;
+pub mod ops;
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -216,6 +217,10 @@ pub struct Gpu {
     stream: Stream,
     /// Interprocess event recorded at every export (created on first use).
     ipc_event: Mutex<Option<(Event, [u8; 64])>>,
+    /// rdt's kernels in this context (compiled and loaded on first use).
+    kernels: OnceLock<Result<Arc<ops::Kernels>, CudaError>>,
+    /// cuRAND generator on this stream (created on first use).
+    generator: OnceLock<Result<Mutex<ops::Generator>, CudaError>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -265,6 +270,8 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
         uuid,
         stream: Stream(stream),
         ipc_event: Mutex::new(None),
+        kernels: OnceLock::new(),
+        generator: OnceLock::new(),
     });
     // Peer access with every device already set up, both ways (gpu.md
     // pitfall 3): without it cross-GPU copies run ten times slower.
@@ -325,6 +332,39 @@ impl Gpu {
         self.ctx
             .bind_to_thread()
             .map_err(|e| CudaError::call("cuCtxSetCurrent", e))
+    }
+
+    /// `(major, minor)` compute capability.
+    pub fn compute_capability(&self) -> Result<(u32, u32), CudaError> {
+        let (a, b) = self
+            .ctx
+            .compute_capability()
+            .map_err(|e| CudaError::call("cuDeviceGetAttribute(compute capability)", e))?;
+        Ok((a as u32, b as u32))
+    }
+
+    /// Number of streaming multiprocessors.
+    pub fn multiprocessors(&self) -> Result<u32, CudaError> {
+        self.ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map(|n| n.max(1) as u32)
+            .map_err(|e| CudaError::call("cuDeviceGetAttribute(multiprocessors)", e))
+    }
+
+    /// rdt's kernels in this device's context, compiled (NVRTC) and loaded
+    /// on first use.
+    pub(crate) fn kernels(&self) -> Result<Arc<ops::Kernels>, CudaError> {
+        self.kernels
+            .get_or_init(|| ops::Kernels::load(self).map(Arc::new))
+            .clone()
+    }
+
+    /// This device's cuRAND generator, created on first use.
+    pub(crate) fn generator(&self) -> Result<&Mutex<ops::Generator>, CudaError> {
+        self.generator
+            .get_or_init(|| ops::Generator::new(self).map(Mutex::new))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// The raw stream every rdt op of this process runs on, for interop.
@@ -646,6 +686,21 @@ mod tests {
             assert!(e.0.contains("libcuda") || e.0.contains("device"), "{e}");
             assert_eq!(device_count(), 0);
             assert!(gpu_by_uuid("GPU-x").is_err());
+        }
+    }
+
+    #[test]
+    fn ops_without_a_gpu_are_errors_not_panics() {
+        let e = crate::Tensor::zeros(crate::DType::F32, &[4])
+            .uniform_(1)
+            .unwrap_err();
+        assert!(e.to_string().contains("CUDA tensors"), "{e}");
+        if available().is_err() {
+            // The optional libraries are never touched without a GPU.
+            assert!(ops::nvrtc_available().is_err());
+            assert!(ops::curand_available().is_err());
+            let e = crate::Tensor::cuda_rand(crate::DType::F32, &[4], 0, 1).unwrap_err();
+            assert!(e.to_string().contains("CUDA"), "{e}");
         }
     }
 
