@@ -1,7 +1,10 @@
 //! Two actors: a producer returns a map of tensors, a consumer reduces them.
-//! The ref goes from the producer to the consumer; the tensors move with
-//! the transport the producing method names. Run with
-//! `cargo run --release --example quickstart`.
+//! The ref goes from the producer to the consumer; the tensors move
+//! directly, with no copy: device memory over `cuda_ipc` when the machine
+//! has an NVIDIA GPU, shared memory over `shm` otherwise. Each round is
+//! then repeated over the object store for comparison. Run with
+//! `cargo run --release --example quickstart` (add `-- --cpu` to stay on
+//! the CPU).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -12,21 +15,37 @@ use rdt::prelude::*;
 #[rdt::actor]
 pub struct Trainer {
     step: u64,
+    on_gpu: bool,
 }
 
 #[rdt::actor]
 impl Trainer {
-    fn new(step: u64) -> Self {
-        Trainer { step }
+    /// `on_gpu`: make the weights on this worker's GPU.
+    fn new(on_gpu: bool) -> Self {
+        Trainer { step: 0, on_gpu }
     }
 
-    /// Fresh "weights": `layers` tensors of `numel` f32 each. The tensors
-    /// stay here, in shared memory, and the consumer maps them: no copy.
+    /// Fresh "weights": `layers` tensors of `numel` f32 each, the i-th
+    /// filled with i + 1. The tensors stay here and the consumer maps them:
+    /// no copy. `shm` is this method's transport; a call may pick another
+    /// (`cuda_ipc` for CUDA tensors).
     #[rdt::method(tensor_transport = "shm")]
-    async fn weights(&mut self, layers: usize, numel: usize) -> HashMap<String, Tensor> {
+    async fn weights(
+        &mut self,
+        layers: usize,
+        numel: usize,
+    ) -> rdt::Result<HashMap<String, Tensor>> {
         self.step += 1;
         (0..layers)
-            .map(|i| (format!("layer{i}"), Tensor::full((i + 1) as f32, &[numel])))
+            .map(|i| {
+                let v = (i + 1) as f32;
+                let t = if self.on_gpu {
+                    Tensor::cuda_full(v, &[numel], 0)?
+                } else {
+                    Tensor::full(v, &[numel])
+                };
+                Ok((format!("layer{i}"), t))
+            })
             .collect()
     }
 }
@@ -40,7 +59,8 @@ impl Rollout {
         Rollout
     }
 
-    /// Receives real tensors: the framework moved them first.
+    /// Receives real tensors: the framework moved them first. On a GPU,
+    /// `sum` runs there.
     async fn load(&mut self, w: HashMap<String, Tensor>) -> rdt::Result<f64> {
         let mut total = 0.0;
         for t in w.values() {
@@ -54,16 +74,38 @@ impl Rollout {
 // ANCHOR: main
 #[rdt::main]
 async fn main() -> rdt::Result<()> {
+    // A GPU if there is one (and `--cpu` was not given), else the CPU.
+    let cuda = if std::env::args().any(|a| a == "--cpu") {
+        Err("--cpu given".to_string())
+    } else {
+        rdt::data::cuda::available().map_err(|e| e.to_string())
+    };
+    let on_gpu = cuda.is_ok();
+    let direct = if on_gpu {
+        Transport::CudaIpc
+    } else {
+        Transport::Shm
+    };
+    match &cuda {
+        Ok(()) => println!(
+            "device: GPU ({}); direct transport: {direct}",
+            rdt::data::cuda::gpu(0).map(|g| g.name())?
+        ),
+        Err(why) => println!("device: CPU ({why}); direct transport: {direct}"),
+    }
+
     let rt = Runtime::start().await?;
-    let trainer = rt.spawn::<Trainer>(0).await?;
-    let rollout = rt.spawn::<Rollout>(()).await?;
+    // `.gpus(1)` gives each worker one device (`CUDA_VISIBLE_DEVICES`).
+    let gpus = if on_gpu { 1 } else { 0 };
+    let trainer = rt.spawn::<Trainer>(on_gpu).gpus(gpus).await?;
+    let rollout = rt.spawn::<Rollout>(()).gpus(gpus).await?;
 
     let (layers, numel) = (8, 1 << 20);
     let bytes = layers * numel * 4;
     let expected: f64 = (1..=layers).map(|i| (i * numel) as f64).sum();
-    // The method's own transport (shm), then the object-store path for
-    // comparison (a per-call override, like Ray's `.options(...)`).
-    for transport in [Transport::Shm, Transport::Shm, Transport::ObjectStore] {
+    // The direct transport twice, then the object-store path for
+    // comparison (per-call choices, like Ray's `.options(...)`).
+    for transport in [direct, direct, Transport::ObjectStore] {
         let start = Instant::now();
         // The call returns a ref at once; `wait` only times the producer.
         let w: ObjectRef<HashMap<String, Tensor>> =

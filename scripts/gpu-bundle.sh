@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the `gpu` integration tests and the CUDA benchmark in release mode
+# Builds the quickstart, the `gpu` integration tests and the CUDA benchmark in release mode
 # into .gpu/ (self-contained: no Rust toolchain or network needed where it
 # runs), with .gpu/run.sh to run them all on a GPU host.
 #   scripts/gpu-bundle.sh            # build the bundle
@@ -24,9 +24,10 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])
 ' > "$out/tests.txt"
-cargo build -p rdt-examples --release --example bench_cuda
+cargo build -p rdt-examples --release --example bench_cuda --example quickstart
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
 cp target/release/examples/bench_cuda "$out/bin/bench_cuda"
+cp target/release/examples/quickstart "$out/bin/quickstart"
 rm "$out/tests.txt"
 # The commit the bundle was built from (with -dirty for uncommitted
 # changes), recorded by the benchmark in every row.
@@ -39,7 +40,8 @@ cp "$out/bin/"* target/gpu-unstripped/
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs the rdt GPU bundle: gpu tests, then the CUDA benchmark.
+# Runs the rdt GPU bundle: the quickstart, the gpu tests, then the CUDA
+# benchmark.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="${1:-$here/out}"
@@ -68,6 +70,12 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv 2>&1 || true
 rc=0
+echo "== quickstart (the README's first command; on a GPU host it must pick cuda_ipc)"
+"$here/bin/quickstart" 2>&1 | tee "$logs/quickstart.log"
+q=${PIPESTATUS[0]}
+grep -q "via cuda_ipc" "$logs/quickstart.log" || { echo "quickstart did not use the GPU"; q=1; }
+[ "$q" = 0 ] || rc=$q
+echo "== quickstart exit: $q"
 echo "== gpu tests"
 "$here/bin/gpu-tests" --test-threads=1 2>&1 | tee "$logs/gpu-tests.log"
 t=${PIPESTATUS[0]}; [ "$t" = 0 ] || rc=$t

@@ -156,6 +156,12 @@ impl From<rdt_transport::TensorError> for Error {
     }
 }
 
+impl From<rdt_transport::cuda::CudaError> for Error {
+    fn from(e: rdt_transport::cuda::CudaError) -> Self {
+        Error::Tensor(e.to_string())
+    }
+}
+
 impl Error {
     /// The innermost error: the original cause behind dependency errors.
     pub fn root_cause(&self) -> &Error {
