@@ -24,10 +24,11 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])
 ' > "$out/tests.txt"
-cargo build -p rdt-examples --release --example bench_cuda --example quickstart
+cargo build -p rdt-examples --release --example bench_cuda --example quickstart --example bench
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
 cp target/release/examples/bench_cuda "$out/bin/bench_cuda"
 cp target/release/examples/quickstart "$out/bin/quickstart"
+cp target/release/examples/bench "$out/bin/bench"
 rm "$out/tests.txt"
 # The commit the bundle was built from (with -dirty for uncommitted
 # changes), recorded by the benchmark in every row.
@@ -40,8 +41,8 @@ cp "$out/bin/"* target/gpu-unstripped/
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs the rdt GPU bundle: the quickstart, the gpu tests, then the CUDA
-# benchmark.
+# Runs the rdt GPU bundle: the quickstart, the gpu tests, the CUDA
+# benchmark, then the control-plane benchmark.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="${1:-$here/out}"
@@ -84,6 +85,12 @@ echo "== bench_cuda"
 "$here/bin/bench_cuda" --json "$logs/cuda.json" 2>&1 | tee "$logs/bench_cuda.log"
 b=${PIPESTATUS[0]}; [ "$b" = 0 ] || rc=$b
 echo "== bench_cuda exit: $b"
+# The control plane on this host (CPU only): bare socket echo vs a tiny
+# actor call, the floor under every pass above.
+echo "== bench control"
+"$here/bin/bench" control --json "$logs/control.json" 2>&1 | tee "$logs/bench_control.log"
+c=${PIPESTATUS[0]}; [ "$c" = 0 ] || rc=$c
+echo "== bench control exit: $c"
 exit $rc
 RUN
 chmod +x "$out/run.sh" "$out/bin/"*

@@ -411,8 +411,12 @@ pub fn count_differences(gpu: &Gpu, a: u64, b: u64, len: usize) -> Result<u64, C
     Ok(total)
 }
 
-/// A cuRAND generator bound to one device's stream.
-pub(crate) struct Generator(cudarc::curand::sys::curandGenerator_t);
+/// A cuRAND generator bound to one device's stream, with a word of
+/// device memory for the tail of byte lengths that are not whole words.
+pub(crate) struct Generator {
+    raw: cudarc::curand::sys::curandGenerator_t,
+    tail: u64,
+}
 // SAFETY: the generator is only used under the `Gpu`'s mutex, with the
 // device's context bound.
 unsafe impl Send for Generator {}
@@ -422,20 +426,22 @@ impl Generator {
         use cudarc::curand::result as cr;
         curand_available()?;
         gpu.bind()?;
-        let g = cr::create_generator()
+        let raw = cr::create_generator()
             .map_err(|e| CudaError(format!("curandCreateGenerator failed: {e:?}")))?;
         // SAFETY: fresh generator; the stream belongs to the bound context.
-        unsafe { cr::set_stream(g, gpu.raw_stream() as _) }
+        unsafe { cr::set_stream(raw, gpu.raw_stream() as _) }
             .map_err(|e| CudaError(format!("curandSetStream failed: {e:?}")))?;
-        Ok(Generator(g))
+        let tail = gpu.malloc(8)?;
+        Ok(Generator { raw, tail })
     }
 }
 
 /// Fills `[ptr, ptr + len)` with random values from `seed`: uniform in
-/// (0, 1] for `F32`/`F64`, random bits for every other type. Writes whole
-/// 4-byte words, so it may write up to 3 bytes past `len`: callers pass
-/// ranges rounded up by the allocator ([`super::alloc::ALIGN`]).
-/// Enqueued on the stream; the same seed gives the same values.
+/// (0, 1] for `F32`/`F64`, random bits for every other type. Writes only
+/// inside the range (a byte length that is not whole words gets its last
+/// bytes through a scratch word). `ptr` must be aligned to the element
+/// type (4 bytes, 8 for `F64`). Enqueued on the stream; the same seed and
+/// length give the same values.
 pub fn random_fill(
     gpu: &Gpu,
     dtype: DType,
@@ -444,11 +450,18 @@ pub fn random_fill(
     seed: u64,
 ) -> Result<(), CudaError> {
     use cudarc::curand::result as cr;
-    let slot = gpu.generator()?.lock();
-    let g = slot.0;
+    let align = if dtype == DType::F64 { 8 } else { 4 };
+    if ptr % align != 0 {
+        return Err(CudaError(format!(
+            "random fill needs {align}-byte aligned memory; {ptr:#x} is not"
+        )));
+    }
+    let gen = gpu.generator()?.lock();
+    let g = gen.raw;
     gpu.bind()?;
+    let words = len / 4;
     // SAFETY: live generator under its lock, context bound; `ptr` holds
-    // `len` bytes rounded up to whole words (see above).
+    // `len` bytes, of which only whole elements are written here.
     unsafe {
         cr::set_seed(g, seed).map_err(|e| CudaError(format!("curandSetSeed failed: {e:?}")))?;
         cr::set_offset(g, 0)
@@ -456,10 +469,21 @@ pub fn random_fill(
         let r = match dtype {
             DType::F32 => cr::generate::uniform_f32(g, ptr as *mut f32, len / 4),
             DType::F64 => cr::generate::uniform_f64(g, ptr as *mut f64, len / 8),
-            _ => cr::generate::uniform_u32(g, ptr as *mut u32, len.div_ceil(4)),
+            _ if words > 0 => cr::generate::uniform_u32(g, ptr as *mut u32, words),
+            _ => Ok(()),
         };
         r.map_err(|e| CudaError(format!("cuRAND generate failed: {e:?}")))?;
     }
-    drop(slot);
+    let tail = len % 4;
+    if !matches!(dtype, DType::F32 | DType::F64) && tail > 0 {
+        // SAFETY: as above; the scratch word is ours, under the lock.
+        unsafe { cr::generate::uniform_u32(g, gen.tail as *mut u32, 1) }
+            .map_err(|e| CudaError(format!("cuRAND generate failed: {e:?}")))?;
+        // Ordered after the generate on the same stream; the lock is held
+        // until both are enqueued, and the next use of the scratch word is
+        // ordered after this copy.
+        gpu.copy_dtod(ptr + (words * 4) as u64, gen.tail, tail)?;
+    }
+    drop(gen);
     Ok(())
 }
