@@ -251,6 +251,15 @@ impl CudaIpcTransport {
                 exported.metas.len()
             )));
         }
+        if let Some(th) = h.tensors.iter().find(|th| {
+            th.slot as usize >= alloc::COUNTER_SLOTS
+                || th.slab_record as usize >= alloc::SLAB_RECORDS
+        }) {
+            return Err(perr(format!(
+                "malformed handles: record index {} / slab record {} out of range",
+                th.slot, th.slab_record
+            )));
+        }
         super::available().map_err(|e| perr(format!("this consumer cannot use CUDA: {e}")))?;
         let counters = open_counters(&h).map_err(perr)?;
         close_retired_mappings();
@@ -497,13 +506,7 @@ fn open_slab(
         );
         c
     })?;
-    if th.slab_record as usize >= alloc::SLAB_RECORDS {
-        // SAFETY: just opened; nothing uses it.
-        unsafe {
-            let _ = sys::cuIpcCloseMemHandle(ptr);
-        }
-        return Err(CudaError("malformed slab record index".into()));
-    }
+    // `slab_record` was checked against SLAB_RECORDS by `receive_now`.
     let cell = counters.register_importer(th.slab_record);
     let m = Arc::new(Mapping {
         key,
@@ -689,6 +692,42 @@ mod tests {
         let t = CudaIpcTransport::new();
         let e = futures::executor::block_on(t.receive(&peer(), 0, &ex)).unwrap_err();
         assert!(e.message.contains("another host"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_record_indices_are_refused() {
+        let mut h = Handles {
+            boot_id: host_id().unwrap().boot_id.clone(),
+            pid_ns: host_id().unwrap().pid_ns,
+            pid: std::process::id(),
+            counters_fd: 0,
+            counters_id: (0, 0),
+            events: vec![],
+            tensors: vec![TensorHandle {
+                slab: 1,
+                slab_handle: vec![0; 64],
+                slab_len: 1024,
+                slab_record: 0,
+                offset: 0,
+                len: 16,
+                slot: alloc::COUNTER_SLOTS as u32,
+            }],
+        };
+        let meta = Tensor::zeros(crate::DType::F32, &[4]).meta();
+        for bad in 0..2 {
+            if bad == 1 {
+                h.tensors[0].slot = 0;
+                h.tensors[0].slab_record = u32::MAX;
+            }
+            let ex = Exported {
+                metas: vec![meta.clone()],
+                handles: postcard::to_allocvec(&h).unwrap(),
+                inline: vec![],
+            };
+            let e = futures::executor::block_on(CudaIpcTransport::new().receive(&peer(), 0, &ex))
+                .unwrap_err();
+            assert!(e.message.contains("out of range"), "{e}");
+        }
     }
 
     #[test]
