@@ -483,16 +483,19 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         });
         let _ = tx.send(&ToDriver::Spawned(Ok(endpoints)));
         // CUDA IPC upkeep: close mappings of slabs their producer retired,
-        // free retired slabs nobody maps any more (a no-op in a process
-        // that never used CUDA). On the blocking pool: freeing device
-        // memory may wait for the GPU.
+        // free retired slabs nobody maps any more. Only when there is
+        // something to look at (never in a process that did not use CUDA
+        // IPC), and on the blocking pool: freeing device memory may wait
+        // for the GPU.
         handle.spawn(async {
             use rdt_transport::cuda::ipc;
             let mut tick = tokio::time::interval(ipc::HOUSEKEEPING_PERIOD);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                let _ = tokio::task::spawn_blocking(ipc::housekeeping).await;
+                if ipc::housekeeping_due() {
+                    let _ = tokio::task::spawn_blocking(ipc::housekeeping).await;
+                }
             }
         });
         handle.spawn(async move {

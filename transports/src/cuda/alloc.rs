@@ -87,7 +87,7 @@ impl Slab {
     pub(crate) fn ipc_handle(&self) -> Result<([u8; 64], u32), CudaError> {
         self.handle
             .get_or_init(|| {
-                let record = counters()?.take_record()?;
+                let record = counters()?.take(Region::Slab)?;
                 let made = (|| {
                     self.gpu.bind()?;
                     let mut h =
@@ -103,7 +103,7 @@ impl Slab {
                 match made {
                     Ok(h) => Ok((h, record)),
                     Err(e) => {
-                        counters()?.free_record(record);
+                        counters()?.give(Region::Slab, record);
                         Err(e)
                     }
                 }
@@ -166,7 +166,7 @@ impl Drop for Slab {
             }
         }
         if let (Some(record), Ok(c)) = (self.record(), counters()) {
-            c.free_record(record);
+            c.give(Region::Slab, record);
         }
         super::cuda_trace!(
             "freed slab {} ({} B) on {}",
@@ -217,9 +217,9 @@ fn reclaim_locked(a: &mut Allocator) {
     }
     let Ok(c) = counters() else { return };
     a.pending.retain(|p| {
-        if !c.range_busy(p.slot) {
+        if !c.held(Region::Range, p.slot) {
             p.slab.give(p.offset, p.len);
-            c.free_slot(p.slot);
+            c.give(Region::Range, p.slot);
             false
         } else {
             true
@@ -227,7 +227,14 @@ fn reclaim_locked(a: &mut Allocator) {
     });
     // Dropping a slab frees it (`Slab::drop`).
     a.retiring
-        .retain(|s| s.record().is_some_and(|r| !c.importers_gone(r)));
+        .retain(|s| s.record().is_some_and(|r| c.held(Region::Slab, r)));
+}
+
+/// Does this process hold ranges or slabs that wait for importers (what
+/// [`reclaim`] would look at)?
+pub(crate) fn waiting_for_importers() -> bool {
+    let a = allocator().lock();
+    !a.pending.is_empty() || !a.retiring.is_empty()
 }
 
 /// What [`trim`] did.
@@ -267,7 +274,7 @@ fn trim_locked(a: &mut Allocator) -> Trimmed {
     for s in retire {
         match (s.record(), counters()) {
             (Some(r), Ok(c)) => {
-                c.set_retiring(r);
+                c.set_flag(Region::Slab, r, RETIRING);
                 super::cuda_trace!("retiring slab {} ({} B)", s.id, s.len);
                 a.retiring.push(s);
             }
@@ -368,7 +375,7 @@ impl SlabRange {
         if let Some(v) = *s {
             return Ok(v);
         }
-        let v = counters()?.take_slot()?;
+        let v = counters()?.take(Region::Range)?;
         *s = Some(v);
         Ok(v)
     }
@@ -379,7 +386,7 @@ impl Drop for SlabRange {
         let slot = *self.slot.get_mut();
         let mut a = allocator().lock();
         match (slot, counters()) {
-            (Some(slot), Ok(c)) if c.range_busy(slot) => a.pending.push(Pending {
+            (Some(slot), Ok(c)) if c.held(Region::Range, slot) => a.pending.push(Pending {
                 slab: self.slab.clone(),
                 offset: self.offset,
                 len: self.reserved,
@@ -388,7 +395,7 @@ impl Drop for SlabRange {
             (slot, c) => {
                 self.slab.give(self.offset, self.reserved);
                 if let (Some(slot), Ok(c)) = (slot, c) {
-                    c.free_slot(slot);
+                    c.give(Region::Range, slot);
                 }
             }
         }
@@ -419,59 +426,73 @@ impl DeviceBuffer for SlabRange {
     }
 }
 
+/// Which kind of record: one per exported range, or one per exported slab.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Region {
+    /// [`COUNTER_SLOTS`] records; a holder is a process with tensors over
+    /// the range.
+    Range,
+    /// [`SLAB_RECORDS`] records; a holder is a process that maps the slab.
+    Slab,
+}
+
+impl Region {
+    fn len(self) -> usize {
+        match self {
+            Region::Range => COUNTER_SLOTS,
+            Region::Slab => SLAB_RECORDS,
+        }
+    }
+    /// First record of the region in the file.
+    fn base(self) -> usize {
+        match self {
+            Region::Range => 0,
+            Region::Slab => COUNTER_SLOTS,
+        }
+    }
+}
+
 /// Import records shared with consumers: a memfd of `u64` cells that
 /// consumers map through `/proc/<pid>/fd/<fd>` (as the `shm` transport
-/// does). Two regions:
+/// does). It holds [`COUNTER_SLOTS`] range records, then [`SLAB_RECORDS`]
+/// slab records ([`Region`]), each of [`RECORD_CELLS`] cells.
 ///
-/// * **Range records** ([`COUNTER_SLOTS`] of [`RECORD_CELLS`] cells), one
-///   per exported range: cell 0 holds flags, every other cell one importer
-///   as `pid << 32 | tensors`, the number of tensors that process holds
-///   over the range. An importer updates only its own cell (one atomic
-///   compare-and-swap), so the producer can tell a dead importer's share
-///   apart and discard it.
-/// * **Slab records** ([`SLAB_RECORDS`] of [`RECORD_CELLS`] cells), one per
-///   exported slab: cell 0 holds flags ([`RETIRING`], [`PINNED`]), every
-///   other cell the pid of one process that maps the slab.
-///
-/// An importer that finds no free cell sets [`PINNED`]: the range or slab
-/// is then never recycled (leaked, never unsafe).
+/// Cell 0 of a record holds flags ([`RETIRING`], [`PINNED`]). Every other
+/// cell belongs to one holder process as `pid << 32 | count`: for a range,
+/// the tensors that process holds over it; for a slab, the mappings that
+/// process has of it. A holder updates only its own cell (one atomic
+/// compare-and-swap), so the producer can tell a dead holder's share apart
+/// and discard it. A holder that finds no free cell sets [`PINNED`]: the
+/// range or slab is then never recycled (leaked, never unsafe).
 pub(crate) struct Counters {
     file: File,
     map: MmapRaw,
-    free: Mutex<Vec<u32>>,
-    /// Free slab records (producer side).
-    free_records: Mutex<Vec<u32>>,
+    /// Free range and slab records (producer side), by [`Region`].
+    free: [Mutex<Vec<u32>>; 2],
     /// (device, inode) of the memfd, so that a consumer can tell it apart
     /// from a reused descriptor.
     pub(crate) id: (u64, u64),
 }
 
 impl Counters {
-    fn cell(&self, index: usize) -> &AtomicU64 {
-        assert!(index < self.map.len() / 8, "record cell in range");
+    /// Cell `i` of record `index` of `region`.
+    fn cell(&self, region: Region, index: u32, i: usize) -> &AtomicU64 {
+        assert!((index as usize) < region.len() && i < RECORD_CELLS);
+        let at = ((region.base() + index as usize) * RECORD_CELLS + i) * 8;
+        assert!(at + 8 <= self.map.len(), "record cell in range");
         // SAFETY: the mapping lives as long as `self`, is 8-aligned (page)
-        // and the index is in range; the memory is shared, so only atomics
+        // and the cell is in range; the memory is shared, so only atomics
         // touch it.
-        unsafe { &*(self.map.as_mut_ptr().add(index * 8) as *const AtomicU64) }
-    }
-    /// Cell `i` of range record `slot`.
-    fn range_cell(&self, slot: u32, i: usize) -> &AtomicU64 {
-        assert!((slot as usize) < COUNTER_SLOTS && i < RECORD_CELLS);
-        self.cell(slot as usize * RECORD_CELLS + i)
-    }
-    /// Cell `i` of slab record `record`.
-    fn record_cell(&self, record: u32, i: usize) -> &AtomicU64 {
-        assert!((record as usize) < SLAB_RECORDS && i < RECORD_CELLS);
-        self.cell((COUNTER_SLOTS + record as usize) * RECORD_CELLS + i)
+        unsafe { &*(self.map.as_mut_ptr().add(at) as *const AtomicU64) }
     }
 
-    /// Counts one more tensor of this process over range `slot` (consumer).
-    pub(crate) fn import_range(&self, slot: u32) {
+    /// Counts one more of this process's holds on a record (consumer).
+    pub(crate) fn hold(&self, region: Region, index: u32) {
         let me = std::process::id() as u64;
         // Our own cell if we have one, else a free one.
         for want_empty in [false, true] {
             for i in 1..RECORD_CELLS {
-                let c = self.range_cell(slot, i);
+                let c = self.cell(region, index, i);
                 let mut v = c.load(Ordering::Acquire);
                 loop {
                     let ours = v >> 32 == me;
@@ -486,17 +507,16 @@ impl Counters {
                 }
             }
         }
-        self.range_cell(slot, 0)
-            .fetch_or(PINNED as u64, Ordering::AcqRel);
+        self.set_flag(region, index, PINNED);
     }
-    /// Counts one tensor of this process fewer over range `slot`.
-    pub(crate) fn release_range(&self, slot: u32) {
+    /// Counts one of this process's holds on a record fewer.
+    pub(crate) fn unhold(&self, region: Region, index: u32) {
         let me = std::process::id() as u64;
         for i in 1..RECORD_CELLS {
-            let c = self.range_cell(slot, i);
+            let c = self.cell(region, index, i);
             let mut v = c.load(Ordering::Acquire);
             while v >> 32 == me && v & 0xffff_ffff != 0 {
-                // The last tensor empties the cell for other importers.
+                // The last hold empties the cell for other processes.
                 let next = if v & 0xffff_ffff == 1 { 0 } else { v - 1 };
                 match c.compare_exchange(v, next, Ordering::AcqRel, Ordering::Acquire) {
                     Ok(_) => return,
@@ -504,121 +524,66 @@ impl Counters {
                 }
             }
         }
-        // Pinned ranges have no cell of ours: nothing to count down.
+        // Pinned records have no cell of ours: nothing to count down.
     }
-    /// Does a live importer hold a tensor over range `slot`? Clears the
-    /// cells of dead importers.
-    pub(crate) fn range_busy(&self, slot: u32) -> bool {
-        if self.range_cell(slot, 0).load(Ordering::Acquire) & PINNED as u64 != 0 {
+    /// Is the record pinned, or held by a live process? Clears the cells
+    /// of dead holders.
+    pub(crate) fn held(&self, region: Region, index: u32) -> bool {
+        if self.flags(region, index) & PINNED != 0 {
             return true;
         }
-        let mut busy = false;
+        let mut held = false;
         for i in 1..RECORD_CELLS {
-            let c = self.range_cell(slot, i);
+            let c = self.cell(region, index, i);
             let v = c.load(Ordering::Acquire);
             if v == 0 {
                 continue;
             }
             if process_alive((v >> 32) as u32) {
-                busy = true;
+                held = true;
             } else {
                 let _ = c.compare_exchange(v, 0, Ordering::AcqRel, Ordering::Acquire);
             }
         }
-        busy
+        held
     }
-    /// Tensors importers hold over range `slot`.
+    /// Holds counted on a record, over every process.
     #[cfg(test)]
-    fn range_holders(&self, slot: u32) -> u64 {
+    fn holds(&self, region: Region, index: u32) -> u64 {
         (1..RECORD_CELLS)
-            .map(|i| self.range_cell(slot, i).load(Ordering::Acquire) & 0xffff_ffff)
+            .map(|i| self.cell(region, index, i).load(Ordering::Acquire) & 0xffff_ffff)
             .sum()
     }
-    fn take_slot(&self) -> Result<u32, CudaError> {
-        self.free.lock().pop().ok_or_else(|| {
+    /// The record's flags ([`RETIRING`], [`PINNED`]).
+    pub(crate) fn flags(&self, region: Region, index: u32) -> u32 {
+        self.cell(region, index, 0).load(Ordering::Acquire) as u32
+    }
+    fn set_flag(&self, region: Region, index: u32, flag: u32) {
+        self.cell(region, index, 0)
+            .fetch_or(flag as u64, Ordering::AcqRel);
+    }
+    /// A free record of `region` (producer side).
+    fn take(&self, region: Region) -> Result<u32, CudaError> {
+        self.free[region as usize].lock().pop().ok_or_else(|| {
+            let what = match region {
+                Region::Range => "ranges",
+                Region::Slab => "slabs",
+            };
             CudaError(format!(
-                "more than {COUNTER_SLOTS} exported CUDA ranges are alive in this process"
+                "more than {} exported CUDA {what} are alive in this process",
+                region.len()
             ))
         })
     }
-    fn free_slot(&self, slot: u32) {
+    /// Resets a record and makes it free again.
+    fn give(&self, region: Region, index: u32) {
         for i in 0..RECORD_CELLS {
-            self.range_cell(slot, i).store(0, Ordering::Release);
+            self.cell(region, index, i).store(0, Ordering::Release);
         }
-        self.free.lock().push(slot);
+        self.free[region as usize].lock().push(index);
     }
     pub(crate) fn fd(&self) -> i32 {
         self.file.as_raw_fd()
-    }
-
-    fn take_record(&self) -> Result<u32, CudaError> {
-        self.free_records.lock().pop().ok_or_else(|| {
-            CudaError(format!(
-                "more than {SLAB_RECORDS} exported CUDA slabs are alive in this process"
-            ))
-        })
-    }
-    fn free_record(&self, record: u32) {
-        for i in 0..RECORD_CELLS {
-            self.record_cell(record, i).store(0, Ordering::Release);
-        }
-        self.free_records.lock().push(record);
-    }
-    fn set_retiring(&self, record: u32) {
-        self.record_cell(record, 0)
-            .fetch_or(RETIRING as u64, Ordering::AcqRel);
-    }
-    /// The slab record's flags ([`RETIRING`], [`PINNED`]).
-    pub(crate) fn record_flags(&self, record: u32) -> u32 {
-        self.record_cell(record, 0).load(Ordering::Acquire) as u32
-    }
-    /// Registers this process as an importer of the slab (after mapping
-    /// it). Returns the cell to clear after closing the mapping; `None`
-    /// when every cell was taken: the slab is then pinned (invariant 3).
-    pub(crate) fn register_importer(&self, record: u32) -> Option<usize> {
-        let me = std::process::id() as u64;
-        for i in 1..RECORD_CELLS {
-            if self
-                .record_cell(record, i)
-                .compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                return Some(i);
-            }
-        }
-        self.record_cell(record, 0)
-            .fetch_or(PINNED as u64, Ordering::AcqRel);
-        None
-    }
-    /// Clears this process's cell (after closing the mapping).
-    pub(crate) fn unregister_importer(&self, record: u32, cell: usize) {
-        let _ = self.record_cell(record, cell).compare_exchange(
-            std::process::id() as u64,
-            0,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
-    }
-    /// Has every importer of the slab closed its mapping or died?
-    /// Clears the cells of dead importers.
-    fn importers_gone(&self, record: u32) -> bool {
-        if self.record_flags(record) & PINNED != 0 {
-            return false;
-        }
-        let mut gone = true;
-        for i in 1..RECORD_CELLS {
-            let c = self.record_cell(record, i);
-            let pid = c.load(Ordering::Acquire);
-            if pid == 0 {
-                continue;
-            }
-            if process_alive(pid as u32) {
-                gone = false;
-            } else {
-                let _ = c.compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
-            }
-        }
-        gone
     }
 
     fn create() -> Result<Counters, String> {
@@ -635,8 +600,8 @@ impl Counters {
             id: (md.dev(), md.ino()),
             file,
             map,
-            free: Mutex::new((0..COUNTER_SLOTS as u32).rev().collect()),
-            free_records: Mutex::new((0..SLAB_RECORDS as u32).rev().collect()),
+            free: [Region::Range, Region::Slab]
+                .map(|r| Mutex::new((0..r.len() as u32).rev().collect())),
         })
     }
 
@@ -661,8 +626,7 @@ impl Counters {
             id,
             file,
             map,
-            free: Mutex::new(Vec::new()),
-            free_records: Mutex::new(Vec::new()),
+            free: Default::default(),
         })
     }
 }
@@ -694,73 +658,73 @@ mod tests {
 
     #[test]
     fn range_records_count_tensors_per_importer() {
+        let r = Region::Range;
         let c = counters().unwrap();
-        let s = c.take_slot().unwrap();
-        assert!(!c.range_busy(s));
+        let s = c.take(r).unwrap();
+        assert!(!c.held(r, s));
         // A consumer (another mapping of the same file, as in another
         // process) holds two tensors, then one.
         let other = Counters::open(std::process::id(), c.fd(), c.id).unwrap();
-        other.import_range(s);
-        other.import_range(s);
-        other.release_range(s);
-        assert_eq!(c.range_holders(s), 1);
-        assert!(c.range_busy(s));
-        other.release_range(s);
-        assert_eq!(c.range_holders(s), 0);
-        assert!(!c.range_busy(s));
+        other.hold(r, s);
+        other.hold(r, s);
+        other.unhold(r, s);
+        assert_eq!(c.holds(r, s), 1);
+        assert!(c.held(r, s));
+        other.unhold(r, s);
+        assert_eq!(c.holds(r, s), 0);
+        assert!(!c.held(r, s));
         // A dead importer's share is discarded.
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id() as u64;
         child.wait().unwrap();
-        c.range_cell(s, 2)
-            .store((dead << 32) | 5, Ordering::Release);
-        other.import_range(s);
-        assert_eq!(c.range_holders(s), 6);
-        assert!(c.range_busy(s), "the live importer still holds one");
-        assert_eq!(c.range_holders(s), 1, "the dead one's five are gone");
-        other.release_range(s);
-        assert!(!c.range_busy(s));
+        c.cell(r, s, 2).store((dead << 32) | 5, Ordering::Release);
+        other.hold(r, s);
+        assert_eq!(c.holds(r, s), 6);
+        assert!(c.held(r, s), "the live importer still holds one");
+        assert_eq!(c.holds(r, s), 1, "the dead one's five are gone");
+        other.unhold(r, s);
+        assert!(!c.held(r, s));
         // Every cell taken by other (live) processes: pinned.
         for i in 1..RECORD_CELLS {
-            c.range_cell(s, i)
-                .store((1u64 << 32) | 1, Ordering::Release);
+            c.cell(r, s, i).store((1u64 << 32) | 1, Ordering::Release);
         }
-        other.import_range(s);
+        other.hold(r, s);
         for i in 1..RECORD_CELLS {
-            c.range_cell(s, i).store(0, Ordering::Release);
+            c.cell(r, s, i).store(0, Ordering::Release);
         }
-        assert!(c.range_busy(s), "pinned");
-        c.free_slot(s);
-        assert!(!c.range_busy(s), "a freed record is reset");
+        assert!(c.held(r, s), "pinned");
+        c.give(r, s);
+        assert!(!c.held(r, s), "a freed record is reset");
         assert!(Counters::open(std::process::id(), c.fd(), (0, 0)).is_err());
     }
 
     #[test]
     fn slab_records_track_live_importers() {
+        let sl = Region::Slab;
         let c = counters().unwrap();
         let importer = Counters::open(std::process::id(), c.fd(), c.id).unwrap();
-        let r = c.take_record().unwrap();
-        assert!(c.importers_gone(r), "a fresh record has no importer");
+        let r = c.take(sl).unwrap();
+        assert!(!c.held(sl, r), "a fresh record has no importer");
         // An importer (this live process) maps the slab.
-        let cell = importer.register_importer(r).expect("a free cell");
-        c.set_retiring(r);
+        importer.hold(sl, r);
+        c.set_flag(sl, r, RETIRING);
         assert_ne!(
-            importer.record_flags(r) & RETIRING,
+            importer.flags(sl, r) & RETIRING,
             0,
             "importer sees the flag"
         );
-        assert!(!c.importers_gone(r), "a live importer keeps the slab");
-        importer.unregister_importer(r, cell);
-        assert!(c.importers_gone(r), "closed: the slab may be freed");
+        assert!(c.held(sl, r), "a live importer keeps the slab");
+        importer.unhold(sl, r);
+        assert!(!c.held(sl, r), "closed: the slab may be freed");
 
         // A dead importer (an exited child) does not keep it, and its cell
         // is cleared.
         let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
+        let dead = child.id() as u64;
         child.wait().unwrap();
-        c.record_cell(r, 3).store(dead as u64, Ordering::Release);
-        assert!(c.importers_gone(r));
-        assert_eq!(c.record_cell(r, 3).load(Ordering::Acquire), 0);
+        c.cell(sl, r, 3).store((dead << 32) | 1, Ordering::Release);
+        assert!(!c.held(sl, r));
+        assert_eq!(c.cell(sl, r, 3).load(Ordering::Acquire), 0);
 
         // A zombie (exited, not reaped yet) is dead too: its mappings are
         // gone. `waitid(WNOWAIT)` waits for the exit without reaping.
@@ -777,23 +741,26 @@ mod tests {
             )
         };
         assert_eq!(rc, 0);
-        c.record_cell(r, 5).store(zombie as u64, Ordering::Release);
+        c.cell(sl, r, 5)
+            .store(((zombie as u64) << 32) | 1, Ordering::Release);
         assert!(!process_alive(zombie));
-        assert!(c.importers_gone(r));
+        assert!(!c.held(sl, r));
         // Reap it now.
         let mut child = child;
         child.wait().unwrap();
 
-        // More importers than cells: the slab is pinned, never freed.
-        let cells: Vec<usize> = (1..RECORD_CELLS)
-            .map(|_| importer.register_importer(r).expect("a free cell"))
-            .collect();
-        assert_eq!(importer.register_importer(r), None);
-        for cell in cells {
-            importer.unregister_importer(r, cell);
+        // More importer processes than cells: the slab is pinned, never
+        // freed.
+        for i in 1..RECORD_CELLS {
+            c.cell(sl, r, i).store((1u64 << 32) | 1, Ordering::Release);
         }
-        assert!(!c.importers_gone(r), "pinned");
-        c.free_record(r);
-        assert_eq!(c.record_flags(r), 0, "a freed record is reset");
+        importer.hold(sl, r);
+        assert_ne!(importer.flags(sl, r) & PINNED, 0, "no free cell: pinned");
+        for i in 1..RECORD_CELLS {
+            c.cell(sl, r, i).store(0, Ordering::Release);
+        }
+        assert!(c.held(sl, r), "pinned");
+        c.give(sl, r);
+        assert_eq!(c.flags(sl, r), 0, "a freed record is reset");
     }
 }

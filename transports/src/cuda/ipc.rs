@@ -59,7 +59,7 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::alloc::{self, Counters, SlabRange};
+use super::alloc::{self, Counters, Region, SlabRange};
 use super::{cuda_trace, CudaError, DeviceBuffer, Event, Gpu};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
@@ -309,7 +309,7 @@ impl CudaIpcTransport {
             {
                 return Err(perr("tensor range reaches past its slab".into()));
             }
-            counters.import_range(th.slot);
+            counters.hold(Region::Range, th.slot);
             let buf = ImportedRange {
                 map,
                 offset: th.offset as usize,
@@ -422,17 +422,16 @@ struct Mapping {
     len: usize,
     gpu: Arc<Gpu>,
     describe: String,
-    /// The producer's counters, holding the slab's record.
+    /// The producer's counters, holding the slab's record, in which this
+    /// mapping counts as one hold of this process.
     counters: Arc<Counters>,
     record: u32,
-    /// Our cell in the record (`None`: the slab is pinned).
-    cell: Option<usize>,
 }
 
 impl Mapping {
     /// Has the producer retired the slab (wants to free it)?
     fn retiring(&self) -> bool {
-        self.counters.record_flags(self.record) & alloc::RETIRING != 0
+        self.counters.flags(Region::Slab, self.record) & alloc::RETIRING != 0
     }
 }
 
@@ -446,9 +445,7 @@ impl Drop for Mapping {
             }
         }
         // Only after the close: the producer may free the slab now.
-        if let Some(cell) = self.cell {
-            self.counters.unregister_importer(self.record, cell);
-        }
+        self.counters.unhold(Region::Slab, self.record);
         CLOSED.fetch_add(1, Ordering::Relaxed);
         cuda_trace!("closed the mapping of {}", self.describe);
     }
@@ -507,7 +504,7 @@ fn open_slab(
         c
     })?;
     // `slab_record` was checked against SLAB_RECORDS by `receive_now`.
-    let cell = counters.register_importer(th.slab_record);
+    counters.hold(Region::Slab, th.slab_record);
     let m = Arc::new(Mapping {
         key,
         ptr,
@@ -516,7 +513,6 @@ fn open_slab(
         describe: format!("pid {} slab {}", h.pid, th.slab),
         counters: counters.clone(),
         record: th.slab_record,
-        cell,
     });
     cuda_trace!("slab {} of pid {} mapped at {ptr:#x}", th.slab, h.pid);
     OPENED.fetch_add(1, Ordering::Relaxed);
@@ -547,12 +543,21 @@ pub fn close_retired_mappings() -> usize {
 }
 
 /// Periodic upkeep for a process that uses CUDA IPC (the rdt worker runs it
-/// every [`HOUSEKEEPING_PERIOD`]): importers close mappings of retired
-/// slabs, producers free retired slabs no importer maps any more. Touches
-/// no CUDA state in a process that never used CUDA.
+/// every [`HOUSEKEEPING_PERIOD`], when [`housekeeping_due`]): importers
+/// close mappings of retired slabs, producers free retired slabs no
+/// importer maps any more. Touches no CUDA state in a process that never
+/// used CUDA.
 pub fn housekeeping() {
     close_retired_mappings();
     alloc::reclaim();
+}
+
+/// Could [`housekeeping`] find anything to do: does this process map a
+/// producer's slab, or wait for importers to let go of its own memory?
+/// Cheap (two locks, no system call), so that a process that never used
+/// CUDA IPC does not run the upkeep at all.
+pub fn housekeeping_due() -> bool {
+    !mappings().lock().is_empty() || alloc::waiting_for_importers()
 }
 
 /// How often the rdt worker runs [`housekeeping`].
@@ -569,7 +574,7 @@ struct ImportedRange {
 
 impl Drop for ImportedRange {
     fn drop(&mut self) {
-        self.counters.release_range(self.slot);
+        self.counters.unhold(Region::Range, self.slot);
         // The last tensor in a slab the producer retires: close the mapping
         // now (it closes when `self.map`, the last user, drops right after).
         if self.map.retiring() {
@@ -673,61 +678,59 @@ mod tests {
         assert!(e.message.contains("CUDA tensors"), "{e}");
     }
 
-    #[test]
-    fn another_host_is_a_clear_error() {
-        let h = Handles {
-            boot_id: "another-boot".into(),
-            pid_ns: None,
-            pid: 1,
-            counters_fd: 0,
-            counters_id: (0, 0),
-            events: vec![],
-            tensors: vec![],
-        };
-        let ex = Exported {
-            metas: vec![],
-            handles: postcard::to_allocvec(&h).unwrap(),
-            inline: vec![],
-        };
-        let t = CudaIpcTransport::new();
-        let e = futures::executor::block_on(t.receive(&peer(), 0, &ex)).unwrap_err();
-        assert!(e.message.contains("another host"), "{e}");
-    }
-
-    #[test]
-    fn out_of_range_record_indices_are_refused() {
-        let mut h = Handles {
+    /// Handles from a producer on this host (this process), with `tensors`.
+    fn handles_here(tensors: Vec<TensorHandle>) -> Handles {
+        Handles {
             boot_id: host_id().unwrap().boot_id.clone(),
             pid_ns: host_id().unwrap().pid_ns,
             pid: std::process::id(),
             counters_fd: 0,
             counters_id: (0, 0),
             events: vec![],
-            tensors: vec![TensorHandle {
-                slab: 1,
-                slab_handle: vec![0; 64],
-                slab_len: 1024,
-                slab_record: 0,
-                offset: 0,
-                len: 16,
-                slot: alloc::COUNTER_SLOTS as u32,
-            }],
-        };
-        let meta = Tensor::zeros(crate::DType::F32, &[4]).meta();
-        for bad in 0..2 {
-            if bad == 1 {
-                h.tensors[0].slot = 0;
-                h.tensors[0].slab_record = u32::MAX;
-            }
-            let ex = Exported {
-                metas: vec![meta.clone()],
-                handles: postcard::to_allocvec(&h).unwrap(),
-                inline: vec![],
-            };
-            let e = futures::executor::block_on(CudaIpcTransport::new().receive(&peer(), 0, &ex))
-                .unwrap_err();
-            assert!(e.message.contains("out of range"), "{e}");
+            tensors,
         }
+    }
+
+    /// What a fresh transport's `receive` of `h` with `metas` fails with.
+    fn receive_error(h: &Handles, metas: Vec<crate::TensorMeta>) -> TransportError {
+        let ex = Exported {
+            metas,
+            handles: postcard::to_allocvec(h).unwrap(),
+            inline: vec![],
+        };
+        futures::executor::block_on(CudaIpcTransport::new().receive(&peer(), 0, &ex)).unwrap_err()
+    }
+
+    #[test]
+    fn another_host_is_a_clear_error() {
+        let h = Handles {
+            boot_id: "another-boot".into(),
+            pid_ns: None,
+            pid: 1,
+            ..handles_here(vec![])
+        };
+        let e = receive_error(&h, vec![]);
+        assert!(e.message.contains("another host"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_record_indices_are_refused() {
+        let mut h = handles_here(vec![TensorHandle {
+            slab: 1,
+            slab_handle: vec![0; 64],
+            slab_len: 1024,
+            slab_record: 0,
+            offset: 0,
+            len: 16,
+            slot: alloc::COUNTER_SLOTS as u32,
+        }]);
+        let meta = Tensor::zeros(crate::DType::F32, &[4]).meta();
+        let e = receive_error(&h, vec![meta.clone()]);
+        assert!(e.message.contains("out of range"), "{e}");
+        h.tensors[0].slot = 0;
+        h.tensors[0].slab_record = u32::MAX;
+        let e = receive_error(&h, vec![meta]);
+        assert!(e.message.contains("out of range"), "{e}");
     }
 
     #[test]
@@ -735,22 +738,7 @@ mod tests {
         if super::super::available().is_ok() {
             return;
         }
-        let h = Handles {
-            boot_id: host_id().unwrap().boot_id.clone(),
-            pid_ns: host_id().unwrap().pid_ns,
-            pid: std::process::id(),
-            counters_fd: 0,
-            counters_id: (0, 0),
-            events: vec![],
-            tensors: vec![],
-        };
-        let ex = Exported {
-            metas: vec![],
-            handles: postcard::to_allocvec(&h).unwrap(),
-            inline: vec![],
-        };
-        let e = futures::executor::block_on(CudaIpcTransport::new().receive(&peer(), 0, &ex))
-            .unwrap_err();
+        let e = receive_error(&handles_here(vec![]), vec![]);
         assert!(e.message.contains("cannot use CUDA"), "{e}");
         let e = Tensor::cuda_zeros(crate::DType::F32, &[4], 0).unwrap_err();
         assert!(e.to_string().contains("CUDA"), "{e}");

@@ -125,10 +125,10 @@ const CURAND_SYMBOLS: &[&str] = &[
 /// [`available`](super::available)).
 const DRIVER_SYMBOLS: &[&str] = &["cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel"];
 
-fn missing(lib: &str, env_hint: &str) -> CudaError {
+fn missing(lib: &str) -> CudaError {
     CudaError(format!(
         "{lib} was not found on the loader path: it ships with the CUDA toolkit \
-         (and with PyTorch's nvidia-* wheels); add its folder to LD_LIBRARY_PATH{env_hint}"
+         (and with PyTorch's nvidia-* wheels); add its folder to LD_LIBRARY_PATH"
     ))
 }
 
@@ -142,26 +142,28 @@ pub fn nvrtc_available() -> Result<(), CudaError> {
             if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
                 return Err(missing(
                     "libnvrtc (NVRTC, used for on-device sum and compare)",
-                    "",
                 ));
             }
-            // SAFETY: the library is present; lookups call nothing.
+            // SAFETY: the library is present (checked above); lookups call
+            // nothing.
             let lib = unsafe { cudarc::nvrtc::sys::culib() };
-            for s in NVRTC_SYMBOLS {
-                // SAFETY: a lookup only.
-                if unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err() {
-                    return Err(CudaError(format!(
-                        "libnvrtc lacks {s}: NVRTC 11.1 or newer is needed"
-                    )));
-                }
+            // SAFETY: a lookup only.
+            if let Some(s) = NVRTC_SYMBOLS
+                .iter()
+                .find(|s| unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err())
+            {
+                return Err(CudaError(format!(
+                    "libnvrtc lacks {s}: NVRTC 11.1 or newer is needed"
+                )));
             }
-            // SAFETY: checked by `available` to be loaded; lookups only.
+            // SAFETY: loaded, as `available` checked; lookups call nothing.
             let drv = unsafe { sys::culib() };
-            for s in DRIVER_SYMBOLS {
-                // SAFETY: a lookup only.
-                if unsafe { drv.get::<*const ()>(s.as_bytes()) }.is_err() {
-                    return Err(CudaError(format!("libcuda lacks {s}")));
-                }
+            // SAFETY: a lookup only.
+            if let Some(s) = DRIVER_SYMBOLS
+                .iter()
+                .find(|s| unsafe { drv.get::<*const ()>(s.as_bytes()) }.is_err())
+            {
+                return Err(CudaError(format!("libcuda lacks {s}")));
             }
             Ok(())
         })
@@ -176,15 +178,17 @@ pub fn curand_available() -> Result<(), CudaError> {
             super::available()?;
             // SAFETY: only tries to load the library.
             if !unsafe { cudarc::curand::sys::is_culib_present() } {
-                return Err(missing("libcurand (cuRAND, used for random fill)", ""));
+                return Err(missing("libcurand (cuRAND, used for random fill)"));
             }
-            // SAFETY: the library is present; lookups call nothing.
+            // SAFETY: the library is present (checked above); lookups call
+            // nothing.
             let lib = unsafe { cudarc::curand::sys::culib() };
-            for s in CURAND_SYMBOLS {
-                // SAFETY: a lookup only.
-                if unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err() {
-                    return Err(CudaError(format!("libcurand lacks {s}")));
-                }
+            // SAFETY: a lookup only.
+            if let Some(s) = CURAND_SYMBOLS
+                .iter()
+                .find(|s| unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err())
+            {
+                return Err(CudaError(format!("libcurand lacks {s}")));
             }
             Ok(())
         })
@@ -302,19 +306,19 @@ impl Kernels {
         })
     }
 
-    /// Launches `name` over `n` elements with `params` (pointers to the
-    /// argument values), then reads the 8-byte result back.
-    fn reduce(
-        &self,
-        gpu: &Gpu,
-        name: &str,
-        n: u64,
-        params: &mut [*mut c_void],
-    ) -> Result<[u8; 8], CudaError> {
+    /// Launches reduction `name` (every one takes `(inputs..., n, out)`)
+    /// over `n` elements of the device arrays `inputs`, then reads the
+    /// 8-byte result back.
+    fn reduce(&self, gpu: &Gpu, name: &str, inputs: &[u64], n: u64) -> Result<[u8; 8], CudaError> {
         let f = self
             .functions
             .get(name)
             .ok_or_else(|| CudaError(format!("no kernel {name}")))?;
+        let mut args: Vec<u64> = inputs.iter().copied().chain([n, self.result]).collect();
+        let mut params: Vec<*mut c_void> = args
+            .iter_mut()
+            .map(|a| a as *mut u64 as *mut c_void)
+            .collect();
         let _busy = self.busy.lock();
         gpu.fill(self.result, 8, &[0])?;
         if n > 0 {
@@ -322,10 +326,12 @@ impl Kernels {
                 .div_ceil(BLOCK as u64)
                 .min(gpu.multiprocessors()? as u64 * 8)
                 .max(1) as u32;
-            // SAFETY: the parameters match the kernel's signature (built by
-            // the callers below), every pointer is live device memory of
-            // this context or reachable through unified addressing, and
-            // the stream belongs to this context.
+            // SAFETY: the parameters match the kernel's signature (every
+            // rdt kernel takes device pointers, then `n`, then `out`, all
+            // 8 bytes), every pointer is live device memory of this context
+            // or reachable through unified addressing, and the stream
+            // belongs to this context. `args` outlives the launch call,
+            // which copies the values.
             unsafe {
                 cu::launch_kernel(
                     f.cu_function(),
@@ -333,7 +339,7 @@ impl Kernels {
                     (BLOCK, 1, 1),
                     0,
                     gpu.raw_stream(),
-                    params,
+                    &mut params,
                 )
             }
             .map_err(|e| CudaError::call(&format!("launching {name}"), e))?;
@@ -364,16 +370,9 @@ fn sum_kernel(dtype: DType) -> &'static str {
 /// on the device (the order of additions differs from the host's, so a
 /// floating-point sum may differ in its last bits). Blocks until done.
 pub fn sum(gpu: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<f64, CudaError> {
-    let k = gpu.kernels()?;
-    let mut x = ptr;
-    let mut count = n as u64;
-    let mut out = k.result;
-    let mut params = [
-        &mut x as *mut u64 as *mut c_void,
-        &mut count as *mut u64 as *mut c_void,
-        &mut out as *mut u64 as *mut c_void,
-    ];
-    let bytes = k.reduce(gpu, sum_kernel(dtype), count, &mut params)?;
+    let bytes = gpu
+        .kernels()?
+        .reduce(gpu, sum_kernel(dtype), &[ptr], n as u64)?;
     Ok(f64::from_ne_bytes(bytes))
 }
 
@@ -382,31 +381,17 @@ pub fn sum(gpu: &Gpu, dtype: DType, ptr: u64, n: usize) -> Result<f64, CudaError
 /// Both ranges must be addressable from `gpu`'s context. Blocks until done.
 pub fn count_differences(gpu: &Gpu, a: u64, b: u64, len: usize) -> Result<u64, CudaError> {
     let k = gpu.kernels()?;
-    let result = k.result;
     let aligned = a % 4 == 0 && b % 4 == 0;
     let words = if aligned { len / 4 } else { 0 };
     let mut total = 0u64;
     if words > 0 {
-        let (mut pa, mut pb, mut n, mut out) = (a, b, words as u64, result);
-        let mut params = [
-            &mut pa as *mut u64 as *mut c_void,
-            &mut pb as *mut u64 as *mut c_void,
-            &mut n as *mut u64 as *mut c_void,
-            &mut out as *mut u64 as *mut c_void,
-        ];
-        total += u64::from_ne_bytes(k.reduce(gpu, "rdt_diff_u32", n, &mut params)?);
+        total += u64::from_ne_bytes(k.reduce(gpu, "rdt_diff_u32", &[a, b], words as u64)?);
     }
     let tail = len - words * 4;
     if tail > 0 {
         let off = (words * 4) as u64;
-        let (mut pa, mut pb, mut n, mut out) = (a + off, b + off, tail as u64, result);
-        let mut params = [
-            &mut pa as *mut u64 as *mut c_void,
-            &mut pb as *mut u64 as *mut c_void,
-            &mut n as *mut u64 as *mut c_void,
-            &mut out as *mut u64 as *mut c_void,
-        ];
-        total += u64::from_ne_bytes(k.reduce(gpu, "rdt_diff_u8", n, &mut params)?);
+        total +=
+            u64::from_ne_bytes(k.reduce(gpu, "rdt_diff_u8", &[a + off, b + off], tail as u64)?);
     }
     Ok(total)
 }
