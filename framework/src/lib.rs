@@ -19,6 +19,7 @@ mod object_ref;
 mod owner;
 mod protocol;
 mod runtime;
+mod startup;
 mod transport;
 mod worker;
 
@@ -29,7 +30,9 @@ pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
 pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;
-pub use worker::{init, local_objects, wait_tensor_freed, wait_tensor_freed_timeout};
+pub use worker::{
+    init, local_objects, received_objects, wait_tensor_freed, wait_tensor_freed_timeout,
+};
 
 /// The data-plane crate: tensors, the transport trait, value extraction.
 pub use rdt_transport as data;
@@ -57,7 +60,9 @@ pub mod __fuzz {
 pub mod __private {
     pub use crate::actor::{encode_return, ActorRegistration, CallArgs, ACTOR_TYPES};
     pub use crate::object_ref::{Call, RawHandle};
-    pub use crate::worker::{boot_if_worker, run_worker};
+    pub use crate::worker::{boot_before_main, run_worker, RDT_MAIN};
+    #[cfg(feature = "failpoints")]
+    pub use fail;
     pub use futures::future::LocalBoxFuture;
     pub use futures::FutureExt;
     pub use linkme;
@@ -76,7 +81,7 @@ pub mod __private {
                 #[cfg_attr(target_os = "linux", link_section = ".init_array")]
                 static __RDT_WORKER_BOOT: extern "C" fn() = {
                     extern "C" fn __rdt_worker_boot() {
-                        $crate::__private::boot_if_worker();
+                        $crate::__private::boot_before_main();
                     }
                     __rdt_worker_boot
                 };

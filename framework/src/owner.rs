@@ -1,4 +1,5 @@
-//! The owner table: the driver's record of every live object.
+//! The owner table: the driver's record of every live object and of every
+//! transfer in flight.
 //!
 //! # States
 //! An entry is created **pending** when a call is submitted (or **ready**
@@ -7,27 +8,43 @@
 //! **failed** (the method's error, or the producer's death). An entry is
 //! **freed** by removing it from the table.
 //!
+//! A consumer's copy of an object is **receiving** from the moment its
+//! delivery is sent until the consumer acknowledges the receive
+//! (`Received`, done or failed) or the transfer is aborted, then **held**
+//! until the consumer no longer needs it.
+//!
 //! # Invariants
-//! 1. `refs` counts the driver's live `ObjectRef`s; `pending_calls` counts
-//!    submitted calls that take the object and have not finished. An entry
-//!    is freed exactly when both are zero and it is not pending; then the
-//!    producer (direct transports) and every holder of a copy are told to
-//!    drop it.
-//! 2. A consumer gets each object at most once (`holders`); a call that
-//!    needs an object already delivered to its actor causes no transfer. The
-//!    producer itself never receives its own object: it already holds the
-//!    same storage (hand-over without copy).
-//! 3. Deliveries for a pending object wait in `waiting` and go out, in
-//!    order, when the object becomes ready or failed. A failed object is
-//!    delivered as its error, so the consumer's call fails with a dependency
-//!    error naming the original.
-//! 4. When a producer dies, its pending objects fail, its ready direct
-//!    objects become failed (their tensors died with it), and every holder
-//!    of a direct copy still in flight is told so: nothing waits on a dead
-//!    process.
-//! 5. Messages to one actor go out on one ordered connection.
+//! - **OW-1 (free):** an entry is freed exactly when no driver ref
+//!   (`refs`), no submitted call (`needs`) and no receive in flight needs it
+//!   and it is not pending; then the producer (direct transports) and every
+//!   holder of a copy are told to drop it. A receive in flight holds the
+//!   free back until its acknowledgement: nothing is freed under a receive.
+//! - **OW-2 (secondary copies):** when the last call of a consumer that
+//!   needed an object finishes and its receive is acknowledged, that
+//!   consumer is told to drop its copy (Ray pops secondary copies), so a
+//!   rollout fed new weights every step does not keep the old ones. A later
+//!   call that needs the object again gets a new delivery.
+//! - **OW-3 (once per copy):** a consumer gets each object at most once
+//!   while it holds a copy; a call that needs an object already delivered
+//!   to its actor causes no transfer. The producer itself never receives its
+//!   own object: it already holds the same storage (hand-over without copy).
+//! - **OW-4 (waiting deliveries):** deliveries for a pending object wait in
+//!   `waiting` and go out, in order, when the object becomes ready or
+//!   failed. A failed object is delivered as its error, so the consumer's
+//!   call fails with a dependency error naming the original.
+//! - **OW-5 (death):** when a producer dies, its pending objects fail (their
+//!   calls fail), its ready direct objects become failed (their tensors died
+//!   with it), and every receive in flight from it is aborted with the
+//!   producer's death as its error. When a consumer dies, its transfers are
+//!   dropped (the producer's send is aborted) and its copies forgotten.
+//! - **OW-6 (no message dropped):** a delivery that cannot be sent (too large
+//!   for a frame) is replaced by the error saying so, so the call that
+//!   needed it fails instead of waiting; a send order that cannot be sent
+//!   fails the transfer the same way.
+//! - **OW-7 (one connection):** messages to one actor go out on one ordered
+//!   connection, so a `Free` never overtakes the delivery it frees.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use rdt_transport::{Peer, Sidedness};
 use tokio::sync::oneshot;
@@ -46,14 +63,25 @@ pub(crate) enum ObjState {
     Failed(Error),
 }
 
+/// A consumer's copy of an object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Copy {
+    /// Delivered as transfer `xfer`; not acknowledged yet.
+    Receiving(u64),
+    /// In the consumer's store (the value or the error it got).
+    Held,
+}
+
 /// One object.
 pub(crate) struct Entry {
     pub producer: Option<ActorId>,
     pub transport: String,
     pub state: ObjState,
     pub refs: usize,
-    pub pending_calls: usize,
-    pub holders: HashSet<ActorId>,
+    /// Submitted, unfinished calls that take the object, per consumer.
+    needs: HashMap<ActorId, usize>,
+    /// Consumers that hold or are receiving a copy.
+    copies: HashMap<ActorId, Copy>,
     waiting: Vec<ActorId>,
     pub getters: Vec<oneshot::Sender<()>>,
     passed_back: bool,
@@ -69,8 +97,8 @@ impl Entry {
             transport: transport.to_string(),
             state,
             refs: 1,
-            pending_calls: 0,
-            holders: HashSet::new(),
+            needs: HashMap::new(),
+            copies: HashMap::new(),
             waiting: Vec::new(),
             getters: Vec::new(),
             passed_back: false,
@@ -85,6 +113,22 @@ impl Entry {
             Err(_) => Sidedness::ThroughDriver,
         }
     }
+
+    fn receiving(&self) -> bool {
+        self.copies
+            .values()
+            .any(|c| matches!(c, Copy::Receiving(_)))
+    }
+}
+
+/// A transfer in flight: delivered to its consumer, not yet acknowledged.
+#[derive(Clone, Debug)]
+pub(crate) struct InFlight {
+    pub object: u64,
+    pub producer: Option<ActorId>,
+    pub consumer: ActorId,
+    pub transport: String,
+    pub two_sided: bool,
 }
 
 /// What the driver knows of an actor.
@@ -109,18 +153,43 @@ impl ActorInfo {
 
 pub(crate) type Actors = HashMap<ActorId, ActorInfo>;
 
-fn send(actors: &Actors, to: ActorId, msg: &ToWorker) {
-    if let Some(conn) = actors.get(&to).and_then(|a| a.conn.as_ref()) {
-        if let Err(e) = conn.send(msg) {
-            tracing::error!("could not encode a message for actor {to}: {e}");
-        }
+/// Sends `msg` to `to` (OW-7). A closed connection is not an error here
+/// (the reader reports the death); a message that cannot be encoded or is
+/// too large for a frame is (OW-6).
+fn send(actors: &Actors, to: ActorId, msg: &ToWorker) -> Result<(), Error> {
+    match actors.get(&to).and_then(|a| a.conn.as_ref()) {
+        Some(conn) => conn.send(msg),
+        None => Ok(()),
     }
+}
+
+/// Sends a message that cannot be too large (frees, aborts, errors); a
+/// failure can only be an encoding bug, so it is logged loudly.
+fn send_small(actors: &Actors, to: ActorId, msg: &ToWorker) {
+    if let Err(e) = send(actors, to, msg) {
+        tracing::error!("could not send a control message to actor {to}: {e}");
+    }
+}
+
+fn deliver_error(actors: &Actors, to: ActorId, object: u64, err: Error) {
+    send_small(
+        actors,
+        to,
+        &ToWorker::Deliver {
+            object,
+            value: Err(err),
+        },
+    );
 }
 
 /// The table.
 #[derive(Default)]
 pub(crate) struct OwnerTable {
     pub objects: HashMap<u64, Entry>,
+    transfers: HashMap<u64, InFlight>,
+    /// Transfers started since the driver last looked: it arms their
+    /// deadlines.
+    started: Vec<u64>,
     next_xfer: u64,
 }
 
@@ -154,22 +223,30 @@ impl OwnerTable {
         self.maybe_free(id, actors);
     }
 
+    /// Transfers started since the last call (their deadlines need arming).
+    pub fn take_started(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.started)
+    }
+
+    /// The transfer `xfer`, if it is still in flight.
+    pub fn transfer(&self, xfer: u64) -> Option<&InFlight> {
+        self.transfers.get(&xfer)
+    }
+
+    /// Number of transfers in flight (for tests and leak checks).
+    pub fn transfers_in_flight(&self) -> usize {
+        self.transfers.len()
+    }
+
     /// A submitted call to `consumer` takes object `id`.
     pub fn need(&mut self, id: u64, consumer: ActorId, actors: &Actors) {
         let Some(e) = self.objects.get_mut(&id) else {
             // Cannot happen while the caller holds a ref; be loud if it does.
             tracing::error!("a call needs object {id}, which the owner table no longer has");
-            send(
-                actors,
-                consumer,
-                &ToWorker::Deliver {
-                    object: id,
-                    value: Err(Error::Freed { object: id }),
-                },
-            );
+            deliver_error(actors, consumer, id, Error::Freed { object: id });
             return;
         };
-        e.pending_calls += 1;
+        *e.needs.entry(consumer).or_default() += 1;
         if matches!(e.state, ObjState::Pending) {
             e.waiting.push(consumer);
         } else {
@@ -178,10 +255,6 @@ impl OwnerTable {
     }
 
     fn deliver(&mut self, id: u64, consumer: ActorId, actors: &Actors) {
-        let xfer = {
-            self.next_xfer += 1;
-            self.next_xfer
-        };
         let Some(e) = self.objects.get_mut(&id) else {
             return;
         };
@@ -189,83 +262,45 @@ impl OwnerTable {
         let value = match &e.state {
             ObjState::Pending => return,
             ObjState::Failed(err) => {
-                if e.holders.insert(consumer) {
-                    send(
-                        actors,
-                        consumer,
-                        &ToWorker::Deliver {
-                            object: id,
-                            value: Err(err.clone()),
-                        },
-                    );
+                if let std::collections::hash_map::Entry::Vacant(v) = e.copies.entry(consumer) {
+                    v.insert(Copy::Held);
+                    deliver_error(actors, consumer, id, err.clone());
                 }
                 return;
             }
             ObjState::Ready(v) => v.clone(),
         };
         if sided != Sidedness::ThroughDriver && e.producer == Some(consumer) {
-            // Invariant 2: the producer already holds the storage.
+            // OW-3: the producer already holds the storage.
             e.passed_back = true;
-        } else if e.holders.insert(consumer) {
-            if sided != Sidedness::ThroughDriver {
-                e.sent_elsewhere = true;
-            }
-            let producer = e
-                .producer
-                .and_then(|p| actors.get(&p).map(|a| a.peer(p, &e.transport)));
-            if let (Some(p), Some(c)) = (&producer, actors.get(&consumer)) {
-                // One-sided same-host transports: refuse another host before
-                // anything moves, naming both ends.
-                let same_host_only = matches!(
-                    e.transport.parse::<Transport>(),
-                    Ok(Transport::Shm | Transport::CudaIpc)
-                );
-                if same_host_only && !p.host.is_empty() && !c.host.is_empty() && p.host != c.host {
-                    let err = Error::Transport(rdt_transport::TransportError::with_peer(
-                        &e.transport,
-                        p,
-                        format!(
-                            "{} moves tensors only between actors on one host; {} is on {} and {} on {}: use tcp (in a collective group) or object_store",
-                            e.transport, p.name, p.host, c.name, c.host
-                        ),
-                    ));
-                    send(
-                        actors,
-                        consumer,
-                        &ToWorker::Deliver {
-                            object: id,
-                            value: Err(err),
-                        },
-                    );
-                    return;
-                }
-            }
-            if sided == Sidedness::TwoSided {
-                if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
-                    send(
-                        actors,
-                        p,
-                        &ToWorker::SendTo {
-                            object: id,
-                            xfer,
-                            to: c.peer(consumer, &e.transport),
-                        },
-                    );
-                }
-            }
-            send(
-                actors,
-                consumer,
-                &ToWorker::Deliver {
+        } else if let std::collections::hash_map::Entry::Vacant(copy) = e.copies.entry(consumer) {
+            if sided == Sidedness::ThroughDriver {
+                // The bytes travel in the delivery: nothing to acknowledge.
+                copy.insert(Copy::Held);
+                let msg = ToWorker::Deliver {
                     object: id,
                     value: Ok(Delivery {
                         value,
-                        from: producer,
-                        xfer,
+                        from: None,
+                        xfer: 0,
                     }),
-                },
-            );
+                };
+                if let Err(err) = send(actors, consumer, &msg) {
+                    deliver_error(actors, consumer, id, err); // OW-6
+                }
+            } else {
+                e.sent_elsewhere = true;
+                self.next_xfer += 1;
+                let xfer = self.next_xfer;
+                let e = self.objects.get_mut(&id).expect("looked up above");
+                self.transfers
+                    .extend(start_direct(e, id, xfer, consumer, value, actors));
+                if self.transfers.contains_key(&xfer) {
+                    self.started.push(xfer);
+                }
+            }
         }
+        let e = self.objects.get_mut(&id).expect("looked up above");
         if e.passed_back && e.sent_elsewhere && !e.warned {
             e.warned = true;
             tracing::warn!(
@@ -282,6 +317,7 @@ impl OwnerTable {
         &mut self,
         result: u64,
         outcome: Result<WireValue, Error>,
+        consumer: ActorId,
         args: &[u64],
         actors: &Actors,
     ) {
@@ -305,16 +341,111 @@ impl OwnerTable {
         }
         for &a in args {
             if let Some(e) = self.objects.get_mut(&a) {
-                e.pending_calls = e.pending_calls.saturating_sub(1);
+                if let Some(n) = e.needs.get_mut(&consumer) {
+                    *n -= 1;
+                    if *n == 0 {
+                        e.needs.remove(&consumer);
+                        release_copy(e, a, consumer, actors);
+                    }
+                }
             }
             self.maybe_free(a, actors);
         }
         self.maybe_free(result, actors);
     }
 
+    /// The consumer acknowledged transfer `xfer` (done or failed). Returns
+    /// the transfer, if it was still in flight.
+    pub fn received(
+        &mut self,
+        xfer: u64,
+        from: ActorId,
+        result: &Result<(), Error>,
+        actors: &Actors,
+    ) -> Option<InFlight> {
+        let Some(t) = self.transfers.get(&xfer) else {
+            // Aborted before the ack: the copy is already `Held` (an
+            // `AbortTransfer` crossed a finished receive) and is freed with
+            // the rest; nothing to do.
+            return None;
+        };
+        if t.consumer != from {
+            tracing::warn!("actor {from} acknowledged transfer {xfer}, which is not its own");
+            return None;
+        }
+        let t = self.transfers.remove(&xfer).expect("looked up above");
+        if let (Err(e), true, Some(p)) = (result, t.two_sided, t.producer) {
+            // The producer may still be sending into a receive that gave up.
+            send_small(
+                actors,
+                p,
+                &ToWorker::AbortTransfer {
+                    object: t.object,
+                    xfer,
+                    error: e.clone(),
+                },
+            );
+        }
+        self.settle(&t, actors);
+        Some(t)
+    }
+
+    /// The producer's send of `xfer` failed: the consumer's receive is
+    /// aborted with that error (it acknowledges, which settles the copy).
+    pub fn send_failed(&mut self, xfer: u64, error: Error, actors: &Actors) -> Option<InFlight> {
+        let t = self.transfers.get(&xfer)?.clone();
+        send_small(
+            actors,
+            t.consumer,
+            &ToWorker::AbortTransfer {
+                object: t.object,
+                xfer,
+                error,
+            },
+        );
+        Some(t)
+    }
+
+    /// `xfer`'s deadline passed (or an end of it died): both ends are told
+    /// to stop, and the copy is settled now, without waiting for an ack
+    /// that may never come.
+    pub fn abort(&mut self, xfer: u64, error: Error, actors: &Actors) -> Option<InFlight> {
+        let t = self.transfers.remove(&xfer)?;
+        let msg = ToWorker::AbortTransfer {
+            object: t.object,
+            xfer,
+            error,
+        };
+        send_small(actors, t.consumer, &msg);
+        if let (true, Some(p)) = (t.two_sided, t.producer) {
+            send_small(actors, p, &msg);
+        }
+        self.settle(&t, actors);
+        Some(t)
+    }
+
+    /// A receive ended (acknowledged or aborted): the copy is held (value
+    /// or error in the consumer's store) and follows OW-1/OW-2 from here.
+    fn settle(&mut self, t: &InFlight, actors: &Actors) {
+        if let Some(e) = self.objects.get_mut(&t.object) {
+            if let Some(c) = e.copies.get_mut(&t.consumer) {
+                *c = Copy::Held;
+            }
+            if !e.needs.contains_key(&t.consumer) {
+                release_copy(e, t.object, t.consumer, actors);
+            }
+        }
+        self.maybe_free(t.object, actors);
+    }
+
     fn maybe_free(&mut self, id: u64, actors: &Actors) {
         let free = match self.objects.get(&id) {
-            Some(e) => e.refs == 0 && e.pending_calls == 0 && !matches!(e.state, ObjState::Pending),
+            Some(e) => {
+                e.refs == 0
+                    && e.needs.is_empty()
+                    && !e.receiving()
+                    && !matches!(e.state, ObjState::Pending)
+            }
             None => false,
         };
         if !free {
@@ -325,51 +456,163 @@ impl OwnerTable {
             e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
         if direct {
             if let Some(p) = e.producer {
-                send(actors, p, &ToWorker::Free { object: id });
+                send_small(actors, p, &ToWorker::Free { object: id });
             }
         }
-        for h in e.holders {
+        for (h, _) in e.copies {
             if Some(h) != e.producer || !direct {
-                send(actors, h, &ToWorker::Free { object: id });
+                send_small(actors, h, &ToWorker::Free { object: id });
             }
         }
     }
 
-    /// Invariant 4.
+    /// OW-5.
     pub fn actor_died(&mut self, actor: ActorId, err: &Error, actors: &Actors) {
-        let ids: Vec<u64> = self
-            .objects
+        // Transfers with the dead actor at either end.
+        let ended: Vec<u64> = self
+            .transfers
             .iter()
-            .filter(|(_, e)| e.producer == Some(actor))
-            .map(|(id, _)| *id)
+            .filter(|(_, t)| t.consumer == actor || t.producer == Some(actor))
+            .map(|(x, _)| *x)
             .collect();
+        for xfer in ended {
+            self.abort(xfer, err.clone(), actors);
+        }
+        let ids: Vec<u64> = self.objects.keys().copied().collect();
         for id in ids {
             let e = self.objects.get_mut(&id).expect("listed above");
-            match &e.state {
-                ObjState::Pending => {
-                    // Its call fails through the pending-call path; nothing here.
+            // A dead consumer holds nothing any more.
+            e.copies.remove(&actor);
+            if e.producer == Some(actor)
+                && matches!(e.state, ObjState::Ready(_))
+                && e.sidedness() != Sidedness::ThroughDriver
+            {
+                e.state = ObjState::Failed(err.clone());
+                // Holders whose call still waits see the death (a store
+                // never replaces received data by a late error).
+                for (&h, _) in e.copies.iter() {
+                    deliver_error(actors, h, id, err.clone());
                 }
-                ObjState::Ready(_) if e.sidedness() != Sidedness::ThroughDriver => {
-                    e.state = ObjState::Failed(err.clone());
-                    let holders: Vec<ActorId> = e.holders.iter().copied().collect();
-                    for h in holders {
-                        send(
-                            actors,
-                            h,
-                            &ToWorker::Deliver {
-                                object: id,
-                                value: Err(err.clone()),
-                            },
-                        );
-                    }
-                }
-                _ => {}
             }
+            self.maybe_free(id, actors);
         }
     }
 
     /// Number of live entries (for tests and soak checks).
     pub fn len(&self) -> usize {
         self.objects.len()
+    }
+}
+
+/// OW-2: `consumer` no longer needs its copy of `id`; once its receive is
+/// acknowledged, it drops it.
+fn release_copy(e: &mut Entry, id: u64, consumer: ActorId, actors: &Actors) {
+    if e.copies.get(&consumer) == Some(&Copy::Held) && e.producer != Some(consumer) {
+        e.copies.remove(&consumer);
+        send_small(actors, consumer, &ToWorker::Free { object: id });
+    }
+}
+
+/// Sends the orders of a direct transfer of `e` to `consumer` as `xfer`
+/// (the send order first for two-sided transports, then the delivery),
+/// recording the copy. Returns the transfer to track, or `None` when it
+/// could not start (the consumer then got the error instead: OW-6).
+fn start_direct(
+    e: &mut Entry,
+    id: u64,
+    xfer: u64,
+    consumer: ActorId,
+    value: WireValue,
+    actors: &Actors,
+) -> Option<(u64, InFlight)> {
+    let sided = e.sidedness();
+    let producer = e
+        .producer
+        .and_then(|p| actors.get(&p).map(|a| a.peer(p, &e.transport)));
+    // The consumer ends up holding either the value or an error.
+    e.copies.insert(consumer, Copy::Held);
+    if let (Some(p), Some(c)) = (&producer, actors.get(&consumer)) {
+        // One-sided same-host transports: refuse another host before
+        // anything moves, naming both ends.
+        let same_host_only = matches!(
+            e.transport.parse::<Transport>(),
+            Ok(Transport::Shm | Transport::CudaIpc)
+        );
+        if same_host_only && !p.host.is_empty() && !c.host.is_empty() && p.host != c.host {
+            let err = Error::Transport(rdt_transport::TransportError::with_peer(
+                &e.transport,
+                p,
+                format!(
+                    "{} moves tensors only between actors on one host; {} is on {} and {} on {}: use tcp (in a collective group) or object_store",
+                    e.transport, p.name, p.host, c.name, c.host
+                ),
+            ));
+            deliver_error(actors, consumer, id, err);
+            return None;
+        }
+    }
+    let two_sided = sided == Sidedness::TwoSided;
+    if two_sided {
+        if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
+            let order = ToWorker::SendTo {
+                object: id,
+                xfer,
+                to: c.peer(consumer, &e.transport),
+            };
+            if let Err(err) = send(actors, p, &order) {
+                deliver_error(actors, consumer, id, err); // OW-6
+                return None;
+            }
+        }
+    }
+    let msg = ToWorker::Deliver {
+        object: id,
+        value: Ok(Delivery {
+            value,
+            from: producer,
+            xfer,
+        }),
+    };
+    if let Err(err) = send(actors, consumer, &msg) {
+        if let (true, Some(p)) = (two_sided, e.producer) {
+            send_small(
+                actors,
+                p,
+                &ToWorker::AbortTransfer {
+                    object: id,
+                    xfer,
+                    error: err.clone(),
+                },
+            );
+        }
+        deliver_error(actors, consumer, id, err); // OW-6
+        return None;
+    }
+    e.copies.insert(consumer, Copy::Receiving(xfer));
+    tracing::debug!(
+        xfer,
+        object = id,
+        transport = %e.transport,
+        producer = ?e.producer,
+        consumer,
+        bytes = e_bytes(e),
+        "transfer started"
+    );
+    Some((
+        xfer,
+        InFlight {
+            object: id,
+            producer: e.producer,
+            consumer,
+            transport: e.transport.clone(),
+            two_sided,
+        },
+    ))
+}
+
+fn e_bytes(e: &Entry) -> usize {
+    match &e.state {
+        ObjState::Ready(v) => v.exported.nbytes(),
+        _ => 0,
     }
 }

@@ -130,6 +130,24 @@ pub enum ToWorker {
         /// Consumer.
         to: Peer,
     },
+    /// Stop a transfer in progress (either end): its deadline passed, the
+    /// other end failed, or the peer died. The consumer's receive fails with
+    /// `error` (and is acknowledged with `Received`), the producer's send
+    /// stops. An abort for a transfer already finished is ignored.
+    AbortTransfer {
+        /// Object id.
+        object: u64,
+        /// The transfer.
+        xfer: u64,
+        /// Why (becomes the receive's error).
+        error: Error,
+    },
+    /// An actor died: transports drop what they keep for it (connections,
+    /// caches).
+    PeerGone {
+        /// The dead actor's id.
+        actor: u64,
+    },
     /// The owner table freed the object: drop it.
     Free {
         /// Object id.
@@ -172,11 +190,26 @@ pub enum ToDriver {
         /// The result value or the error.
         result: std::result::Result<WireValue, Error>,
     },
-    /// A transfer this worker took part in failed (for collective
-    /// transports the driver tears the group down).
+    /// The consumer's receive of a delivery finished: the object is in its
+    /// store (`Ok`), or the receive failed. Every delivery of a direct
+    /// transport is acknowledged exactly once; the driver frees nothing the
+    /// receive may still touch before this arrives.
+    Received {
+        /// Object id.
+        object: u64,
+        /// The transfer.
+        xfer: u64,
+        /// How it ended.
+        result: std::result::Result<(), Error>,
+    },
+    /// The producer's send of a two-sided transfer failed (the driver aborts
+    /// the consumer's receive and, for collective transports, tears the
+    /// group down).
     TransferFailed {
         /// Object id.
         object: u64,
+        /// The transfer.
+        xfer: u64,
         /// The other end.
         peer: u64,
         /// Transport name.

@@ -150,7 +150,9 @@ impl RuntimeBuilder {
             Some((cert, key)) => Some(protocol::tls_acceptor(cert, key)?),
             None => None,
         };
-        let inner = Arc::new(Inner {
+        let inner = Arc::new_cyclic(|me| Inner {
+            me: me.clone(),
+            tokio: tokio::runtime::Handle::current(),
             config: self,
             secret: protocol::new_secret(),
             _dir: dir,
@@ -159,6 +161,7 @@ impl RuntimeBuilder {
             next: AtomicU64::new(1),
             control_addr,
             volunteer_joined: tokio::sync::Notify::new(),
+            settled: tokio::sync::Notify::new(),
         });
         tokio::spawn(accept_loop(listener, Arc::downgrade(&inner)));
         if let Some(l) = tcp {
@@ -176,6 +179,10 @@ pub struct Runtime {
 }
 
 pub(crate) struct Inner {
+    /// This runtime, weakly (DR: background tasks never keep it alive).
+    me: Weak<Inner>,
+    /// Where deadline timers run (calls may be submitted from any thread).
+    tokio: tokio::runtime::Handle,
     config: RuntimeBuilder,
     secret: [u8; 32],
     _dir: tempfile::TempDir,
@@ -184,6 +191,8 @@ pub(crate) struct Inner {
     next: AtomicU64,
     control_addr: Option<std::net::SocketAddr>,
     volunteer_joined: tokio::sync::Notify,
+    /// Woken whenever transfers end (see `Runtime::transfers_settled`).
+    settled: tokio::sync::Notify,
 }
 
 struct PendingCall {
@@ -199,27 +208,42 @@ struct Joined {
 struct Process {
     pid: u32,
     exit: watch::Receiver<Option<String>>,
+    /// Signals go through this, never through `pid` (DR-2).
+    pidfd: Arc<std::os::fd::OwnedFd>,
     _guard: ChildGuard,
 }
 
-/// Kills a worker process on drop unless it already exited.
+/// Kills a worker process on drop (through its pidfd: a no-op once it was
+/// reaped, whatever process has its pid by then).
 struct ChildGuard {
-    pid: u32,
-    exit: watch::Receiver<Option<String>>,
+    pidfd: Arc<std::os::fd::OwnedFd>,
 }
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        if self.exit.borrow().is_none() {
-            // SAFETY: plain syscall; the pid is our child and has not been
-            // reaped (the reaper publishes the exit before reaping completes
-            // only after wait returns, so a recycled pid is not possible
-            // while `exit` is None).
-            unsafe {
-                libc::kill(self.pid as i32, libc::SIGKILL);
-            }
-        }
+        let _ = pidfd_kill(&self.pidfd);
     }
+}
+
+/// DR-2: sends SIGKILL to the process `pidfd` refers to. A pidfd names one
+/// process for good: once that process was reaped the call fails with
+/// `ESRCH` instead of signalling whatever process reuses its pid.
+fn pidfd_kill(pidfd: &std::os::fd::OwnedFd) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain syscall on a descriptor we own; no siginfo.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 #[derive(Default)]
@@ -233,6 +257,8 @@ pub(crate) struct State {
     fetches: HashMap<u64, (u64, oneshot::Sender<Result<WireValue>>)>,
     groups: HashMap<u64, Group>,
     volunteers: std::collections::VecDeque<Volunteer>,
+    /// Deadline timers of transfers in flight (XF-6), by transfer id.
+    timers: HashMap<u64, tokio::task::AbortHandle>,
 }
 
 /// A collective group: actors that may move objects of its backend between
@@ -366,13 +392,29 @@ impl Runtime {
             message: e.to_string(),
         })?;
         let wv = inline_value(payload)?;
-        let size = wv.data.0.len() + wv.exported.nbytes();
+        // The value travels in a delivery to every consumer: check the
+        // size of that whole frame, not of the value alone (OW-6).
+        let probe = ToWorker::Deliver {
+            object: u64::MAX,
+            value: Ok(protocol::Delivery {
+                value: wv,
+                from: None,
+                xfer: 0,
+            }),
+        };
+        let size = rdt_transport::wire::to_frame(&probe)
+            .map_err(|e| Error::Protocol(e.to_string()))?
+            .len();
         if size > self.inner.config.max_frame_bytes {
             return Err(Error::Protocol(format!(
-                "a {size}-byte value exceeds the control frame limit of {} bytes; raise RuntimeBuilder::max_frame_bytes",
+                "a value put by the driver travels in a {size}-byte message, over the control frame limit of {} bytes; raise RuntimeBuilder::max_frame_bytes or return the tensors from an actor method with a direct transport",
                 self.inner.config.max_frame_bytes
             )));
         }
+        let ToWorker::Deliver { value: Ok(d), .. } = probe else {
+            unreachable!("built above")
+        };
+        let wv = d.value;
         let id = self.inner.next_id();
         self.inner
             .state
@@ -450,6 +492,28 @@ impl Runtime {
     /// Number of objects the owner table holds (for tests and leak checks).
     pub fn live_objects(&self) -> usize {
         self.inner.state.lock().table.len()
+    }
+
+    /// Number of direct transfers delivered to a consumer and not yet
+    /// acknowledged by it (or aborted).
+    pub fn transfers_in_flight(&self) -> usize {
+        self.inner.state.lock().table.transfers_in_flight()
+    }
+
+    /// Waits until no direct transfer is in flight: every receive was
+    /// acknowledged or aborted, and the frees they held back went out.
+    /// Each transfer has a deadline (`RuntimeBuilder::transfer_timeout`),
+    /// so this ends.
+    pub async fn transfers_settled(&self) {
+        loop {
+            let notified = self.inner.settled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.transfers_in_flight() == 0 {
+                return;
+            }
+            notified.await;
+        }
     }
 
     /// Asks every worker to exit, waits up to the grace period, then kills
@@ -633,6 +697,48 @@ impl Inner {
         self.state.lock().processes.get(&actor).map(|p| p.pid)
     }
 
+    /// Starts the deadline timers of transfers the owner table just
+    /// started (XF-6): when one passes, both ends are aborted and the
+    /// calls involved fail with a timeout.
+    fn arm_deadlines(&self, st: &mut State) {
+        let timeout = self.config.transfer_timeout;
+        for xfer in st.table.take_started() {
+            let me = self.me.clone();
+            let timer = self.tokio.spawn(async move {
+                tokio::time::sleep(timeout).await;
+                if let Some(inner) = me.upgrade() {
+                    inner.transfer_expired(xfer, timeout);
+                }
+            });
+            st.timers.insert(xfer, timer.abort_handle());
+        }
+    }
+
+    fn transfer_expired(&self, xfer: u64, after: Duration) {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        st.timers.remove(&xfer);
+        let Some(t) = st.table.transfer(xfer).cloned() else {
+            return;
+        };
+        let err = Error::Timeout {
+            what: format!(
+                "the {} transfer of object {} from {} to {} (the transfer deadline, RuntimeBuilder::transfer_timeout; both ends were aborted)",
+                t.transport,
+                t.object,
+                t.producer
+                    .map(|p| actor_name(&st.actors, p))
+                    .unwrap_or_else(|| "the driver".into()),
+                actor_name(&st.actors, t.consumer)
+            ),
+            after_ms: after.as_millis() as u64,
+        };
+        tracing::warn!(xfer, object = t.object, "{err}; aborting both ends");
+        st.table.abort(xfer, err.clone(), &st.actors);
+        break_groups(st, &t, &err.to_string());
+        self.settled.notify_waiters();
+    }
+
     /// The exit notice of the actor's worker process, if this runtime
     /// started it.
     pub(crate) fn exit_notice(&self, actor: u64) -> Option<watch::Receiver<Option<String>>> {
@@ -643,12 +749,25 @@ impl Inner {
             .map(|p| p.exit.clone())
     }
 
+    /// Kills an actor's process through its pidfd (DR-2) and marks it
+    /// dead at once (DR-3): a call or pass submitted after `kill` returns
+    /// sees the death, whatever the process is still doing while it dies.
     pub(crate) fn kill_actor(&self, actor: u64) {
-        match self.actor_pid(actor) {
-            // SAFETY: plain syscall on our child's pid.
-            Some(pid) => unsafe {
-                libc::kill(pid as i32, libc::SIGKILL);
-            },
+        let pidfd = self
+            .state
+            .lock()
+            .processes
+            .get(&actor)
+            .map(|p| p.pidfd.clone());
+        match pidfd {
+            Some(fd) => {
+                if pidfd_kill(&fd).is_ok() {
+                    self.on_death(
+                        actor,
+                        "its process was killed by signal 9 (SIGKILL, by RawHandle::kill)".into(),
+                    );
+                }
+            }
             // A worker that joined by hand: ask it to exit.
             None => send_to(&self.state.lock().actors, actor, &ToWorker::Shutdown),
         }
@@ -719,6 +838,7 @@ impl Inner {
             for &a in &arg_ids {
                 st.table.need(a, actor, &st.actors);
             }
+            self.arm_deadlines(st);
             st.calls.insert(
                 call,
                 PendingCall {
@@ -739,7 +859,8 @@ impl Inner {
                 if let Err(e) = conn.send(&msg) {
                     // Too large to send: the call fails, nothing waits.
                     let pc = st.calls.remove(&call).expect("inserted above");
-                    st.table.call_done(pc.result, Err(e), &pc.args, &st.actors);
+                    st.table
+                        .call_done(pc.result, Err(e), actor, &pc.args, &st.actors);
                 }
             }
         }
@@ -809,16 +930,15 @@ impl Inner {
                 Ok(())
             });
         }
-        let (pid, exit) = start_reaped(cmd)?;
+        let (pid, pidfd, exit) = start_reaped(cmd)?;
+        let pidfd = Arc::new(pidfd);
         self.state.lock().processes.insert(
             id,
             Process {
                 pid,
                 exit: exit.clone(),
-                _guard: ChildGuard {
-                    pid,
-                    exit: exit.clone(),
-                },
+                pidfd: pidfd.clone(),
+                _guard: ChildGuard { pidfd },
             },
         );
         let fail = |this: &Arc<Self>, e: Error| {
@@ -962,6 +1082,17 @@ impl Inner {
     }
 
     fn on_message(&self, actor: u64, msg: ToDriver) {
+        let ends_transfer = matches!(
+            msg,
+            ToDriver::Received { .. } | ToDriver::TransferFailed { .. }
+        );
+        self.handle_message(actor, msg);
+        if ends_transfer {
+            self.settled.notify_waiters();
+        }
+    }
+
+    fn handle_message(&self, actor: u64, msg: ToDriver) {
         let mut st = self.state.lock();
         let st = &mut *st;
         match msg {
@@ -981,7 +1112,27 @@ impl Inner {
                     tracing::warn!("actor {actor} finished unknown call {call}; ignored");
                     return;
                 };
-                st.table.call_done(pc.result, result, &pc.args, &st.actors);
+                st.table
+                    .call_done(pc.result, result, actor, &pc.args, &st.actors);
+                self.arm_deadlines(st);
+            }
+            ToDriver::Received {
+                object,
+                xfer,
+                result,
+            } => {
+                if let Some(t) = st.timers.remove(&xfer) {
+                    t.abort();
+                }
+                let done = st.table.received(xfer, actor, &result, &st.actors);
+                match (done, result) {
+                    (Some(t), Err(e)) => {
+                        tracing::warn!(xfer, object, "receive failed: {e}");
+                        break_groups(st, &t, &e.to_string());
+                    }
+                    (Some(_), Ok(())) => tracing::trace!(xfer, object, "transfer done"),
+                    (None, _) => {}
+                }
             }
             ToDriver::Fetched { req, result } => {
                 if let Some((_, tx)) = st.fetches.remove(&req) {
@@ -990,31 +1141,26 @@ impl Inner {
             }
             ToDriver::TransferFailed {
                 object,
+                xfer,
                 peer,
                 transport,
                 message,
             } => {
-                let name = |a: u64| {
-                    st.actors
-                        .get(&a)
-                        .map(|i| i.name.clone())
-                        .unwrap_or_else(|| format!("actor {a}"))
-                };
                 let reason = format!(
-                    "{transport} transfer of object {object} between {} and {} failed: {message}",
-                    name(actor),
-                    name(peer)
+                    "{transport} send of object {object} from {} to {} failed: {message}",
+                    actor_name(&st.actors, actor),
+                    actor_name(&st.actors, peer)
                 );
-                tracing::warn!("{reason}");
-                for (id, g) in st.groups.iter_mut() {
-                    if g.backend.name() == transport
-                        && g.members.contains(&actor)
-                        && g.members.contains(&peer)
-                        && g.broken.is_none()
-                    {
-                        tracing::warn!("tearing down collective group {id}");
-                        g.broken = Some(reason.clone());
-                    }
+                tracing::warn!(xfer, object, "{reason}");
+                let err = Error::Transport(rdt_transport::TransportError {
+                    transport,
+                    peer: Some(actor_name(&st.actors, actor)),
+                    message: format!("the producer's send failed: {message}"),
+                });
+                // XF-6: the consumer's receive stops now, not at its
+                // deadline.
+                if let Some(t) = st.table.send_failed(xfer, err, &st.actors) {
+                    break_groups(st, &t, &reason);
                 }
             }
             ToDriver::Hello { .. } => tracing::warn!("actor {actor} said hello twice; ignored"),
@@ -1049,7 +1195,7 @@ impl Inner {
         for c in failed {
             let pc = st.calls.remove(&c).expect("listed above");
             st.table
-                .call_done(pc.result, Err(err.clone()), &pc.args, &st.actors);
+                .call_done(pc.result, Err(err.clone()), actor, &pc.args, &st.actors);
         }
         let fetches: Vec<u64> = st
             .fetches
@@ -1063,6 +1209,22 @@ impl Inner {
             }
         }
         st.table.actor_died(actor, &err, &st.actors);
+        let State { timers, table, .. } = st;
+        timers.retain(|xfer, timer| {
+            let live = table.transfer(*xfer).is_some();
+            if !live {
+                timer.abort();
+            }
+            live
+        });
+        self.arm_deadlines(st);
+        self.settled.notify_waiters();
+        // Transports in the other workers drop what they keep for it.
+        for (id, a) in st.actors.iter() {
+            if *id != actor && a.dead.is_none() {
+                send_to(&st.actors, *id, &ToWorker::PeerGone { actor });
+            }
+        }
         // A collective group cannot go on without a member (as in Ray):
         // tear down every group it was in, so later passes fail at once.
         for (id, g) in st.groups.iter_mut() {
@@ -1123,6 +1285,29 @@ fn check_groups(st: &State, consumer: u64, args: &[u64]) -> Option<Error> {
     None
 }
 
+fn actor_name(actors: &Actors, a: u64) -> String {
+    actors
+        .get(&a)
+        .map(|i| i.name.clone())
+        .unwrap_or_else(|| format!("actor {a}"))
+}
+
+/// A failed transfer on a collective transport tears down the group its
+/// ends share (its communicator may be in any state now).
+fn break_groups(st: &mut State, t: &crate::owner::InFlight, reason: &str) {
+    let Some(p) = t.producer else { return };
+    for (id, g) in st.groups.iter_mut() {
+        if g.backend.name() == t.transport
+            && g.members.contains(&p)
+            && g.members.contains(&t.consumer)
+            && g.broken.is_none()
+        {
+            tracing::warn!("tearing down collective group {id}: {reason}");
+            g.broken = Some(reason.to_string());
+        }
+    }
+}
+
 fn err_actor(e: &Error) -> &str {
     match e {
         Error::ActorDied { actor, .. } => actor,
@@ -1130,8 +1315,14 @@ fn err_actor(e: &Error) -> &str {
     }
 }
 
-/// Spawns `cmd` from a thread that then waits for it (invariant 1).
-fn start_reaped(mut cmd: std::process::Command) -> Result<(u32, watch::Receiver<Option<String>>)> {
+/// The pid, a pidfd and the exit notice of a worker started by
+/// [`start_reaped`].
+type Reaped = (u32, std::os::fd::OwnedFd, watch::Receiver<Option<String>>);
+
+/// Spawns `cmd` from a thread that then waits for it (DR-1). The pidfd is
+/// opened before the reaper waits, so it names our child and nothing else
+/// (DR-2).
+fn start_reaped(mut cmd: std::process::Command) -> Result<Reaped> {
     let (tx, rx) = watch::channel(None);
     let (ptx, prx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
@@ -1141,7 +1332,24 @@ fn start_reaped(mut cmd: std::process::Command) -> Result<(u32, watch::Receiver<
                 let _ = ptx.send(Err(e));
             }
             Ok(mut child) => {
-                let _ = ptx.send(Ok(child.id()));
+                let pid = child.id();
+                // SAFETY: plain syscall; `pid` is our unreaped child (only
+                // this thread waits for it, below), so it cannot name
+                // another process.
+                let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+                let opened = if fd < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    // SAFETY: a fresh descriptor that nothing else owns.
+                    Ok(unsafe {
+                        <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
+                    })
+                };
+                let failed = opened.is_err();
+                let _ = ptx.send(opened.map(|fd| (pid, fd)));
+                if failed {
+                    let _ = child.kill();
+                }
                 let status = match child.wait() {
                     Ok(s) => describe_exit(s),
                     Err(e) => format!("could not be waited for ({e})"),
@@ -1149,11 +1357,11 @@ fn start_reaped(mut cmd: std::process::Command) -> Result<(u32, watch::Receiver<
                 let _ = tx.send(Some(status));
             }
         })?;
-    let pid = prx
+    let (pid, fd) = prx
         .recv()
         .map_err(|_| Error::Spawn("the reaper thread died".into()))?
-        .map_err(|e| Error::Spawn(format!("could not execute the current binary: {e}")))?;
-    Ok((pid, rx))
+        .map_err(|e| Error::Spawn(format!("could not start a worker process (spawn or pidfd_open): {e}; rdt needs Linux 5.3 or later")))?;
+    Ok((pid, fd, rx))
 }
 
 fn describe_exit(s: std::process::ExitStatus) -> String {

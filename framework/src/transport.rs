@@ -111,7 +111,11 @@ impl Transport {
                             .into(),
                     })?;
                 TCP.get_or_init(|| {
-                    TcpTransport::start(cfg.me, &cfg.secret, &cfg.tcp_bind, cfg.transfer_timeout)
+                    // The framework owns each transfer's deadline (XF-6) and
+                    // aborts both ends when it passes; the transport's own
+                    // is a backstop behind it.
+                    let backstop = cfg.transfer_timeout.saturating_mul(2);
+                    TcpTransport::start(cfg.me, &cfg.secret, &cfg.tcp_bind, backstop)
                         .map(|t| Arc::new(t) as Arc<dyn TensorTransport>)
                         .map_err(|e| format!("could not listen on {}: {e}", cfg.tcp_bind))
                 })

@@ -28,7 +28,8 @@ use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::{object_store, Blob, Peer, Sidedness, Tensor};
 use tokio::net::UnixStream;
-use tokio::sync::Notify;
+use tokio::sync::{oneshot, Notify};
+use tracing::Instrument;
 
 use crate::actor::{Actor as RdtActor, CallArgs, ACTOR_TYPES};
 use crate::error::{Error, Result};
@@ -70,8 +71,29 @@ enum Link {
     Tls(String, String, Vec<u8>),
 }
 
+/// Binaries whose `main` is `#[rdt::main]` register here: their workers
+/// boot from `main`, after Rust's own start-up.
 #[doc(hidden)]
-pub fn boot_if_worker() {
+#[linkme::distributed_slice]
+pub static RDT_MAIN: [u8];
+
+/// The pre-`main` hook of every binary with actors. Where `main` will boot
+/// the worker itself (`#[rdt::main]`), it does nothing; otherwise (test
+/// binaries) it does Rust's start-up work by hand (WK-1) and boots.
+#[doc(hidden)]
+pub fn boot_before_main() {
+    if !RDT_MAIN.is_empty() || !is_worker() {
+        return;
+    }
+    crate::startup::rust_start_up();
+    boot_if_worker();
+}
+
+fn is_worker() -> bool {
+    std::env::var_os(env::SOCKET).is_some() || cmdline_flag("--rdt-connect").is_some()
+}
+
+fn boot_if_worker() {
     let (link, secret, worker) = if let Ok(socket) = std::env::var(env::SOCKET) {
         match local_boot(socket) {
             Ok(b) => b,
@@ -287,6 +309,22 @@ struct WorkerShared {
     name: Arc<str>,
     store: Store,
     tx: protocol::Sender,
+    /// Transfers this worker takes part in, by id: the sender aborts the
+    /// receive or send (WK-4).
+    transfers: Mutex<HashMap<u64, oneshot::Sender<Error>>>,
+    /// Objects being received, and whether they were freed meanwhile
+    /// (a tombstone: the receive drops what it got instead of storing it).
+    receiving: Mutex<HashMap<u64, bool>>,
+    /// Objects received, per transport (index in `Transport::ALL`): tests
+    /// and logs see which path a value took.
+    received: [std::sync::atomic::AtomicU64; Transport::ALL.len()],
+}
+
+impl WorkerShared {
+    fn count_received(&self, t: Transport) {
+        let i = Transport::ALL.iter().position(|x| *x == t).unwrap_or(0);
+        self.received[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 static WORKER: OnceLock<Arc<WorkerShared>> = OnceLock::new();
@@ -312,6 +350,21 @@ pub async fn wait_tensor_freed(tensor: &Tensor) -> Result<()> {
 /// with a direct transport, or received). Outside an actor: 0.
 pub fn local_objects() -> usize {
     WORKER.get().map(|w| w.store.map.lock().len()).unwrap_or(0)
+}
+
+/// Inside an actor: how many objects this worker has received over
+/// `transport` (object-store deliveries count under
+/// [`Transport::ObjectStore`]). Tests use it to prove which path a value
+/// took; outside an actor it is 0.
+pub fn received_objects(transport: Transport) -> u64 {
+    let i = Transport::ALL
+        .iter()
+        .position(|x| *x == transport)
+        .unwrap_or(0);
+    WORKER
+        .get()
+        .map(|w| w.received[i].load(std::sync::atomic::Ordering::Relaxed))
+        .unwrap_or(0)
 }
 
 /// [`wait_tensor_freed`] with a deadline.
@@ -471,6 +524,9 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             name: boot_name.clone(),
             store: Store::default(),
             tx: tx.clone(),
+            transfers: Mutex::new(HashMap::new()),
+            receiving: Mutex::new(HashMap::new()),
+            received: Default::default(),
         });
         let _ = WORKER.set(shared.clone());
         // The mailbox is sized before the actor starts: calls may arrive
@@ -556,7 +612,25 @@ async fn control_loop<A: RdtActor>(
             }
             ToWorker::Deliver { object, value } => on_deliver(&shared, object, value),
             ToWorker::SendTo { object, xfer, to } => on_send(&shared, object, xfer, to),
+            ToWorker::AbortTransfer {
+                object,
+                xfer,
+                error,
+            } => match shared.transfers.lock().remove(&xfer) {
+                Some(abort) => {
+                    tracing::debug!(xfer, object, "transfer aborted: {error}");
+                    let _ = abort.send(error);
+                }
+                None => tracing::trace!(xfer, object, "abort of a finished transfer"),
+            },
+            ToWorker::PeerGone { actor } => {
+                tracing::debug!("peer actor {actor} is gone");
+            }
             ToWorker::Free { object } => {
+                if let Some(freed) = shared.receiving.lock().get_mut(&object) {
+                    // Tombstone (WK-3): the receive in flight drops its data.
+                    *freed = true;
+                }
                 if let Some(Slot::Ready(v)) = shared.store.remove(object) {
                     if v.produced {
                         if let Ok(t) = v.transport.instance() {
@@ -570,20 +644,26 @@ async fn control_loop<A: RdtActor>(
                 }
             }
             ToWorker::Fetch { object, req } => {
-                let result = match shared.store.get(object) {
-                    Some(Slot::Ready(v)) => inline_value(rdt_transport::value::Payload {
-                        data: v.data,
-                        tensors: v.tensors,
-                    }),
-                    Some(Slot::Failed(e)) => Err(e),
-                    None => Err(Error::Freed { object }),
-                };
-                if let Err(e) = tx.send(&ToDriver::Fetched { req, result }) {
-                    tx.send(&ToDriver::Fetched {
-                        req,
-                        result: Err(e),
-                    })?;
-                }
+                // Captured here, in order (a later Free cannot overtake it);
+                // packed on the blocking pool (device-to-host copies).
+                let slot = shared.store.get(object);
+                let tx = tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let result = match slot {
+                        Some(Slot::Ready(v)) => inline_value(rdt_transport::value::Payload {
+                            data: v.data,
+                            tensors: v.tensors,
+                        }),
+                        Some(Slot::Failed(e)) => Err(e),
+                        None => Err(Error::Freed { object }),
+                    };
+                    if let Err(e) = tx.send(&ToDriver::Fetched { req, result }) {
+                        let _ = tx.send(&ToDriver::Fetched {
+                            req,
+                            result: Err(e),
+                        });
+                    }
+                });
             }
             ToWorker::Ping => tx.send(&ToDriver::Pong)?,
             ToWorker::Shutdown => std::process::exit(0),
@@ -601,6 +681,7 @@ fn on_deliver(
         Err(e) => return shared.store.insert(object, Slot::Failed(e)),
         Ok(d) => d,
     };
+    let xfer = d.xfer;
     let transport = match d
         .value
         .transport
@@ -608,74 +689,164 @@ fn on_deliver(
         .and_then(|t| t.instance().map(|i| (t, i)))
     {
         Ok(t) => t,
-        Err(e) => return shared.store.insert(object, Slot::Failed(e)),
+        Err(e) => {
+            if xfer != 0 {
+                let _ = shared.tx.send(&ToDriver::Received {
+                    object,
+                    xfer,
+                    result: Err(e.clone()),
+                });
+            }
+            return shared.store.insert(object, Slot::Failed(e));
+        }
     };
     let data = d.value.data.0.clone();
     if transport.1.sidedness() == Sidedness::ThroughDriver {
         let slot = match object_store::unpack(&d.value.exported) {
-            Ok(tensors) => Slot::Ready(StoredValue {
-                data,
-                tensors,
-                transport: transport.0,
-                produced: false,
-            }),
+            Ok(tensors) => {
+                shared.count_received(transport.0);
+                Slot::Ready(StoredValue {
+                    data,
+                    tensors,
+                    transport: transport.0,
+                    produced: false,
+                })
+            }
             Err(e) => Slot::Failed(e.into()),
         };
         return shared.store.insert(object, slot);
     }
+    // WK-4: the receive runs until done, failed or aborted by the driver;
+    // its end is acknowledged exactly once (XF-5).
+    let (abort_tx, abort_rx) = oneshot::channel();
+    shared.transfers.lock().insert(xfer, abort_tx);
+    shared.receiving.lock().insert(object, false);
     let shared = shared.clone();
-    tokio::spawn(async move {
-        let from = d.from.clone().unwrap_or_else(|| Peer {
-            actor: 0,
-            name: "driver".into(),
-            host: String::new(),
-            endpoint: String::new(),
-        });
-        let slot = match transport.1.receive(&from, d.xfer, &d.value.exported).await {
-            Ok(tensors) => Slot::Ready(StoredValue {
-                data,
-                tensors,
-                transport: transport.0,
-                produced: false,
-            }),
-            Err(e) => {
-                let _ = shared.tx.send(&ToDriver::TransferFailed {
-                    object,
-                    peer: from.actor,
-                    transport: transport.0.name().into(),
-                    message: e.to_string(),
-                });
-                Slot::Failed(e.into())
-            }
-        };
-        shared.store.insert(object, slot);
+    let from = d.from.clone().unwrap_or_else(|| Peer {
+        actor: 0,
+        name: "driver".into(),
+        host: String::new(),
+        endpoint: String::new(),
     });
+    let span = tracing::debug_span!(
+        "transfer",
+        xfer,
+        object,
+        transport = transport.0.name(),
+        peer = %from.name,
+        bytes = d.value.exported.nbytes(),
+        side = "receive",
+    );
+    tokio::spawn(
+        async move {
+            let t0 = std::time::Instant::now();
+            let received = tokio::select! {
+                r = transport.1.receive(&from, xfer, &d.value.exported) => r.map_err(Error::from),
+                e = abort_rx => Err(e.unwrap_or(Error::Shutdown)),
+            };
+            shared.transfers.lock().remove(&xfer);
+            // The acknowledgement goes out before the value is stored, so
+            // it precedes the `CallDone` of any call that uses the value
+            // (one ordered connection): the driver never sees a call end
+            // with its argument still "receiving".
+            let _ = shared.tx.send(&ToDriver::Received {
+                object,
+                xfer,
+                result: match &received {
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(e.clone()),
+                },
+            });
+            // Held across the store insert: a `Free` either finds the
+            // receive and leaves a tombstone, or finds the value stored.
+            let mut receiving = shared.receiving.lock();
+            let freed = receiving.remove(&object).unwrap_or(false);
+            let slot = match received {
+                Ok(tensors) => {
+                    tracing::debug!(micros = t0.elapsed().as_micros() as u64, "received");
+                    shared.count_received(transport.0);
+                    Slot::Ready(StoredValue {
+                        data,
+                        tensors,
+                        transport: transport.0,
+                        produced: false,
+                    })
+                }
+                Err(e) => {
+                    tracing::debug!("receive failed: {e}");
+                    Slot::Failed(e)
+                }
+            };
+            if !freed {
+                shared.store.insert(object, slot);
+            }
+            drop(receiving);
+        }
+        .instrument(span),
+    );
 }
 
+/// A send order: the tensors are taken from the store here, in the
+/// control loop's order (WK-2: a `Free` processed after this order cannot
+/// pull them away; one processed before it makes the send fail at once,
+/// and the driver aborts the receive).
 fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        let v = match shared.store.get(object) {
-            Some(Slot::Ready(v)) => v,
-            _ => {
-                tracing::error!("asked to send object {object}, which this worker does not hold");
-                return;
-            }
-        };
-        let t = match v.transport.instance() {
-            Ok(t) => t,
-            Err(e) => return tracing::error!("{e}"),
-        };
-        if let Err(e) = t.send(&to, xfer, &v.tensors).await {
-            tracing::error!("sending object {object} to {}: {e}", to.name);
+    let captured = match shared.store.get(object) {
+        Some(Slot::Ready(v)) => v.transport.instance().map(|t| (t, v)),
+        Some(Slot::Failed(e)) => Err(e),
+        None => Err(Error::Freed { object }),
+    };
+    let (t, v) = match captured {
+        Ok(c) => c,
+        Err(e) => {
             let _ = shared.tx.send(&ToDriver::TransferFailed {
                 object,
+                xfer,
                 peer: to.actor,
-                transport: v.transport.name().into(),
-                message: e.to_string(),
+                transport: String::new(),
+                message: format!("the producer cannot send object {object}: {e}"),
             });
+            return;
         }
-    });
+    };
+    let (abort_tx, abort_rx) = oneshot::channel();
+    shared.transfers.lock().insert(xfer, abort_tx);
+    let shared = shared.clone();
+    let span = tracing::debug_span!(
+        "transfer",
+        xfer,
+        object,
+        transport = v.transport.name(),
+        peer = %to.name,
+        side = "send",
+    );
+    tokio::spawn(
+        async move {
+            #[cfg(feature = "failpoints")]
+            let injected = fail::eval("rdt::send", |m| m.unwrap_or_else(|| "injected".into()));
+            #[cfg(not(feature = "failpoints"))]
+            let injected: Option<String> = None;
+            let sent = match injected {
+                Some(m) => Err(Error::Protocol(format!("failpoint rdt::send: {m}"))),
+                None => tokio::select! {
+                    r = t.send(&to, xfer, &v.tensors) => r.map_err(Error::from),
+                    e = abort_rx => Err(e.unwrap_or(Error::Shutdown)),
+                },
+            };
+            shared.transfers.lock().remove(&xfer);
+            if let Err(e) = sent {
+                tracing::debug!("send failed: {e}");
+                let _ = shared.tx.send(&ToDriver::TransferFailed {
+                    object,
+                    xfer,
+                    peer: to.actor,
+                    transport: v.transport.name().into(),
+                    message: e.to_string(),
+                });
+            }
+        }
+        .instrument(span),
+    );
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {

@@ -138,6 +138,56 @@ impl Producer {
     async fn read_kept(&mut self, i: usize) -> rdt::Result<f32> {
         Ok(self.kept[i].to_vec::<f32>()?[0])
     }
+
+    /// A tensor of exactly `n` bytes.
+    async fn make_u8(&mut self, n: usize) -> Tensor {
+        Tensor::full(1u8, &[n])
+    }
+
+    /// Configures a fail point in this worker (fail-rs syntax, e.g.
+    /// `return(why)`; `off` removes it).
+    async fn failpoint(&mut self, name: String, actions: String) -> rdt::Result<()> {
+        if actions == "off" {
+            rdt::__private::fail::remove(name);
+            return Ok(());
+        }
+        rdt::__private::fail::cfg(name, &actions).map_err(rdt::Error::Protocol)
+    }
+
+    /// Writes to a pipe whose reading end is closed: a normal Rust process
+    /// gets `EPIPE` (SIGPIPE is ignored); returns the error's kind.
+    async fn write_to_closed_socket(&mut self) -> String {
+        use std::io::Write;
+        use std::os::fd::FromRawFd;
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe(2) fills two fresh descriptors, each owned once below.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let (r, mut w) = unsafe {
+            (
+                std::fs::File::from_raw_fd(fds[0]),
+                std::fs::File::from_raw_fd(fds[1]),
+            )
+        };
+        drop(r);
+        match w.write_all(b"hello") {
+            Ok(()) => "written".into(),
+            Err(e) => format!("{:?}", e.kind()),
+        }
+    }
+
+    /// Recurses until the stack overflows.
+    async fn overflow(&mut self, depth: u64) -> u64 {
+        #[allow(unconditional_recursion)]
+        fn down(n: u64, pad: &mut [u8; 4096]) -> u64 {
+            pad[(n % 4096) as usize] = n as u8;
+            let mut next = [0u8; 4096];
+            next[0] = pad[0];
+            std::hint::black_box(&mut next);
+            1 + down(std::hint::black_box(n + 1), &mut next)
+        }
+        let mut pad = [0u8; 4096];
+        down(depth, &mut pad)
+    }
 }
 
 /// Consumes tensors.
@@ -211,6 +261,12 @@ impl Consumer {
     async fn add_one(&mut self, t: Tensor) -> rdt::Result<Tensor> {
         t.add_scalar_(1.0f32)?;
         Ok(t)
+    }
+
+    /// Objects this worker received over `transport` (which path a value
+    /// took).
+    async fn received(&mut self, transport: String) -> rdt::Result<u64> {
+        Ok(rdt::received_objects(transport.parse()?))
     }
 }
 

@@ -95,6 +95,12 @@ pub fn main(_attr: TokenStream, item: TokenStream) -> TokenStream {
     let ret = &f.sig.output;
     let body = &f.block;
     quote! {
+        // Workers of this binary boot in `main`, after Rust's start-up.
+        const _: () = {
+            #[::rdt::__private::linkme::distributed_slice(::rdt::__private::RDT_MAIN)]
+            #[linkme(crate = ::rdt::__private::linkme)]
+            static __RDT_HAS_MAIN: u8 = 1;
+        };
         #(#attrs)*
         #vis fn #name() #ret {
             ::rdt::init();

@@ -1,0 +1,281 @@
+//! The transfer engine's contract under failure: nothing freed under a
+//! receive, no message dropped into a hang, one failed end aborts the
+//! other, deterministic errors when a producer is killed, no unbounded
+//! growth. Test names carry the invariant labels of the book's Internals
+//! chapter (`OW-` owner table, `XF-` transfer, `DR-` driver, `WK-` worker).
+
+use std::time::{Duration, Instant};
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+/// Defect 1 / OW-6: a `put` is checked against the size of the message it
+/// travels in, not of the value alone; 65 520 B under a 64 KiB limit was
+/// accepted and its delivery dropped, hanging the consumer for good.
+#[tokio::test]
+async fn ow_6_put_checks_the_frame_it_travels_in() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .max_frame_bytes(64 << 10)
+            .start()
+            .await
+            .unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let e = rt.put(&Tensor::full(1u8, &[65_520])).unwrap_err();
+        assert!(e.to_string().contains("frame limit"), "{e}");
+        // Whatever put accepts reaches a consumer.
+        let ok = rt.put(&Tensor::full(1u8, &[60_000])).unwrap();
+        assert_eq!(rt.get(c.sum(&ok).remote()).await.unwrap(), 60_000.0);
+        assert_eq!(rt.get(c.seen().remote()).await.unwrap(), 1);
+    })
+    .await;
+}
+
+/// Defect 1 / OW-6: an object-store result whose reply fits in a frame but
+/// whose delivery to a consumer does not (a few bytes more) fails the
+/// consumer's call instead of hanging it; the actor stays usable. Every
+/// size around the limit is tried.
+#[tokio::test]
+async fn ow_6_a_delivery_too_large_fails_the_call_that_needed_it() {
+    deadline(120, async {
+        rdt_integration_tests::logs();
+        let max = 64 << 10;
+        let rt = Runtime::builder()
+            .max_frame_bytes(max)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let (mut ok, mut refused) = (0, 0);
+        for n in (max - 160)..(max - 40) {
+            let r = p.make_u8(n).remote();
+            match rt.get(c.sum(&r).remote()).await {
+                Ok(s) => {
+                    assert_eq!(s, n as f64);
+                    ok += 1;
+                }
+                Err(e) => {
+                    assert!(e.to_string().contains("frame limit"), "n = {n}: {e}");
+                    refused += 1;
+                }
+            }
+        }
+        assert!(ok > 0 && refused > 0, "{ok} passed, {refused} refused");
+        assert_eq!(rt.get(c.seen().remote()).await.unwrap(), ok);
+    })
+    .await;
+}
+
+/// Defect 2 / OW-1, XF-5: a call that fails on its first argument while
+/// its second is still arriving over tcp. The driver frees the second only
+/// after the consumer acknowledged its receive, so nothing is left in any
+/// store (the old driver freed at `CallDone` and the late receive stored
+/// 128 MiB for the consumer's lifetime).
+#[tokio::test]
+async fn xf_5_free_waits_for_the_receive_ack() {
+    deadline(120, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        for _ in 0..3 {
+            let failed = p.fail("first argument".to_string()).remote();
+            let big = p.make(1.0, 32 << 20).transport(Transport::Tcp).remote();
+            rt.wait(&big).await.unwrap();
+            let e = rt.get(c.sum2(&failed, &big).remote()).await.unwrap_err();
+            assert!(e.to_string().contains("first argument"), "{e}");
+            drop((failed, big));
+            rt.transfers_settled().await;
+            assert_eq!(rt.live_objects(), 0);
+            assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "consumer");
+            assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0, "producer");
+        }
+    })
+    .await;
+}
+
+/// Defect 3 / XF-6: a producer whose send fails (a fail point makes the
+/// real send path return an error) aborts the consumer's receive at once:
+/// the call fails with the producer's error long before the transfer
+/// deadline, the group is torn down, and both actors stay usable.
+#[tokio::test]
+async fn xf_6_a_failed_send_aborts_the_receive_at_once() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(Duration::from_secs(45))
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        rt.get(p.failpoint("rdt::send".to_string(), "return(disk on fire)".to_string()).remote())
+            .await
+            .unwrap();
+        let r = p.make(1.0, 1024).transport(Transport::Tcp).remote();
+        let t0 = Instant::now();
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the receive waited {:?}",
+            t0.elapsed()
+        );
+        assert!(
+            matches!(e.root_cause(), Error::Transport(t) if t.message.contains("disk on fire") && t.message.contains("send failed")),
+            "{e}"
+        );
+        // The group is torn down; the actors live on.
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(matches!(e, Error::GroupBroken { .. }), "{e}");
+        assert_eq!(rt.get(p.echo(3).remote()).await.unwrap(), 3);
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[2])).remote())
+                .await
+                .unwrap(),
+            2.0
+        );
+        rt.transfers_settled().await;
+        drop(r);
+        assert_eq!(rt.live_objects(), 0);
+    })
+    .await;
+}
+
+/// XF-6: the framework owns a deadline per transfer. A producer that is
+/// stopped (SIGSTOP: alive, silent) never sends; at the deadline both ends
+/// are aborted and the consumer's call fails with a timeout naming the
+/// transfer, and later calls to the consumer are not held back.
+#[tokio::test]
+async fn xf_6_the_transfer_deadline_aborts_a_silent_peer() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(Duration::from_secs(2))
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let r = p.make(1.0, 1024).transport(Transport::Tcp).remote();
+        rt.wait(&r).await.unwrap();
+        let pid = p.pid().unwrap() as i32;
+        // SAFETY: plain syscall on our worker's pid, alive (it just replied).
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        let t0 = Instant::now();
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        assert!(
+            matches!(e.root_cause(), Error::Timeout { what, .. } if what.contains("transfer")),
+            "{e}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        assert_eq!(rt.get(c.seen().remote()).await.unwrap(), 0);
+        assert_eq!(rt.get(p.echo(5).remote()).await.unwrap(), 5);
+        assert_eq!(rt.transfers_in_flight(), 0);
+    })
+    .await;
+}
+
+/// Defect 7 / DR-3: a consumer call made right after the producer was
+/// killed fails, every time, with the producer's death (the object fails
+/// once its owner is known dead); it neither reads the dying process's
+/// memory nor blames a free that never happened.
+#[tokio::test]
+async fn dr_3_a_killed_producer_fails_its_objects_deterministically() {
+    deadline(120, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        for _ in 0..5 {
+            let p = rt.spawn::<Producer>(()).await.unwrap();
+            let r = p.make(1.0, 1 << 20).transport(Transport::Shm).remote();
+            rt.wait(&r).await.unwrap();
+            p.kill();
+            let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+            assert!(
+                matches!(e.root_cause(), Error::ActorDied { actor, .. } if actor == p.name()),
+                "{e}"
+            );
+            assert!(!e.to_string().contains("freed"), "{e}");
+        }
+        assert_eq!(rt.get(c.seen().remote()).await.unwrap(), 0);
+    })
+    .await;
+}
+
+/// Defect 8 / OW-2: a consumer drops its received copy once the calls that
+/// needed it finished, even while the driver still holds the ref (a
+/// rollout fed weights every step does not grow); a later call receives it
+/// again.
+#[tokio::test]
+async fn ow_2_consumers_drop_copies_they_no_longer_need() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let mut kept = Vec::new();
+        for step in 0..10 {
+            let w = p.make(step as f32, 4096).transport(Transport::Shm).remote();
+            assert_eq!(
+                rt.get(c.sum(&w).remote()).await.unwrap(),
+                step as f64 * 4096.0
+            );
+            kept.push(w);
+            rt.transfers_settled().await;
+            assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "step {step}");
+        }
+        // Needed again: delivered again.
+        assert_eq!(
+            rt.get(c.sum(&kept[3]).remote()).await.unwrap(),
+            3.0 * 4096.0
+        );
+        assert_eq!(
+            rt.get(c.received("shm".to_string()).remote())
+                .await
+                .unwrap(),
+            11
+        );
+        assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 10);
+        drop(kept);
+        assert_eq!(rt.live_objects(), 0);
+        assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0);
+    })
+    .await;
+}
+
+/// Defect 6 / WK-1: a worker behaves like a normal Rust process: SIGPIPE
+/// is ignored (a write to a closed socket is an `EPIPE` error, not death),
+/// and a stack overflow is reported as one (SIGABRT after std's message),
+/// not a bare SIGSEGV.
+#[tokio::test]
+async fn wk_1_workers_run_rusts_process_start_up() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        assert_eq!(
+            rt.get(p.write_to_closed_socket().remote()).await.unwrap(),
+            "BrokenPipe"
+        );
+        let e = rt.get(p.overflow(0).remote()).await.unwrap_err();
+        assert!(
+            matches!(&e, Error::ActorDied { detail, .. } if detail.contains("signal 6")),
+            "{e}"
+        );
+    })
+    .await;
+}
