@@ -44,6 +44,24 @@ pub async fn point_to_point(t: Transport) {
         rt.get(c.sum(&r).remote()).await.unwrap(),
         0.5 * (3 << 20) as f64
     );
+    assert_path(&rt, &c, t, 2).await;
+}
+
+/// The consumer received exactly `n` objects over `t` and none over any
+/// other transport: a direct transport that silently fell back to the
+/// object store fails here.
+async fn assert_path(rt: &Runtime, c: &ConsumerHandle, t: Transport, n: u64) {
+    for other in Transport::ALL {
+        let got = rt
+            .get(c.received(other.name().to_string()).remote())
+            .await
+            .unwrap();
+        let want = if other == t { n } else { 0 };
+        assert_eq!(
+            got, want,
+            "objects received over {other} (passing over {t})"
+        );
+    }
 }
 
 pub async fn nested_values_with_cpu_data(t: Transport) {
@@ -55,6 +73,7 @@ pub async fn nested_values_with_cpu_data(t: Transport) {
     assert_eq!(s, 64.0 + 120.0 + 6.0 + 15.0 + 4.0);
     let w = p.weights(4).transport(t).remote();
     assert_eq!(rt.get(c.reduce(&w).remote()).await.unwrap(), 1024.0 * 6.0);
+    assert_path(&rt, &c, t, 2).await;
 }
 
 pub async fn same_ref_twice_in_one_call(t: Transport) {

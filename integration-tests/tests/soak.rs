@@ -1,5 +1,8 @@
-//! Soak: 10 000 passes of mixed sizes over every CPU transport; afterwards
-//! the owner table and the workers' stores are empty, and the workers'
+//! Soak: 10 000 passes of mixed sizes over every CPU transport, with the
+//! failure paths mixed in (calls that fail on another argument while this
+//! one is still arriving, refs dropped while their receive runs, producers
+//! killed with objects on the way); afterwards the owner table and the
+//! workers' stores are empty, no transfer is in flight, and the workers'
 //! memory and open descriptors are back to where they started.
 
 use rdt::prelude::*;
@@ -47,7 +50,16 @@ async fn soak(t: Transport) {
             for i in from..to {
                 let n = size_of_pass(i);
                 let r = p.make(1.0, n).transport(t).remote();
+                if i % 10 == 7 {
+                    // Fails on its first argument while the second may
+                    // still be arriving (XF-5).
+                    let bad = p.fail(format!("pass {i}")).remote();
+                    let e = rt.get(c.sum2(&bad, &r).remote()).await.unwrap_err();
+                    assert!(e.to_string().contains(&format!("pass {i}")), "{e}");
+                    continue;
+                }
                 inflight.push_back((n, c.sum(&r).remote()));
+                // The ref is dropped while its receive may be running.
                 drop(r);
                 if inflight.len() >= WINDOW {
                     let (n, s) = inflight.pop_front().unwrap();
@@ -65,6 +77,30 @@ async fn soak(t: Transport) {
     let (pp, cp) = (p.pid().unwrap(), c.pid().unwrap());
     let base = (usage(pp), usage(cp));
     run(600, PASSES).await;
+    // Producers killed with an object on the way (DR-3, OW-5).
+    for _ in 0..3 {
+        let q = rt.spawn::<Producer>(()).await.unwrap();
+        if t.is_collective() {
+            rt.create_collective_group(&[q.id(), c.id()], t)
+                .await
+                .unwrap();
+        }
+        let r = q.make(1.0, 64 << 10).transport(t).remote();
+        rt.wait(&r).await.unwrap();
+        q.kill();
+        let e = rt.get(c.sum(&r).remote()).await;
+        if t == Transport::ObjectStore {
+            assert_eq!(e.unwrap(), (64 << 10) as f64, "the driver holds the value");
+        } else {
+            let e = e.unwrap_err();
+            assert!(
+                matches!(e.root_cause(), Error::ActorDied { actor, .. } if actor == q.name()),
+                "{e}"
+            );
+        }
+    }
+    rt.transfers_settled().await;
+    assert_eq!(rt.transfers_in_flight(), 0);
     assert_eq!(rt.live_objects(), 0, "the owner table is empty");
     assert_eq!(
         rt.get(p.stored().remote()).await.unwrap(),
