@@ -25,6 +25,15 @@ fn require_gpu() -> usize {
     n
 }
 
+/// Asserts that `e` is, at its root, the death of the producer `p`.
+fn assert_producer_died(e: &Error, p: &GpuProducerHandle) {
+    assert!(
+        matches!(e.root_cause(), Error::ActorDied { actor, .. } if actor == p.name()),
+        "expected ActorDied of the producer {}, got: {e}",
+        p.name()
+    );
+}
+
 /// A producer on GPU 0 and a consumer on the last GPU: the same device on
 /// a one-GPU host, another device (seeing only its own) on a two-GPU host.
 async fn setup() -> (Runtime, GpuProducerHandle, GpuConsumerHandle) {
@@ -215,9 +224,11 @@ gpu_test!(source_dies_before_the_transfer, async {
     rt.wait(&r).await.unwrap();
     p.kill();
     let e = rt.get(p.echo(1).remote()).await.unwrap_err();
-    assert!(matches!(e, Error::ActorDied { .. }), "{e}");
+    assert_producer_died(&e, &p);
+    // The tensor was ready before the kill, but its memory died with the
+    // producer: the consumer's call fails with the producer's death.
     let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
-    eprintln!("expected error: {e}");
+    assert_producer_died(&e, &p);
     // The consumer lives on.
     assert_eq!(rt.get(c.devices().remote()).await.unwrap(), 1);
 });
@@ -227,15 +238,17 @@ gpu_test!(source_dies_after_the_transfer, async {
     let r = p.make(2.0, 16).transport(IPC).remote();
     assert_eq!(rt.get(c.hold(&r).remote()).await.unwrap(), 1);
     p.kill();
-    let _ = rt.get(p.echo(1).remote()).await.unwrap_err();
+    let e = rt.get(p.echo(1).remote()).await.unwrap_err();
+    assert_producer_died(&e, &p);
     // Reading memory of a dead producer: whatever CUDA says, no hang.
     match rt.get(c.sum_held(0).remote()).await {
         Ok(s) => eprintln!("held tensor after the producer died: sum {s}"),
         Err(e) => eprintln!("held tensor after the producer died: {e}"),
     }
-    // A new pass from a dead producer is an error.
+    // A new pass from the dead producer fails with its death.
     let r2 = p.make(2.0, 16).transport(IPC).remote();
-    assert!(rt.get(c.sum(&r2).remote()).await.is_err());
+    let e = rt.get(c.sum(&r2).remote()).await.unwrap_err();
+    assert_producer_died(&e, &p);
 });
 
 gpu_test!(object_store_on_cuda_tensors, async {
