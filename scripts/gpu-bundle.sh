@@ -28,10 +28,12 @@ for line in sys.stdin:
         print(m["executable"])
 ' > "$out/tests.txt"
 cargo build -p rdt-examples --release --example bench_cuda --example quickstart --example bench
+# Cargo's target folder (CARGO_TARGET_DIR where it is set).
+tgt="${CARGO_TARGET_DIR:-target}"
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
-cp target/release/examples/bench_cuda "$out/bin/bench_cuda"
-cp target/release/examples/quickstart "$out/bin/quickstart"
-cp target/release/examples/bench "$out/bin/bench"
+cp "$tgt/release/examples/bench_cuda" "$out/bin/bench_cuda"
+cp "$tgt/release/examples/quickstart" "$out/bin/quickstart"
+cp "$tgt/release/examples/bench" "$out/bin/bench"
 rm "$out/tests.txt"
 # The commit the bundle was built from (with -dirty for uncommitted
 # changes), recorded by the benchmark in every row.
@@ -39,8 +41,8 @@ commit="$(git rev-parse --short HEAD)"
 git diff --quiet HEAD -- . ':!book' 2>/dev/null || commit="$commit-dirty"
 echo "$commit" > "$out/COMMIT"
 # Unstripped copies stay here, to resolve addresses of a crash report.
-mkdir -p target/gpu-unstripped
-cp "$out/bin/"* target/gpu-unstripped/
+mkdir -p "$tgt/gpu-unstripped"
+cp "$out/bin/"* "$tgt/gpu-unstripped/"
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
