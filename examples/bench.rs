@@ -3,7 +3,15 @@
 //! Every suite runs rdt's path and its baseline in the same run and prints
 //! the ratio. JSON output is an array of rows with the same schema for every
 //! suite: `suite, case, transport, device, bytes, iters, median_us, p90_us,
-//! gbps` (GB/s = 1e9 bytes per second, of `bytes` per median).
+//! kind, gbps`. `kind` says what the time is:
+//! - `bandwidth`: the pass copies its bytes (`object_store`, `tcp`), so
+//!   `gbps` is `bytes` per median (GB/s = 1e9 bytes per second);
+//! - `handoff_latency`: a zero-copy hand-off (`shm` of a tensor already in
+//!   shared memory): no byte is copied, the time does not grow with the
+//!   size, and `bytes` per time would be no bandwidth; `gbps` is `null`
+//!   and the table prints `—`;
+//! - `latency`: a round trip of a tiny payload (`control`) or a per-pass
+//!   latency with passes in flight (`soak`); `gbps` is `null`.
 //!
 //! Suites:
 //! - `control`: a bare Unix-socket echo round trip (8-byte length-prefixed
@@ -76,6 +84,39 @@ impl Sink {
     }
 }
 
+/// What a row's time is (see the module docs).
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Kind {
+    /// The bytes are copied: `gbps` is a bandwidth.
+    Bandwidth,
+    /// A zero-copy hand-off: no bandwidth, only a latency.
+    HandoffLatency,
+    /// A round trip of a tiny payload, or a latency under load.
+    Latency,
+}
+
+impl Kind {
+    /// A full pass of a tensor the producer keeps: a hand-off over `shm`
+    /// (published where it is, after the first pass), a copy otherwise.
+    fn of_pass(t: Transport) -> Kind {
+        if t == Transport::Shm {
+            Kind::HandoffLatency
+        } else {
+            Kind::Bandwidth
+        }
+    }
+
+    /// The table's label.
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Bandwidth => "bandwidth",
+            Kind::HandoffLatency => "hand-off latency",
+            Kind::Latency => "latency",
+        }
+    }
+}
+
 #[derive(Serialize, Clone, Debug)]
 struct Row {
     suite: String,
@@ -86,10 +127,19 @@ struct Row {
     iters: usize,
     median_us: f64,
     p90_us: f64,
-    gbps: f64,
+    kind: Kind,
+    /// `bytes` per median in GB/s, for `Kind::Bandwidth` rows only.
+    gbps: Option<f64>,
 }
 
-fn row(suite: &str, case: &str, transport: &str, bytes: u64, mut samples: Vec<Duration>) -> Row {
+fn row(
+    suite: &str,
+    case: &str,
+    transport: &str,
+    kind: Kind,
+    bytes: u64,
+    mut samples: Vec<Duration>,
+) -> Row {
     samples.sort();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     let median = us(samples[samples.len() / 2]);
@@ -103,11 +153,9 @@ fn row(suite: &str, case: &str, transport: &str, bytes: u64, mut samples: Vec<Du
         iters: samples.len(),
         median_us: median,
         p90_us: p90,
-        gbps: if bytes > 0 {
-            bytes as f64 / (median / 1e6) / 1e9
-        } else {
-            0.0
-        },
+        kind,
+        gbps: (kind == Kind::Bandwidth && bytes > 0 && median > 0.0)
+            .then(|| bytes as f64 / (median / 1e6) / 1e9),
     }
 }
 
@@ -162,7 +210,14 @@ async fn bench_echo(iters: usize) -> Row {
     drop(s);
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
-    row("control", "unix socket echo (64 B frame)", "-", 64, samples)
+    row(
+        "control",
+        "unix socket echo (64 B frame)",
+        "-",
+        Kind::Latency,
+        64,
+        samples,
+    )
 }
 
 fn tempfile_dir() -> String {
@@ -191,6 +246,7 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
         "control",
         "tiny actor call round trip",
         "object_store",
+        Kind::Latency,
         8,
         samples,
     ));
@@ -210,6 +266,11 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             "control",
             "tiny tensor pass (16 B)",
             transport.name(),
+            if transport == Transport::Shm {
+                Kind::HandoffLatency
+            } else {
+                Kind::Latency
+            },
             16,
             samples,
         ));
@@ -266,6 +327,7 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
                 "transports",
                 &format!("pass {label}"),
                 transport.name(),
+                Kind::of_pass(transport),
                 bytes as u64,
                 samples,
             ));
@@ -341,6 +403,7 @@ async fn soak(rt: &Runtime, passes: usize) -> rdt::Result<Vec<Row>> {
             "soak",
             &format!("{passes} mixed passes (latency with 32 in flight)"),
             transport.name(),
+            Kind::Latency,
             bytes / passes as u64,
             samples,
         ));
@@ -352,13 +415,22 @@ async fn soak(rt: &Runtime, passes: usize) -> rdt::Result<Vec<Row>> {
 
 fn print(rows: &[Row]) {
     println!(
-        "{:<12} {:<34} {:<13} {:>12} {:>12} {:>12} {:>10}",
+        "{:<12} {:<34} {:<13} {:>12} {:>12} {:>12} {:>10}  kind",
         "suite", "case", "transport", "bytes", "median µs", "p90 µs", "GB/s"
     );
     for r in rows {
+        // Only a copy has a bandwidth; a hand-off or a round trip has none.
+        let gbps = r.gbps.map_or("—".to_string(), |g| format!("{g:.3}"));
         println!(
-            "{:<12} {:<34} {:<13} {:>12} {:>12.1} {:>12.1} {:>10.3}",
-            r.suite, r.case, r.transport, r.bytes, r.median_us, r.p90_us, r.gbps
+            "{:<12} {:<34} {:<13} {:>12} {:>12.1} {:>12.1} {:>10}  {}",
+            r.suite,
+            r.case,
+            r.transport,
+            r.bytes,
+            r.median_us,
+            r.p90_us,
+            gbps,
+            r.kind.label()
         );
     }
     // Ratios against the baseline of each case.
@@ -379,10 +451,15 @@ fn print(rows: &[Row]) {
             .find(|b| b.case == r.case && b.transport == "object_store")
         {
             println!(
-                "ratio: {} {} is {:.2}x faster than object_store",
+                "ratio: {} {} is {:.2}x faster than object_store{}",
                 r.case,
                 r.transport,
-                base.median_us / r.median_us
+                base.median_us / r.median_us,
+                if r.kind == Kind::HandoffLatency {
+                    " (a hand-off: no byte copied)"
+                } else {
+                    ""
+                }
             );
         }
     }

@@ -14,6 +14,9 @@
 //!   opens the producer's event and maps the slab); the producer made the
 //!   tensor before, untimed.
 //! * `pass_cached`: later `cuda_ipc` passes (mapping cached).
+//! * `pass_copy`: `cuda_ipc` passes in copy mode: the consumer makes its own
+//!   copy of the tensor (`Tensor::deep_copy`, a device-to-device copy
+//!   ordered after the producer's event) and waits for it.
 //! * `pass` over `object_store` on the same tensor (GPU → host → driver →
 //!   host → GPU).
 //! * `memcpy_dtod`: a raw `cuMemcpyDtoDAsync` of the same bytes in the
@@ -24,8 +27,18 @@
 //! the consumer) and `ref_chain_rtt` (a tiny value passed by ref from the
 //! producer to the consumer: the same two calls as a pass, without a
 //! tensor). Rows use the harness schema (`suite, case, transport, device,
-//! bytes, iters, median_us, p90_us, gbps`) plus `placement`, `device_name`
-//! and `commit` (from `RDT_COMMIT`, set by `scripts/gpu-bundle.sh`).
+//! bytes, iters, median_us, p90_us, kind, gbps`) plus `placement`,
+//! `device_name` and `commit` (from `RDT_COMMIT`, set by
+//! `scripts/gpu-bundle.sh`).
+//!
+//! A zero-copy `cuda_ipc` pass (`pass_first_open`, `pass_cached`) copies no
+//! byte: its time is a hand-off latency, not a bandwidth (a 1 GiB hand-off
+//! in 100 µs is not 10 000 GB/s). Those rows have `kind`
+//! `handoff_latency` and `gbps` `null`, and print `hand-off latency`
+//! instead of GB/s. Rows that copy the bytes (`pass_copy`, `pass` over
+//! `object_store`, `memcpy_dtod`) have `kind` `bandwidth` and `gbps` =
+//! `bytes` per median (1e9 bytes per second); the control round trips have
+//! `kind` `latency` and no `gbps`.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -33,6 +46,7 @@ use std::time::Instant;
 use rdt::prelude::*;
 use serde::Serialize;
 
+// ANCHOR: source
 #[rdt::actor]
 pub struct CudaSource {
     kept: HashMap<usize, Tensor>,
@@ -68,6 +82,7 @@ impl CudaSource {
         x
     }
 }
+// ANCHOR_END: source
 
 #[rdt::actor]
 pub struct CudaSink {}
@@ -78,10 +93,20 @@ impl CudaSink {
         CudaSink {}
     }
 
+    // ANCHOR: touch
     /// Waits until `t` is usable on this process's GPU.
     async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
         t.cuda_ready().await?;
         Ok(t.nbytes())
+    }
+    // ANCHOR_END: touch
+
+    /// Copy mode: makes a copy of `t` in this process's own memory and
+    /// waits until it is done.
+    async fn touch_copy(&mut self, t: Tensor) -> rdt::Result<usize> {
+        let own = t.deep_copy()?;
+        own.cuda_ready().await?;
+        Ok(own.nbytes())
     }
 
     /// A tiny call.
@@ -103,6 +128,18 @@ impl CudaSink {
     }
 }
 
+/// What a row's time is (see the module docs).
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Kind {
+    /// The bytes are copied: `gbps` is a bandwidth.
+    Bandwidth,
+    /// A zero-copy hand-off: no bandwidth, only a latency.
+    HandoffLatency,
+    /// A round trip without a tensor.
+    Latency,
+}
+
 #[derive(Serialize)]
 struct Row {
     suite: &'static str,
@@ -113,7 +150,9 @@ struct Row {
     iters: usize,
     median_us: f64,
     p90_us: f64,
-    gbps: f64,
+    kind: Kind,
+    /// `bytes` per median in GB/s, for `Kind::Bandwidth` rows only.
+    gbps: Option<f64>,
     placement: String,
     device_name: String,
     commit: String,
@@ -126,7 +165,7 @@ struct Ctx {
     placement: &'static str,
 }
 
-fn row(cx: &Ctx, case: &str, transport: &str, bytes: usize, mut us: Vec<f64>) -> Row {
+fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, mut us: Vec<f64>) -> Row {
     us.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let median = us[us.len() / 2];
     let p90 = us[((us.len() as f64 * 0.9) as usize).min(us.len() - 1)];
@@ -139,18 +178,21 @@ fn row(cx: &Ctx, case: &str, transport: &str, bytes: usize, mut us: Vec<f64>) ->
         iters: us.len(),
         median_us: median,
         p90_us: p90,
-        gbps: if median > 0.0 && bytes > 0 {
-            bytes as f64 / (median * 1e3)
-        } else {
-            0.0
-        },
+        kind,
+        gbps: (kind == Kind::Bandwidth && median > 0.0 && bytes > 0)
+            .then(|| bytes as f64 / (median * 1e3)),
         placement: cx.placement.to_string(),
         device_name: cx.device_name.clone(),
         commit: cx.commit.clone(),
     };
+    let what = match (r.kind, r.gbps) {
+        (Kind::Bandwidth, Some(g)) => format!("{g:>8.2} GB/s"),
+        (Kind::HandoffLatency, _) => "hand-off latency".to_string(),
+        _ => "latency".to_string(),
+    };
     println!(
-        "{:<10} {:<16} {:<13} {:>11} B {:>4} it  median {:>11.1} us  p90 {:>11.1} us  {:>8.2} GB/s",
-        r.placement, r.case, r.transport, r.bytes, r.iters, r.median_us, r.p90_us, r.gbps
+        "{:<10} {:<16} {:<13} {:>11} B {:>4} it  median {:>11.1} us  p90 {:>11.1} us  {}",
+        r.placement, r.case, r.transport, r.bytes, r.iters, r.median_us, r.p90_us, what
     );
     r
 }
@@ -288,7 +330,7 @@ async fn main() -> rdt::Result<()> {
                 rt.get(c.ping(i as u64).remote()).await?;
                 us.push(us_since(t0));
             }
-            rows.push(row(&cx, "actor_call_rtt", "none", 0, us));
+            rows.push(row(&cx, "actor_call_rtt", "none", Kind::Latency, 0, us));
             let mut us = Vec::new();
             for i in 0..iters.max(100) {
                 let t0 = Instant::now();
@@ -296,7 +338,7 @@ async fn main() -> rdt::Result<()> {
                 rt.get(c.ping(&r).remote()).await?;
                 us.push(us_since(t0));
             }
-            rows.push(row(&cx, "ref_chain_rtt", "none", 0, us));
+            rows.push(row(&cx, "ref_chain_rtt", "none", Kind::Latency, 0, us));
             kill_and_wait(&[&p], &[&c]).await;
         }
 
@@ -307,14 +349,46 @@ async fn main() -> rdt::Result<()> {
             rt.get(p.prepare(bytes).remote()).await?;
             rt.get(c.warm().remote()).await?;
             let first = pass(&rt, &p, &c, bytes, Transport::CudaIpc).await?;
-            rows.push(row(&cx, "pass_first_open", "cuda_ipc", bytes, vec![first]));
+            rows.push(row(
+                &cx,
+                "pass_first_open",
+                "cuda_ipc",
+                Kind::HandoffLatency,
+                bytes,
+                vec![first],
+            ));
             let mut us = Vec::new();
             for _ in 0..iters {
                 us.push(pass(&rt, &p, &c, bytes, Transport::CudaIpc).await?);
             }
             let (opened, cached) = rt.get(c.stats().remote()).await?;
             println!("  cuda_ipc mappings: {opened} opened, {cached} cached");
-            rows.push(row(&cx, "pass_cached", "cuda_ipc", bytes, us));
+            rows.push(row(
+                &cx,
+                "pass_cached",
+                "cuda_ipc",
+                Kind::HandoffLatency,
+                bytes,
+                us,
+            ));
+
+            // Copy mode: the same pass, and the consumer copies the bytes.
+            let mut us = Vec::new();
+            for _ in 0..iters {
+                let t0 = Instant::now();
+                let r = p.tensor(bytes).transport(Transport::CudaIpc).remote();
+                let n = rt.get(c.touch_copy(&r).remote()).await?;
+                us.push(us_since(t0));
+                assert_eq!(n, bytes);
+            }
+            rows.push(row(
+                &cx,
+                "pass_copy",
+                "cuda_ipc",
+                Kind::Bandwidth,
+                bytes,
+                us,
+            ));
 
             let os_iters = if bytes >= 1 << 30 {
                 3
@@ -327,7 +401,7 @@ async fn main() -> rdt::Result<()> {
             for _ in 0..os_iters {
                 us.push(pass(&rt, &p, &c, bytes, Transport::ObjectStore).await?);
             }
-            rows.push(row(&cx, "pass", "object_store", bytes, us));
+            rows.push(row(&cx, "pass", "object_store", Kind::Bandwidth, bytes, us));
 
             // Raw device-to-device copy of the same bytes, in this process.
             let a = Tensor::cuda_full(1u8, &[bytes], pg as usize)?;
@@ -351,7 +425,7 @@ async fn main() -> rdt::Result<()> {
                     us.push(us_since(t0));
                 }
             }
-            rows.push(row(&cx, "memcpy_dtod", "raw", bytes, us));
+            rows.push(row(&cx, "memcpy_dtod", "raw", Kind::Bandwidth, bytes, us));
             drop((a, b));
             kill_and_wait(&[&p], &[&c]).await;
         }
@@ -365,11 +439,12 @@ async fn main() -> rdt::Result<()> {
         for &bytes in sizes {
             let ipc = median(&rows, placement, "pass_cached", "cuda_ipc", bytes);
             let first = median(&rows, placement, "pass_first_open", "cuda_ipc", bytes);
+            let copy = median(&rows, placement, "pass_copy", "cuda_ipc", bytes);
             let os = median(&rows, placement, "pass", "object_store", bytes);
             let raw = median(&rows, placement, "memcpy_dtod", "raw", bytes);
             let budget = 100.0 + rtt;
             println!(
-                "  {bytes:>10} B: cached {ipc:>8.1} us (first {first:>9.1}), object store {os:>11.1} us = {:>7.1}x, \
+                "  {bytes:>10} B: cached {ipc:>8.1} us (first {first:>9.1}), copy mode {copy:>8.1} us, object store {os:>11.1} us = {:>7.1}x, \
                  raw dtod {raw:>7.1} us, cached - call rtt {:>6.1} us, cached - ref chain {:>6.1} us; \
                  <= 100 us + rtt ({budget:.0} us): {}; >= 50x: {}",
                 os / ipc,

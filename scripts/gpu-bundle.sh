@@ -7,7 +7,10 @@
 # libcuda is found by the binaries themselves; run.sh looks for NVRTC and
 # cuRAND in the usual places (and RDT_CUDA_LIB_DIRS) when the loader does
 # not know them; set LD_LIBRARY_PATH for anything else.
-# RDT_EXPECT_GPUS=2 makes the two-GPU tests mandatory.
+# The two-GPU tests are #[ignore]d: run.sh runs them (--ignored) when it
+# sees two GPUs, and counts them as skipped otherwise. RDT_EXPECT_GPUS=2
+# makes them mandatory: fewer GPUs is then a failure. run.sh ends with
+#   gpu tests: N passed, M failed, K skipped
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.gpu
@@ -25,10 +28,12 @@ for line in sys.stdin:
         print(m["executable"])
 ' > "$out/tests.txt"
 cargo build -p rdt-examples --release --example bench_cuda --example quickstart --example bench
+# Cargo's target folder (CARGO_TARGET_DIR where it is set).
+tgt="${CARGO_TARGET_DIR:-target}"
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
-cp target/release/examples/bench_cuda "$out/bin/bench_cuda"
-cp target/release/examples/quickstart "$out/bin/quickstart"
-cp target/release/examples/bench "$out/bin/bench"
+cp "$tgt/release/examples/bench_cuda" "$out/bin/bench_cuda"
+cp "$tgt/release/examples/quickstart" "$out/bin/quickstart"
+cp "$tgt/release/examples/bench" "$out/bin/bench"
 rm "$out/tests.txt"
 # The commit the bundle was built from (with -dirty for uncommitted
 # changes), recorded by the benchmark in every row.
@@ -36,13 +41,14 @@ commit="$(git rev-parse --short HEAD)"
 git diff --quiet HEAD -- . ':!book' 2>/dev/null || commit="$commit-dirty"
 echo "$commit" > "$out/COMMIT"
 # Unstripped copies stay here, to resolve addresses of a crash report.
-mkdir -p target/gpu-unstripped
-cp "$out/bin/"* target/gpu-unstripped/
+mkdir -p "$tgt/gpu-unstripped"
+cp "$out/bin/"* "$tgt/gpu-unstripped/"
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs the rdt GPU bundle: the quickstart, the gpu tests, the CUDA
-# benchmark, then the control-plane benchmark.
+# Runs the rdt GPU bundle: the quickstart, the gpu tests (the two-GPU ones
+# where two GPUs are visible), the CUDA benchmark, then the control-plane
+# benchmark; ends with the line `gpu tests: N passed, M failed, K skipped`.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="${1:-$here/out}"
@@ -77,10 +83,41 @@ q=${PIPESTATUS[0]}
 grep -q "via cuda_ipc" "$logs/quickstart.log" || { echo "quickstart did not use the GPU"; q=1; }
 [ "$q" = 0 ] || rc=$q
 echo "== quickstart exit: $q"
-echo "== gpu tests"
+# The gpu tests: the one-GPU tests, then the two-GPU tests (#[ignore]d in
+# the binary) where two GPUs are visible or RDT_EXPECT_GPUS asks for two
+# (then fewer is a failure: the tests assert it). The summary adds up
+# libtest's `test result:` lines; a run without one (the binary died)
+# counts every test it was to run as failed.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+if [ -n "${CUDA_VISIBLE_DEVICES+x}" ]; then
+  vis=$(printf '%s' "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+  [ "$vis" -lt "$gpus" ] && gpus=$vis
+fi
+two=$("$here/bin/gpu-tests" --list --ignored 2>/dev/null | grep -c ': test$')
+all=$("$here/bin/gpu-tests" --list 2>/dev/null | grep -c ': test$')
+one=$((all - two))
+# "passed failed ignored" of the last `test result:` line of a log.
+result() {
+  grep -E '^test result: ' "$1" | tail -n1 \
+    | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed; ([0-9]+) ignored;.*/\1 \2 \3/'
+}
+echo "== gpu tests ($one one-GPU tests; $two two-GPU tests; $gpus GPU(s) visible)"
 "$here/bin/gpu-tests" --test-threads=1 2>&1 | tee "$logs/gpu-tests.log"
 t=${PIPESTATUS[0]}; [ "$t" = 0 ] || rc=$t
 echo "== gpu tests exit: $t"
+read -r passed failed skipped <<<"$(result "$logs/gpu-tests.log")"
+[ -n "${passed:-}" ] || { passed=0; failed=$one; skipped=$two; }
+if [ "$gpus" -ge 2 ] || [ "${RDT_EXPECT_GPUS:-0}" -ge 2 ] 2>/dev/null; then
+  echo "== gpu tests, two GPUs (--ignored)"
+  "$here/bin/gpu-tests" --ignored --test-threads=1 2>&1 | tee "$logs/gpu-tests-2gpu.log"
+  t2=${PIPESTATUS[0]}; [ "$t2" = 0 ] || rc=$t2
+  echo "== gpu tests, two GPUs exit: $t2"
+  read -r p2 f2 _ <<<"$(result "$logs/gpu-tests-2gpu.log")"
+  [ -n "${p2:-}" ] || { p2=0; f2=$two; }
+  passed=$((passed + p2)); failed=$((failed + f2)); skipped=$((skipped - p2 - f2))
+else
+  echo "== gpu tests, two GPUs: not run ($gpus GPU(s) visible): $two skipped"
+fi
 echo "== bench_cuda"
 "$here/bin/bench_cuda" --json "$logs/cuda.json" 2>&1 | tee "$logs/bench_cuda.log"
 b=${PIPESTATUS[0]}; [ "$b" = 0 ] || rc=$b
@@ -91,6 +128,7 @@ echo "== bench control"
 "$here/bin/bench" control --json "$logs/control.json" 2>&1 | tee "$logs/bench_control.log"
 c=${PIPESTATUS[0]}; [ "$c" = 0 ] || rc=$c
 echo "== bench control exit: $c"
+echo "gpu tests: $passed passed, $failed failed, $skipped skipped"
 exit $rc
 RUN
 chmod +x "$out/run.sh" "$out/bin/"*

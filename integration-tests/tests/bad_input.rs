@@ -33,17 +33,28 @@ async fn wrong_argument_type_unknown_method_and_wrong_arity() {
             .await
             .unwrap_err();
         assert!(e.to_string().contains("takes 1 arguments"), "{e}");
-        // A result of another type than the caller expects.
-        let r = c.seen().remote();
-        let as_string: ObjectRef<String> = {
-            let r2 = r.clone();
-            // Reinterpret through put/get would copy; use the raw id path:
-            // the driver decodes with the caller's type and says so.
-            drop(r2);
-            rt.put(&"x".to_string()).unwrap()
-        };
-        assert_eq!(rt.get(&as_string).await.unwrap(), "x");
-        assert_eq!(rt.get(&r).await.unwrap(), 0);
+        // A result of another type than the caller expects: `seen` is
+        // method #5 and returns a u64; ask for a String. postcard is not
+        // self-describing, so the mismatch shows only where the bytes do
+        // not fit: a u64 of 1 is the byte 0x01, a String of length 1 with
+        // no byte after it (a 0 would read as the empty string).
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[3])).remote())
+                .await
+                .unwrap(),
+            3.0
+        );
+        assert_eq!(rt.get(c.seen().remote()).await.unwrap(), 1);
+        let r = Call::<String>::new(c.raw(), 5, "seen", Transport::ObjectStore).remote();
+        let e = rt.get(&r).await.unwrap_err();
+        let want = format!("object {} as {}", r.id(), std::any::type_name::<String>());
+        assert!(
+            matches!(&e, Error::Decode { what, .. } if *what == want),
+            "expected a decode error of {want:?}, got: {e}"
+        );
+        // The same call typed as a u64 reads the count.
+        let as_u64 = Call::<u64>::new(c.raw(), 5, "seen", Transport::ObjectStore).remote();
+        assert_eq!(rt.get(&as_u64).await.unwrap(), 1);
         // The actor is fine.
         assert_eq!(
             rt.get(c.sum(Tensor::full(2.0f32, &[2])).remote())
