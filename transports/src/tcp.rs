@@ -19,7 +19,10 @@
 //! # Invariants
 //! 1. Tensor bytes are written straight from the producer's storage (under
 //!    its read lock, on a blocking thread) and read straight into the
-//!    consumer's new storage: no staging copy on either side.
+//!    consumer's new storage: no staging copy on either side. The one
+//!    exception is a tensor in memory shared with other processes (an `shm`
+//!    tensor): no Rust reference may be formed over it, so it is sent from
+//!    a snapshot ([`Tensor::with_bytes`]).
 //! 2. All tensors of one object move in one exchange, in metadata order.
 //! 3. Transfers to one peer are serialized on its connection, so their
 //!    order is the driver's order.
@@ -274,7 +277,8 @@ fn write_transfer(s: &mut TcpStream, xfer: TransferId, tensors: &[Tensor]) -> st
     }
     s.write_all(&head)?;
     for t in tensors {
-        // Invariant 1: straight from the storage.
+        // Invariant 1: straight from private storage; a snapshot of memory
+        // shared with other processes.
         t.with_bytes(|b| s.write_all(b))
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))??;
     }

@@ -158,9 +158,7 @@ impl Serialize for Tensor {
         match index {
             Some(i) => s.serialize_newtype_struct(PLACEHOLDER, &i),
             None => {
-                let bytes = self
-                    .with_bytes(|b| b.to_vec())
-                    .map_err(serde::ser::Error::custom)?;
+                let bytes = self.copy_bytes().map_err(serde::ser::Error::custom)?;
                 SelfContained {
                     dtype: self.dtype(),
                     shape: self.shape().to_vec(),
