@@ -281,6 +281,14 @@ impl Tensor {
         }
     }
 
+    /// Another tensor over this one's storage, as `dtype` and `shape` of
+    /// the same number of bytes (tests of code that tells views apart).
+    #[cfg(test)]
+    pub(crate) fn view_as(&self, dtype: DType, shape: &[usize]) -> Self {
+        check_size(dtype, shape, self.nbytes()).expect("a view of the same bytes");
+        Self::with_storage(dtype, shape, self.storage.clone())
+    }
+
     /// A CPU tensor holding a copy of `data`.
     pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self, TensorError> {
         Self::from_bytes(T::DTYPE, shape, bytemuck::cast_slice(data).to_vec())
