@@ -547,6 +547,12 @@ impl ExternalMemory for ShmMemory {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+
+    /// Yes: every process that received the tensor maps the same memfd,
+    /// and so does the producer; any of them may write at any time.
+    fn shared_with_other_processes(&self) -> bool {
+        true
+    }
 }
 
 /// The region and offset of `t`'s bytes, if it lives in `shm` memory.
@@ -696,8 +702,22 @@ mod tests {
         }
     }
 
+    /// Where `t`'s bytes are in this process (an shm tensor's mapping).
     fn ptr(t: &Tensor) -> usize {
-        t.with_bytes(|b| b.as_ptr() as usize).expect("cpu tensor")
+        t.with_external(|m| m.expect("shm tensor").as_ptr() as usize)
+    }
+
+    /// The address range of the whole mapping `t`'s bytes live in.
+    fn mapping_of(t: &Tensor) -> std::ops::Range<usize> {
+        let (region, _) = shm_place(t).expect("shm tensor");
+        let start = region.map.as_mut_ptr() as usize;
+        start..start + region.map.len()
+    }
+
+    /// Does the slice `b` overlap the address range `r`?
+    fn overlaps(b: &[u8], r: &std::ops::Range<usize>) -> bool {
+        let start = b.as_ptr() as usize;
+        start < r.end && r.start < start + b.len().max(1)
     }
 
     fn receive(shm: &ShmTransport, e: &Exported) -> Result<Vec<Tensor>, TransportError> {
@@ -827,6 +847,81 @@ mod tests {
         let e6 = block_on(shm.export(6, &got[1..2])).unwrap();
         assert_eq!(decode(&e6).files[0].ino, h5.files[1].ino, "same memfd");
         assert_eq!(ptr(&receive(&shm, &e6).unwrap()[0]) % ALIGN, 0);
+    }
+
+    /// Defect 5: `with_bytes`/`with_bytes_mut` put a Rust reference over a
+    /// mapping that other processes write. They must hand out a private
+    /// copy instead, and still read and write the shared bytes.
+    #[test]
+    fn safe_byte_access_to_shm_never_points_into_the_mapping() {
+        let shm = ShmTransport::new();
+        let producer = Tensor::from_slice(&[1u32, 2, 3, 4, 5, 6, 7, 8], &[8]).unwrap();
+        let e = block_on(shm.export(1, std::slice::from_ref(&producer))).unwrap();
+        // Received in this process: another mapping of the same memfd.
+        let consumer = receive(&shm, &e).unwrap().remove(0);
+        let (theirs, ours) = (mapping_of(&producer), mapping_of(&consumer));
+        assert_ne!(theirs, ours, "two mappings");
+
+        // Reads give the bytes, from a copy outside both mappings.
+        let want: Vec<u8> = bytemuck::cast_slice(&[1u32, 2, 3, 4, 5, 6, 7, 8]).to_vec();
+        for t in [&producer, &consumer] {
+            t.with_bytes(|b| {
+                assert_eq!(b, &want[..]);
+                assert!(!overlaps(b, &theirs) && !overlaps(b, &ours), "a snapshot");
+            })
+            .unwrap();
+        }
+
+        // Writes through a private copy reach the memory: the other mapping
+        // sees them.
+        consumer
+            .with_bytes_mut(|b| {
+                assert!(
+                    !overlaps(b, &theirs) && !overlaps(b, &ours),
+                    "a staged copy"
+                );
+                assert_eq!(b, &want[..], "the copy starts as the memory's bytes");
+                b[4..8].copy_from_slice(&42u32.to_le_bytes());
+            })
+            .unwrap();
+        assert_eq!(
+            producer.to_vec::<u32>().unwrap(),
+            vec![1, 42, 3, 4, 5, 6, 7, 8]
+        );
+        producer
+            .with_bytes_mut(|b| b[28..].copy_from_slice(&9u32.to_le_bytes()))
+            .unwrap();
+        assert_eq!(
+            consumer.to_vec::<u32>().unwrap(),
+            vec![1, 42, 3, 4, 5, 6, 7, 9]
+        );
+
+        // Everything built on the accessors sees the shared bytes too.
+        assert_eq!(consumer.sum().unwrap(), 77.0);
+        assert!(consumer.equal(&producer).unwrap());
+        let copy = consumer.deep_copy().unwrap();
+        assert!(!ShmTransport::is_shm(&copy) && copy.equal(&producer).unwrap());
+        assert_eq!(consumer.to_bytes().unwrap(), producer.to_bytes().unwrap());
+
+        // The unchecked forms are zero-copy: the caller vouches that no one
+        // writes meanwhile (true here: this thread is the only user).
+        let (at_consumer, at_producer) = (ptr(&consumer), ptr(&producer));
+        // SAFETY: nothing else touches the memfd during these calls.
+        unsafe {
+            consumer
+                .with_bytes_unchecked(|b| {
+                    assert_eq!(b.as_ptr() as usize, at_consumer);
+                    assert!(overlaps(b, &ours));
+                })
+                .unwrap();
+            producer
+                .with_bytes_mut_unchecked(|b| {
+                    assert_eq!(b.as_ptr() as usize, at_producer);
+                    b[..4].copy_from_slice(&0u32.to_le_bytes());
+                })
+                .unwrap();
+        }
+        assert_eq!(consumer.to_vec::<u32>().unwrap()[0], 0);
     }
 
     #[test]

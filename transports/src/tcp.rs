@@ -19,19 +19,28 @@
 //! # Invariants
 //! 1. Tensor bytes are written straight from the producer's storage (under
 //!    its read lock, on a blocking thread) and read straight into the
-//!    consumer's new storage: no staging copy on either side.
+//!    consumer's new storage: no staging copy on either side. The one
+//!    exception is a tensor in memory shared with other processes (an `shm`
+//!    tensor): no Rust reference may be formed over it, so it is sent from
+//!    a snapshot ([`Tensor::with_bytes`]).
 //! 2. All tensors of one object move in one exchange, in metadata order.
 //! 3. Transfers to one peer are serialized on its connection, so their
 //!    order is the driver's order.
 //! 4. Nothing waits forever: `receive` has a deadline, a lost connection
 //!    fails every transfer pending from that peer at once, and a failed send
 //!    drops the connection so the next transfer reconnects.
+//! 5. Nothing is kept forever: the record of a transfer whose receive gave
+//!    up (so that its late bytes are dropped) goes when the bytes arrive,
+//!    when it is [`ABANDONED_DEADLINES`] deadlines old, or when its peer is
+//!    gone ([`TensorTransport::peer_gone`], which also closes the
+//!    connections to and from that peer).
 
 use std::collections::HashMap;
 use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
@@ -55,20 +64,40 @@ enum Slot {
     },
 }
 
+/// How long, in receive deadlines, a transfer whose receive gave up is
+/// remembered (so that its late bytes are dropped rather than kept for a
+/// receive that will never come). The receive waited one deadline, and
+/// each of the sender's writes times out after one: bytes later than this
+/// are not expected. Should they come all the same, they are filed like
+/// any arrival.
+pub const ABANDONED_DEADLINES: u32 = 4;
+
+/// A transfer whose receive gave up.
+struct Abandoned {
+    /// The peer it was to come from.
+    from: u64,
+    /// When the receive gave up.
+    at: Instant,
+}
+
 #[derive(Default)]
 struct Inbox {
     slots: Mutex<HashMap<TransferId, Slot>>,
     /// Transfers whose receive gave up: their late bytes are dropped, not
-    /// kept forever.
-    abandoned: Mutex<std::collections::HashSet<TransferId>>,
+    /// kept forever (invariant 5).
+    abandoned: Mutex<HashMap<TransferId, Abandoned>>,
     /// Open connections per peer: waiters fail only when the last one ends
     /// (a peer that reconnected still delivers over its new connection).
     live: Mutex<HashMap<u64, usize>>,
+    /// A handle of every open incoming connection, by serial number, with
+    /// its peer, so that [`TensorTransport::peer_gone`] can close them.
+    incoming: Mutex<HashMap<u64, (u64, TcpStream)>>,
+    next_serial: AtomicU64,
 }
 
 impl Inbox {
     fn arrive(&self, xfer: TransferId, a: Arrival) {
-        if self.abandoned.lock().remove(&xfer) {
+        if self.abandoned.lock().remove(&xfer).is_some() {
             return;
         }
         let mut m = self.slots.lock();
@@ -82,8 +111,47 @@ impl Inbox {
         }
     }
 
+    /// The receive of `xfer` from `from` gave up at `now`: drop its bytes
+    /// should they come, for `keep`. Records older than that go now.
+    fn abandon(&self, xfer: TransferId, from: u64, now: Instant, keep: Duration) {
+        let mut abandoned = self.abandoned.lock();
+        abandoned.retain(|_, a| now.saturating_duration_since(a.at) < keep);
+        abandoned.insert(xfer, Abandoned { from, at: now });
+    }
+
     fn peer_connected(&self, from: u64) {
         *self.live.lock().entry(from).or_default() += 1;
+    }
+
+    /// Keeps a handle of the incoming connection `s` from `from`; returns
+    /// the serial number to [`forget_incoming`](Self::forget_incoming) it by.
+    fn track_incoming(&self, from: u64, s: &TcpStream) -> Option<u64> {
+        let handle = s.try_clone().ok()?;
+        let serial = self.next_serial.fetch_add(1, Ordering::Relaxed);
+        self.incoming.lock().insert(serial, (from, handle));
+        Some(serial)
+    }
+
+    fn forget_incoming(&self, serial: Option<u64>) {
+        if let Some(serial) = serial {
+            self.incoming.lock().remove(&serial);
+        }
+    }
+
+    /// Peer `from` is gone: forget its abandoned transfers, and shut down
+    /// its incoming connections, whose threads then end and fail what
+    /// waits on that peer ([`peer_lost`](Self::peer_lost)).
+    fn peer_gone(&self, from: u64) {
+        self.abandoned.lock().retain(|_, a| a.from != from);
+        let mut incoming = self.incoming.lock();
+        incoming.retain(|_, (peer, s)| {
+            if *peer == from {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                false
+            } else {
+                true
+            }
+        });
     }
 
     /// A connection from `from` ended: if it was the last, fail what waits
@@ -121,6 +189,9 @@ pub struct TcpTransport {
     /// One slot per peer endpoint; its lock serializes connecting and
     /// writing to that peer (invariant 3), on a blocking thread.
     conns: Mutex<HashMap<String, Arc<std::sync::Mutex<Option<TcpStream>>>>>,
+    /// The endpoint each peer we sent to is at, so that its connection can
+    /// be dropped when it is gone.
+    endpoints: Mutex<HashMap<u64, String>>,
     deadline: Duration,
 }
 
@@ -153,11 +224,13 @@ impl TcpTransport {
             endpoint,
             inbox,
             conns: Mutex::new(HashMap::new()),
+            endpoints: Mutex::new(HashMap::new()),
             deadline,
         })
     }
 
     fn slot(&self, to: &Peer) -> Arc<std::sync::Mutex<Option<TcpStream>>> {
+        self.endpoints.lock().insert(to.actor, to.endpoint.clone());
         self.conns
             .lock()
             .entry(to.endpoint.clone())
@@ -211,6 +284,7 @@ fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox) {
     }
     let from = u64::from_le_bytes(id);
     inbox.peer_connected(from);
+    let serial = inbox.track_incoming(from, &s);
     // Transfers may be far apart: no read timeout between them.
     s.set_read_timeout(None).ok();
     s.set_nodelay(true).ok();
@@ -222,6 +296,7 @@ fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox) {
             Err(e) => break format!("connection lost: {e}"),
         }
     };
+    inbox.forget_incoming(serial);
     inbox.peer_lost(from, &why);
 }
 
@@ -274,7 +349,8 @@ fn write_transfer(s: &mut TcpStream, xfer: TransferId, tensors: &[Tensor]) -> st
     }
     s.write_all(&head)?;
     for t in tensors {
-        // Invariant 1: straight from the storage.
+        // Invariant 1: straight from private storage; a snapshot of memory
+        // shared with other processes.
         t.with_bytes(|b| s.write_all(b))
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))??;
     }
@@ -397,7 +473,12 @@ impl TensorTransport for TcpTransport {
                         // It arrived just now: use it.
                         Some(Slot::Arrived(a)) => a,
                         _ => {
-                            self.inbox.abandoned.lock().insert(xfer);
+                            self.inbox.abandon(
+                                xfer,
+                                from.actor,
+                                Instant::now(),
+                                self.deadline * ABANDONED_DEADLINES,
+                            );
                             Err(format!(
                                 "no data within {:?} (deadline passed)",
                                 self.deadline
@@ -428,6 +509,19 @@ impl TensorTransport for TcpTransport {
             check_received(NAME, &exported.metas, &tensors)?;
             Ok(tensors)
         })
+    }
+
+    /// Drops the connection to `actor`, shuts down its connections to us
+    /// (so receives waiting on it fail now) and forgets its abandoned
+    /// transfers. Bytes that fully arrived from it stay for the receive the
+    /// driver ordered with the send.
+    fn peer_gone(&self, actor: u64) {
+        if let Some(endpoint) = self.endpoints.lock().remove(&actor) {
+            // A send in progress keeps its slot until it ends; the
+            // connection closes with the slot's last holder.
+            self.conns.lock().remove(&endpoint);
+        }
+        self.inbox.peer_gone(actor);
     }
 }
 
@@ -467,6 +561,92 @@ mod tests {
             let (r, s) = tokio::join!(b.receive(&pa, 11, &ex), a.send(&pb, 11, &ts));
             s.unwrap();
             assert_eq!(r.unwrap().len(), 3);
+        })
+        .await
+        .unwrap();
+    }
+
+    /// Defect 8: the set of abandoned transfers was never pruned.
+    #[test]
+    fn abandoned_transfers_are_forgotten() {
+        let inbox = Inbox::default();
+        let keep = Duration::from_secs(4);
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let abandoned = |inbox: &Inbox| {
+            let mut v: Vec<TransferId> = inbox.abandoned.lock().keys().copied().collect();
+            v.sort();
+            v
+        };
+        inbox.abandon(1, 7, at(0), keep);
+        inbox.abandon(2, 7, at(2), keep);
+        assert_eq!(abandoned(&inbox), [1, 2]);
+        // Older than `keep` by the next abandon: forgotten.
+        inbox.abandon(3, 8, at(5), keep);
+        assert_eq!(abandoned(&inbox), [2, 3]);
+
+        // Late bytes of a remembered transfer are dropped, with the record.
+        inbox.arrive(2, Ok(vec![vec![1, 2, 3]]));
+        assert!(inbox.slots.lock().is_empty());
+        assert_eq!(abandoned(&inbox), [3]);
+        // Those of a forgotten one are filed like any arrival.
+        inbox.arrive(1, Ok(vec![]));
+        assert!(inbox.slots.lock().contains_key(&1));
+
+        // A peer's records go with the peer, and only its records.
+        inbox.abandon(4, 7, at(5), keep);
+        inbox.peer_gone(8);
+        assert_eq!(abandoned(&inbox), [4]);
+        inbox.peer_gone(7);
+        assert!(abandoned(&inbox).is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn peer_gone_drops_connections_and_records() {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            let a = TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let b = Arc::new(
+                TcpTransport::start(2, b"s", "127.0.0.1:0", Duration::from_secs(10)).unwrap(),
+            );
+            let (pa, pb) = (peer(&a, 1), peer(&b, 2));
+            let ts = vec![Tensor::arange::<f32>(10)];
+            let ex = a.export(1, &ts).await.unwrap();
+            a.send(&pb, 1, &ts).await.unwrap();
+            b.receive(&pa, 1, &ex).await.unwrap();
+            assert_eq!(a.conns.lock().len(), 1);
+            assert_eq!(b.inbox.incoming.lock().len(), 1);
+            b.inbox
+                .abandon(99, 1, Instant::now(), Duration::from_secs(60));
+
+            // b waits for a transfer that a never sends.
+            let waiting = {
+                let (b, pa, ex) = (b.clone(), pa.clone(), ex.clone());
+                tokio::spawn(async move { b.receive(&pa, 2, &ex).await })
+            };
+            while !b.inbox.slots.lock().contains_key(&2) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+
+            // Each side learns that the other is gone.
+            a.peer_gone(2);
+            assert!(a.conns.lock().is_empty() && a.endpoints.lock().is_empty());
+            let gone = Instant::now();
+            b.peer_gone(1);
+            assert!(b.inbox.abandoned.lock().is_empty());
+            assert!(b.inbox.incoming.lock().is_empty());
+            // The connection from a is shut down, so the wait fails now,
+            // not at its 10 s deadline, and a's connection count goes.
+            let e = waiting.await.unwrap().unwrap_err();
+            assert!(gone.elapsed() < Duration::from_secs(5), "{e}");
+            assert!(!e.to_string().contains("deadline"), "{e}");
+            assert!(b.inbox.live.lock().is_empty());
+            assert!(b.inbox.slots.lock().is_empty());
+
+            // Forgetting is not refusing: a new transfer connects afresh.
+            a.send(&pb, 3, &ts).await.unwrap();
+            let got = b.receive(&pa, 3, &ex).await.unwrap();
+            assert!(got[0].equal(&ts[0]).unwrap());
+            assert_eq!(a.conns.lock().len(), 1);
         })
         .await
         .unwrap();

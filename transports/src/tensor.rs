@@ -8,6 +8,10 @@
 //! 3. Access to host bytes goes through the storage's lock, so concurrent
 //!    readers and writers in one process are serialized (no data race); the
 //!    order of writes between actors is the user's business, as in RDT.
+//!    Memory that other processes may write
+//!    ([`ExternalMemory::shared_with_other_processes`]) is never behind a
+//!    Rust reference: the safe accessors copy it with raw-pointer copies
+//!    (see [`Tensor`]'s "Shared memory" section).
 //! 4. Storage received from the wire ([`bytes::Bytes`]) is shared read-only
 //!    until the first write, which copies it once (copy on write).
 
@@ -77,6 +81,18 @@ pub trait ExternalMemory: Send + Sync + 'static {
     /// The concrete memory, so that the transport that made it can recognize
     /// its own memory in a tensor (and publish it again without a copy).
     fn as_any(&self) -> &dyn std::any::Any;
+    /// May another process read or write these bytes while this process
+    /// uses them (a `MAP_SHARED` mapping, say)? Then the safe accessors
+    /// ([`Tensor::with_bytes`], [`Tensor::with_bytes_mut`]) never put the
+    /// bytes behind a Rust reference, which would be undefined behavior
+    /// under a concurrent writer: they copy them with raw-pointer copies.
+    ///
+    /// The default is `true`, the sound answer for memory of unknown
+    /// origin. Return `false` only for memory that nothing outside this
+    /// process's storage lock reads or writes.
+    fn shared_with_other_processes(&self) -> bool {
+        true
+    }
 }
 
 enum Memory {
@@ -150,6 +166,32 @@ impl TensorMeta {
 }
 
 /// A contiguous tensor on a device, sharing its storage with its clones.
+///
+/// # Shared memory
+/// A tensor's host bytes may live in memory that other processes map and
+/// write too: a tensor received over the `shm` transport, or exported over
+/// it (see [`ExternalMemory::shared_with_other_processes`]). For such
+/// memory:
+/// - [`with_bytes`](Self::with_bytes) (and everything built on it:
+///   [`to_vec`](Self::to_vec), [`sum`](Self::sum), [`equal`](Self::equal),
+///   [`to_bytes`](Self::to_bytes), [`deep_copy`](Self::deep_copy), sends
+///   over `tcp`) reads a *snapshot*: the bytes are copied out with
+///   raw-pointer copies and the closure sees the private copy, never the
+///   mapping. If another process writes while the copy is made, the
+///   snapshot may be torn (part old, part new bytes).
+/// - [`with_bytes_mut`](Self::with_bytes_mut) copies the bytes out, lets
+///   the closure change the copy and copies all of it back, again with
+///   raw-pointer copies. A concurrent write by another process to the same
+///   range may be lost or mixed with this one.
+/// - Ordering writes between processes (so that a reader sees a whole
+///   update) is the user's business, as in Ray Direct Transport: the
+///   storage's lock orders accesses within this process only.
+///
+/// Plain host memory (owned or received bytes) is read and written in
+/// place, with no copy. A caller that knows that no other process touches
+/// the memory for the duration can skip the copy with the `unsafe`
+/// [`with_bytes_unchecked`](Self::with_bytes_unchecked) and
+/// [`with_bytes_mut_unchecked`](Self::with_bytes_mut_unchecked).
 #[derive(Clone)]
 pub struct Tensor {
     dtype: DType,
@@ -237,6 +279,14 @@ impl Tensor {
             shape: shape.into(),
             storage,
         }
+    }
+
+    /// Another tensor over this one's storage, as `dtype` and `shape` of
+    /// the same number of bytes (tests of code that tells views apart).
+    #[cfg(test)]
+    pub(crate) fn view_as(&self, dtype: DType, shape: &[usize]) -> Self {
+        check_size(dtype, shape, self.nbytes()).expect("a view of the same bytes");
+        Self::with_storage(dtype, shape, self.storage.clone())
     }
 
     /// A CPU tensor holding a copy of `data`.
@@ -343,49 +393,136 @@ impl Tensor {
         if !src.is_empty() {
             // SAFETY: `mem` is valid for `mem.len()` bytes while it lives (the
             // `ExternalMemory` contract), and the size check above makes `src`
-            // and `mem` the same length (invariant 1). As for every access to
-            // external memory, the lock orders accesses through this storage
-            // only; the caller hands in memory that no storage uses yet.
-            let dst = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr(), mem.len()) };
-            dst.copy_from_slice(src);
+            // and `mem` the same length (invariant 1); `src` is private memory
+            // of this storage, so the two do not overlap. A raw copy forms no
+            // reference over `mem`, which may be shared with other processes.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), mem.as_ptr(), src.len()) };
         }
         *guard = Memory::External(mem);
         Ok(true)
     }
 
-    /// Reads the host bytes under the storage's read lock.
+    /// Calls `f` with the host bytes.
+    ///
+    /// Private memory is read in place, under the storage's read lock (no
+    /// copy). Memory shared with other processes is read as a snapshot:
+    /// copied out with raw-pointer copies into a private buffer, which is
+    /// what `f` sees; it may be torn if another process writes meanwhile
+    /// (see the type's "Shared memory" section).
     pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R, TensorError> {
+        self.require_host()?;
+        let mem = self.storage.mem.read();
+        match &*mem {
+            Memory::Owned(v) => Ok(f(v)),
+            Memory::Shared(b) => Ok(f(b)),
+            Memory::External(e) if !e.shared_with_other_processes() => {
+                // SAFETY: the memory is valid for `len` bytes while it lives,
+                // and it lives while `mem` (the read guard) is held; it is not
+                // shared with other processes (the `ExternalMemory` contract),
+                // and the read guard excludes writers in this process.
+                Ok(f(unsafe { external_slice(e.as_ref()) }))
+            }
+            Memory::External(e) => {
+                let snapshot = copy_out(e.as_ref());
+                drop(mem);
+                Ok(f(&snapshot))
+            }
+            Memory::Cuda(_) => unreachable!("require_host rejects CUDA storage"),
+        }
+    }
+
+    /// Calls `f` with the host bytes to change them, under the storage's
+    /// write lock (copying shared wire bytes first, invariant 4). Every
+    /// clone sees the write.
+    ///
+    /// Private memory is written in place. Memory shared with other
+    /// processes is copied out with raw-pointer copies, `f` changes the
+    /// private copy, and all of it is copied back the same way (see the
+    /// type's "Shared memory" section).
+    pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, TensorError> {
+        self.require_host()?;
+        let mut mem = self.storage.mem.write();
+        if let Memory::External(e) = &*mem {
+            if e.shared_with_other_processes() {
+                let mut staged = copy_out(e.as_ref());
+                let r = f(&mut staged);
+                copy_in(e.as_ref(), &staged);
+                return Ok(r);
+            }
+        }
+        // SAFETY: the memory is private (just checked), and the write guard
+        // excludes every other access through this storage.
+        Ok(f(unsafe { private_slice_mut(&mut mem) }))
+    }
+
+    /// Calls `f` with the host bytes in place, with no copy, whatever the
+    /// memory: the zero-copy form of [`with_bytes`](Self::with_bytes).
+    ///
+    /// # Safety
+    /// If the storage is memory shared with other processes
+    /// ([`ExternalMemory::shared_with_other_processes`]), the caller
+    /// guarantees that for as long as `f` runs no other process (nor
+    /// another storage over the same memory in this process) writes any of
+    /// the tensor's bytes: `f` gets a `&[u8]` over them, and a concurrent
+    /// write under a shared reference is undefined behavior. For private
+    /// memory this is always true, and the call is as safe as
+    /// [`with_bytes`](Self::with_bytes).
+    pub unsafe fn with_bytes_unchecked<R>(
+        &self,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, TensorError> {
         self.require_host()?;
         let mem = self.storage.mem.read();
         let bytes: &[u8] = match &*mem {
             Memory::Owned(v) => v,
             Memory::Shared(b) => b,
-            // SAFETY: the external memory is valid for `len` bytes while it
-            // lives, and it lives while `mem` (the read guard) is held.
-            Memory::External(e) => unsafe { std::slice::from_raw_parts(e.as_ptr(), e.len()) },
+            // SAFETY: valid while `mem` is held; no concurrent writer by the
+            // caller's guarantee.
+            Memory::External(e) => unsafe { external_slice(e.as_ref()) },
             Memory::Cuda(_) => unreachable!("require_host rejects CUDA storage"),
         };
         Ok(f(bytes))
     }
 
-    /// Writes the host bytes under the storage's write lock (copying shared
-    /// wire bytes first, invariant 4). Every clone sees the write.
-    pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, TensorError> {
+    /// Calls `f` with the host bytes in place to change them, with no copy,
+    /// whatever the memory: the zero-copy form of
+    /// [`with_bytes_mut`](Self::with_bytes_mut).
+    ///
+    /// # Safety
+    /// If the storage is memory shared with other processes
+    /// ([`ExternalMemory::shared_with_other_processes`]), the caller
+    /// guarantees that for as long as `f` runs no other process (nor
+    /// another storage over the same memory in this process) reads or
+    /// writes any of the tensor's bytes: `f` gets a `&mut [u8]` over them,
+    /// which must be the only access. For private memory this is always
+    /// true, and the call is as safe as
+    /// [`with_bytes_mut`](Self::with_bytes_mut).
+    pub unsafe fn with_bytes_mut_unchecked<R>(
+        &self,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, TensorError> {
         self.require_host()?;
         let mut mem = self.storage.mem.write();
-        if let Memory::Shared(b) = &*mem {
-            let owned = b.to_vec();
-            *mem = Memory::Owned(owned);
+        if let Memory::External(e) = &*mem {
+            // SAFETY: valid while the write guard is held, which excludes
+            // every access through this storage; no other access by the
+            // caller's guarantee.
+            return Ok(f(unsafe { external_slice_mut(e.as_ref()) }));
         }
-        let bytes: &mut [u8] = match &mut *mem {
-            Memory::Owned(v) => v,
-            Memory::Shared(_) => unreachable!("converted above"),
-            // SAFETY: as in `with_bytes`; the write guard excludes every
-            // other access through this storage in this process.
-            Memory::External(e) => unsafe { std::slice::from_raw_parts_mut(e.as_ptr(), e.len()) },
-            Memory::Cuda(_) => unreachable!("require_host rejects CUDA storage"),
-        };
-        Ok(f(bytes))
+        // SAFETY: not external, so private.
+        Ok(f(unsafe { private_slice_mut(&mut mem) }))
+    }
+
+    /// A private copy of the host bytes: one copy whatever the memory (a
+    /// raw-pointer copy for memory shared with other processes).
+    pub(crate) fn copy_bytes(&self) -> Result<Vec<u8>, TensorError> {
+        self.require_host()?;
+        if let Memory::External(e) = &*self.storage.mem.read() {
+            if e.shared_with_other_processes() {
+                return Ok(copy_out(e.as_ref()));
+            }
+        }
+        self.with_bytes(<[u8]>::to_vec)
     }
 
     /// The bytes as an immutable [`Bytes`]: no copy if the storage already
@@ -395,7 +532,7 @@ impl Tensor {
         if let Memory::Shared(b) = &*self.storage.mem.read() {
             return Ok(b.clone());
         }
-        self.with_bytes(Bytes::copy_from_slice)
+        self.copy_bytes().map(Bytes::from)
     }
 
     fn require_host(&self) -> Result<(), TensorError> {
@@ -708,7 +845,225 @@ impl Tensor {
             let ordinal = self.with_device_buffer(|d| d.gpu().ordinal())?;
             return self.to_device(ordinal);
         }
-        let bytes = self.with_bytes(|b| b.to_vec())?;
+        let bytes = self.copy_bytes()?;
         Tensor::from_bytes(self.dtype, &self.shape, bytes)
+    }
+}
+
+/// The bytes of external memory as a slice.
+///
+/// # Safety
+/// `e` must outlive the slice, and nothing may write the bytes while the
+/// slice lives (no other process, no other storage over the same memory,
+/// no writer through this storage).
+unsafe fn external_slice(e: &dyn ExternalMemory) -> &[u8] {
+    if e.is_empty() {
+        // An empty memory may have a dangling (even null) pointer.
+        return &[];
+    }
+    // SAFETY: valid for `len` bytes (the `ExternalMemory` contract); no
+    // writer by the caller's guarantee.
+    unsafe { std::slice::from_raw_parts(e.as_ptr(), e.len()) }
+}
+
+/// The bytes of external memory as a mutable slice.
+///
+/// # Safety
+/// `e` must outlive the slice, and nothing else may read or write the bytes
+/// while the slice lives.
+#[allow(clippy::mut_from_ref)]
+unsafe fn external_slice_mut(e: &dyn ExternalMemory) -> &mut [u8] {
+    if e.is_empty() {
+        return &mut [];
+    }
+    // SAFETY: valid for `len` bytes (the `ExternalMemory` contract); the only
+    // access by the caller's guarantee.
+    unsafe { std::slice::from_raw_parts_mut(e.as_ptr(), e.len()) }
+}
+
+/// The bytes of a host memory as a mutable slice, turning shared wire bytes
+/// into owned ones first (invariant 4).
+///
+/// # Safety
+/// If `mem` is external memory, nothing else may read or write it while the
+/// slice lives (for memory that is not shared with other processes, holding
+/// the storage's write lock, as `mem` suggests, guarantees that).
+unsafe fn private_slice_mut(mem: &mut Memory) -> &mut [u8] {
+    if let Memory::Shared(b) = &*mem {
+        *mem = Memory::Owned(b.to_vec());
+    }
+    match mem {
+        Memory::Owned(v) => v,
+        Memory::Shared(_) => unreachable!("converted above"),
+        // SAFETY: by the caller's guarantee.
+        Memory::External(e) => unsafe { external_slice_mut(&**e) },
+        Memory::Cuda(_) => unreachable!("host memory only"),
+    }
+}
+
+/// A private copy of external memory, made with a raw-pointer copy: no
+/// reference to the memory is formed, so a concurrent writer in another
+/// process makes the copy torn, not undefined.
+fn copy_out(e: &dyn ExternalMemory) -> Vec<u8> {
+    let len = e.len();
+    let mut out = Vec::<u8>::with_capacity(len);
+    if len > 0 {
+        // SAFETY: the source is valid for `len` bytes while `e` lives (the
+        // `ExternalMemory` contract), the destination has `len` bytes of
+        // capacity, and the two do not overlap (`out` is fresh). All `len`
+        // bytes are initialized by the copy before `set_len`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(e.as_ptr().cast_const(), out.as_mut_ptr(), len);
+            out.set_len(len);
+        }
+    }
+    out
+}
+
+/// Writes `src` over external memory `e` of the same length with a
+/// raw-pointer copy (no reference to the memory is formed).
+fn copy_in(e: &dyn ExternalMemory, src: &[u8]) {
+    assert_eq!(src.len(), e.len(), "staged copy has the memory's length");
+    if !src.is_empty() {
+        // SAFETY: `e` is valid for `len` bytes while it lives, `src` has as
+        // many, and `src` is private memory, so they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), e.as_ptr(), src.len()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Heap memory posing as external memory, shared or not.
+    struct TestMemory {
+        ptr: *mut u8,
+        len: usize,
+        shared: Option<bool>,
+    }
+    // SAFETY: owned heap memory, accessed as the `ExternalMemory` contract says.
+    unsafe impl Send for TestMemory {}
+    // SAFETY: as above.
+    unsafe impl Sync for TestMemory {}
+
+    impl TestMemory {
+        fn new(bytes: Vec<u8>, shared: Option<bool>) -> Self {
+            let len = bytes.len();
+            let ptr = Box::into_raw(bytes.into_boxed_slice()).cast::<u8>();
+            TestMemory { ptr, len, shared }
+        }
+    }
+
+    impl Drop for TestMemory {
+        fn drop(&mut self) {
+            // SAFETY: made from a boxed slice of `len` bytes in `new`.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+        }
+    }
+
+    impl ExternalMemory for TestMemory {
+        fn as_ptr(&self) -> *mut u8 {
+            self.ptr
+        }
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn describe(&self) -> String {
+            "test memory".into()
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn shared_with_other_processes(&self) -> bool {
+            // `None`: the trait's default.
+            match self.shared {
+                Some(s) => s,
+                None => ExternalMemory::shared_with_other_processes(&Plain),
+            }
+        }
+    }
+
+    /// Leaves every provided method of the trait as it is.
+    struct Plain;
+    impl ExternalMemory for Plain {
+        fn as_ptr(&self) -> *mut u8 {
+            std::ptr::null_mut()
+        }
+        fn len(&self) -> usize {
+            0
+        }
+        fn describe(&self) -> String {
+            String::new()
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    fn external(shared: Option<bool>) -> (Tensor, usize) {
+        let mem = TestMemory::new(vec![1, 2, 3, 4], shared);
+        let at = mem.ptr as usize;
+        let t = Tensor::from_external(DType::U8, &[4], Device::Cpu, Box::new(mem)).unwrap();
+        (t, at)
+    }
+
+    #[test]
+    fn private_memory_is_accessed_in_place() {
+        let t = Tensor::from_slice(&[1u8, 2, 3], &[3]).unwrap();
+        let a = t.with_bytes(|b| b.as_ptr() as usize).unwrap();
+        let b = t.with_bytes_mut(|b| b.as_ptr() as usize).unwrap();
+        assert_eq!(a, b, "owned bytes: no copy");
+
+        let (t, at) = external(Some(false));
+        assert_eq!(t.with_bytes(|b| b.as_ptr() as usize).unwrap(), at);
+        t.with_bytes_mut(|b| {
+            assert_eq!(b.as_ptr() as usize, at);
+            b[0] = 9;
+        })
+        .unwrap();
+        assert_eq!(t.to_vec::<u8>().unwrap(), vec![9, 2, 3, 4]);
+    }
+
+    #[test]
+    fn shared_external_memory_is_copied_never_borrowed() {
+        // Unknown external memory counts as shared (the sound default).
+        for shared in [Some(true), None] {
+            let (t, at) = external(shared);
+            t.with_bytes(|b| {
+                assert_ne!(b.as_ptr() as usize, at, "a snapshot");
+                assert_eq!(b, &[1, 2, 3, 4]);
+            })
+            .unwrap();
+            t.with_bytes_mut(|b| {
+                assert_ne!(b.as_ptr() as usize, at, "a staged copy");
+                b[3] = 40;
+            })
+            .unwrap();
+            t.fill_(7u8).unwrap();
+            t.add_scalar_(1u8).unwrap();
+            assert_eq!(t.sum().unwrap(), 32.0);
+            // The memory itself holds the writes.
+            t.with_external(|m| {
+                let m = m.unwrap();
+                let mut out = [0u8; 4];
+                // SAFETY: 4 valid bytes that nothing else touches.
+                unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), out.as_mut_ptr(), 4) };
+                assert_eq!(out, [8; 4]);
+            });
+            assert_eq!(&t.to_bytes().unwrap()[..], &[8; 4]);
+            assert!(t.deep_copy().unwrap().equal(&t).unwrap());
+            // SAFETY: this thread is the only user of the memory.
+            let p = unsafe { t.with_bytes_unchecked(|b| b.as_ptr() as usize) }.unwrap();
+            assert_eq!(p, at, "the unchecked form is zero-copy");
+        }
+    }
+
+    #[test]
+    fn empty_external_memory_is_fine() {
+        let mem = TestMemory::new(Vec::new(), Some(true));
+        let t = Tensor::from_external(DType::F32, &[0, 2], Device::Cpu, Box::new(mem)).unwrap();
+        assert_eq!(t.with_bytes(<[u8]>::len).unwrap(), 0);
+        t.with_bytes_mut(|b| assert!(b.is_empty())).unwrap();
+        assert_eq!(t.sum().unwrap(), 0.0);
     }
 }

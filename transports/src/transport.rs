@@ -43,12 +43,17 @@
 //! 5. **No blocking.** Every operation is async and completes on socket I/O,
 //!    a CUDA event or a library's status: never by blocking an executor
 //!    thread for the transfer's duration.
+//! 6. **Peer death.** When an actor dies or is killed, the framework calls
+//!    [`peer_gone`] with its id in every process; the transport drops what
+//!    it keeps for that peer, so that nothing it keeps per peer outlives
+//!    the peer.
 //!
 //! [`export`]: TensorTransport::export
 //! [`send`]: TensorTransport::send
 //! [`receive`]: TensorTransport::receive
 //! [`release`]: TensorTransport::release
 //! [`check_device`]: TensorTransport::check_device
+//! [`peer_gone`]: TensorTransport::peer_gone
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
@@ -193,6 +198,17 @@ pub trait TensorTransport: Send + Sync + 'static {
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
         let _ = key;
         Box::pin(async { Ok(()) })
+    }
+
+    /// The actor with framework id `actor` ([`Peer::actor`]) died or was
+    /// killed (contract point 6). The framework calls this in every
+    /// process, once the death is known; the transport drops everything it
+    /// keeps for that peer: connections, caches, records. Tensors already
+    /// received from the peer stay valid as far as the transport can keep
+    /// them so. Must be cheap and must not block; the default keeps nothing
+    /// per peer and does nothing.
+    fn peer_gone(&self, actor: u64) {
+        let _ = actor;
     }
 }
 

@@ -41,6 +41,11 @@
 //!    its last tensor in that slab is dropped (the owner table freed the
 //!    object), or, if it had none left, at its next receive or at the
 //!    worker's periodic [`housekeeping`].
+//! 5. **Peer death.** An importer caches, per producer process, the
+//!    producer's import records, opened events and slab mappings. When the
+//!    producer's actor is gone ([`TensorTransport::peer_gone`]), they are
+//!    dropped from the caches: events are destroyed, and mappings are closed
+//!    at once or, if tensors still use them, when the last of those goes.
 //!
 //! Devices are matched by UUID: a consumer that sees the producer's device
 //! maps it there; otherwise it maps it in its first device's context with
@@ -49,7 +54,7 @@
 //!
 //! [`release`]: TensorTransport::release
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -126,6 +131,10 @@ struct TensorHandle {
 pub struct CudaIpcTransport {
     /// Copies made at export, kept until release.
     copies: Mutex<HashMap<ObjectKey, Vec<Tensor>>>,
+    /// The producer processes each peer actor sent us tensors from, as the
+    /// caches key them, so that [`TensorTransport::peer_gone`] can drop
+    /// their entries.
+    producers: Mutex<HashMap<u64, HashSet<ProducerKey>>>,
 }
 
 impl std::fmt::Debug for CudaIpcTransport {
@@ -262,6 +271,11 @@ impl CudaIpcTransport {
         }
         super::available().map_err(|e| perr(format!("this consumer cannot use CUDA: {e}")))?;
         let counters = open_counters(&h).map_err(perr)?;
+        self.producers
+            .lock()
+            .entry(from.actor)
+            .or_default()
+            .insert((h.pid, h.counters_id));
         close_retired_mappings();
 
         // Order this process's stream after the producer's work.
@@ -269,15 +283,16 @@ impl CudaIpcTransport {
         for (uuid, ev) in &h.events {
             let g = local_gpu(uuid).map_err(|e| perr(e.to_string()))?;
             if !ev.is_empty() {
+                // Held while used: `peer_gone` may drop the cache's reference.
                 let ev = open_event(&h, uuid, ev, &g).map_err(|e| perr(e.to_string()))?;
                 // Already passed (the producer re-records this event at
                 // every export, so a passed event covers ours): no GPU work.
-                if !event_passed(ev, &g).map_err(|e| perr(e.to_string()))? {
+                if !event_passed(ev.event, &g).map_err(|e| perr(e.to_string()))? {
                     cuda_trace!(
                         "stream of local device {} waits on the event of {uuid}",
                         g.ordinal()
                     );
-                    g.wait_event(ev).map_err(|e| perr(e.to_string()))?;
+                    g.wait_event(ev.event).map_err(|e| perr(e.to_string()))?;
                 }
             }
             local.insert(uuid.clone(), g);
@@ -340,10 +355,16 @@ fn local_gpu(uuid: &str) -> Result<Arc<Gpu>, CudaError> {
     }
 }
 
-type CounterKey = (u32, (u64, u64));
+/// A producer process as this module's caches key it: its pid and the
+/// (device, inode) of its import-record memfd.
+type ProducerKey = (u32, (u64, u64));
+
+fn counters_cache() -> &'static Mutex<HashMap<ProducerKey, Arc<Counters>>> {
+    static CACHE: OnceLock<Mutex<HashMap<ProducerKey, Arc<Counters>>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
 
 fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
-    static CACHE: OnceLock<Mutex<HashMap<CounterKey, Arc<Counters>>>> = OnceLock::new();
     let key = (h.pid, h.counters_id);
     // Liveness: the producer's memfd must still be at its descriptor. A
     // dead producer fails here (cached or not) with a clear message.
@@ -351,14 +372,14 @@ fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
     match std::fs::metadata(&path) {
         Ok(md) if (md.dev(), md.ino()) == h.counters_id => {}
         _ => {
-            CACHE.get_or_init(Default::default).lock().remove(&key);
+            counters_cache().lock().remove(&key);
             return Err(format!(
                 "the producer (pid {}) has exited or closed its CUDA memory: the tensors are gone",
                 h.pid
             ));
         }
     }
-    let mut cache = CACHE.get_or_init(Default::default).lock();
+    let mut cache = counters_cache().lock();
     if let Some(c) = cache.get(&key) {
         return Ok(c.clone());
     }
@@ -369,12 +390,43 @@ fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
 
 type EventKey = (u32, (u64, u64), String);
 
-fn open_event(h: &Handles, uuid: &str, handle: &[u8], g: &Gpu) -> Result<Event, CudaError> {
-    static CACHE: OnceLock<Mutex<HashMap<EventKey, Event>>> = OnceLock::new();
+/// A producer's event, opened in this process; destroyed when the last
+/// holder (the cache, a receive using it) drops it.
+struct OpenedEvent {
+    event: Event,
+    /// The device whose context it was opened in.
+    gpu: Arc<Gpu>,
+}
+
+impl Drop for OpenedEvent {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_ok() {
+            // SAFETY: opened by cuIpcOpenEventHandle in this context, and no
+            // one uses it any more (every user holds an Arc of it). A stream
+            // that waits on it waits on the record it saw when the wait was
+            // enqueued; destroying the event does not cancel that wait.
+            unsafe {
+                let _ = cudarc::driver::result::event::destroy(self.event.0);
+            }
+        }
+    }
+}
+
+fn events() -> &'static Mutex<HashMap<EventKey, Arc<OpenedEvent>>> {
+    static CACHE: OnceLock<Mutex<HashMap<EventKey, Arc<OpenedEvent>>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+fn open_event(
+    h: &Handles,
+    uuid: &str,
+    handle: &[u8],
+    g: &Arc<Gpu>,
+) -> Result<Arc<OpenedEvent>, CudaError> {
     let key = (h.pid, h.counters_id, uuid.to_string());
-    let mut cache = CACHE.get_or_init(Default::default).lock();
+    let mut cache = events().lock();
     if let Some(e) = cache.get(&key) {
-        return Ok(*e);
+        return Ok(e.clone());
     }
     let mut raw = sys::CUipcEventHandle { reserved: [0; 64] };
     if handle.len() != 64 {
@@ -397,8 +449,12 @@ fn open_event(h: &Handles, uuid: &str, handle: &[u8], g: &Gpu) -> Result<Event, 
         .result()
         .map_err(|e| CudaError::call("cuIpcOpenEventHandle", e))?;
     EVENTS_OPENED.fetch_add(1, Ordering::Relaxed);
-    cache.insert(key, Event(ev));
-    Ok(Event(ev))
+    let opened = Arc::new(OpenedEvent {
+        event: Event(ev),
+        gpu: g.clone(),
+    });
+    cache.insert(key, opened.clone());
+    Ok(opened)
 }
 
 /// Has the GPU passed the (opened) producer event?
@@ -518,6 +574,19 @@ fn open_slab(
     OPENED.fetch_add(1, Ordering::Relaxed);
     cache.insert(key, m.clone());
     Ok(m)
+}
+
+/// Drops every cache entry of producer `key`: its import records, its
+/// opened events (destroyed once no receive uses them) and its slab
+/// mappings (closed now if no tensor uses them, else when the last one
+/// goes: each tensor holds its mapping).
+fn forget_producer(key: ProducerKey) {
+    let is_key = |pid: u32, id: (u64, u64)| (pid, id) == key;
+    mappings()
+        .lock()
+        .retain(|&(pid, id, _, _), _| !is_key(pid, id));
+    events().lock().retain(|(pid, id, _), _| !is_key(*pid, *id));
+    counters_cache().lock().remove(&key);
 }
 
 /// Closes every cached mapping no tensor of this process uses any more.
@@ -653,6 +722,25 @@ impl TensorTransport for CudaIpcTransport {
             Ok(())
         })
     }
+
+    /// Drops the cache entries of the producer processes `actor` sent
+    /// tensors from (unless another live actor sent from the same one):
+    /// its import records, opened events and slab mappings. Tensors
+    /// received from it keep their mappings until they are dropped.
+    fn peer_gone(&self, actor: u64) {
+        let gone = {
+            let mut producers = self.producers.lock();
+            let Some(keys) = producers.remove(&actor) else {
+                return;
+            };
+            keys.into_iter()
+                .filter(|k| !producers.values().any(|ks| ks.contains(k)))
+                .collect::<Vec<_>>()
+        };
+        for key in gone {
+            forget_producer(key);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -731,6 +819,36 @@ mod tests {
         h.tensors[0].slab_record = u32::MAX;
         let e = receive_error(&h, vec![meta]);
         assert!(e.message.contains("out of range"), "{e}");
+    }
+
+    /// Defect 8: the caches of producers' records, events and mappings
+    /// were never pruned when a producer died.
+    #[test]
+    fn peer_gone_forgets_the_producers_caches() {
+        // This process's own import records stand in for a producer's
+        // (no GPU needed); a second key stands in for another producer.
+        let mine = alloc::counters().unwrap();
+        let key = (std::process::id(), mine.id);
+        let other = (u32::MAX, (u64::MAX, u64::MAX));
+        for k in [key, other] {
+            let c = Counters::open(key.0, mine.fd(), mine.id).unwrap();
+            counters_cache().lock().insert(k, Arc::new(c));
+        }
+        let cached = |k: &ProducerKey| counters_cache().lock().contains_key(k);
+
+        let t = CudaIpcTransport::new();
+        // Actors 7 and 8 run in one process; 9 in another.
+        for (actor, k) in [(7, key), (8, key), (9, other)] {
+            t.producers.lock().entry(actor).or_default().insert(k);
+        }
+        t.peer_gone(7);
+        assert!(cached(&key), "actor 8 still sends from that process");
+        t.peer_gone(8);
+        assert!(!cached(&key) && cached(&other));
+        t.peer_gone(9);
+        assert!(!cached(&other));
+        assert!(t.producers.lock().is_empty());
+        t.peer_gone(10); // unknown: nothing to do
     }
 
     #[test]
