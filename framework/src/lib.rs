@@ -27,6 +27,7 @@ pub use actor::Actor;
 pub use error::{Error, Result, TransportError};
 pub use object_ref::{ActorId, Arg, Call, ObjectId, ObjectRef, RawHandle};
 pub use rdt_macros::{actor, main, method};
+pub use rdt_transport::register_transport;
 pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
 pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;

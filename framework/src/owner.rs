@@ -534,10 +534,10 @@ fn start_direct(
     if let (Some(p), Some(c)) = (&producer, actors.get(&consumer)) {
         // One-sided same-host transports: refuse another host before
         // anything moves, naming both ends.
-        let same_host_only = matches!(
-            e.transport.parse::<Transport>(),
-            Ok(Transport::Shm | Transport::CudaIpc)
-        );
+        let same_host_only = e
+            .transport
+            .parse::<Transport>()
+            .is_ok_and(Transport::same_host_only);
         if same_host_only && !p.host.is_empty() && !c.host.is_empty() && p.host != c.host {
             let err = Error::Transport(rdt_transport::TransportError::with_peer(
                 &e.transport,

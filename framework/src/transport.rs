@@ -1,35 +1,47 @@
-//! Transport names and the per-process transport instances.
+//! Transport names, read from the registry, and the per-process transport
+//! instances.
+//!
+//! Every transport registers itself in its own module
+//! ([`rdt_transport::registry`]); this file only looks them up. A
+//! [`Transport`] is a name: the built-in ones have constants
+//! (`Transport::Shm`), a user's own is `Transport::named("...")` next to its
+//! `register_transport!`.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use rdt_transport::shm::ShmTransport;
-use rdt_transport::{CudaIpcTransport, ObjectStoreTransport, TcpTransport, TensorTransport};
+use parking_lot::Mutex;
+use rdt_transport::registry::{self, ProcessContext, Registration};
+use rdt_transport::{Sidedness, TensorTransport};
 
 use crate::error::{Error, Result};
 
 /// A tensor transport, by name. The same names are valid in
-/// `#[rdt::method(tensor_transport = "...")]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Transport {
-    /// Through the driver, serialized (Ray's default; the baseline).
-    ObjectStore,
-    /// CPU, two-sided, worker-to-worker sockets in a collective group.
-    Tcp,
-    /// CPU, one-sided, same-host shared memory.
-    Shm,
-    /// CUDA, two-sided, NCCL in a collective group.
-    Nccl,
-    /// CPU or CUDA, one-sided, NIXL.
-    Nixl,
-    /// CUDA, one-sided, same host.
-    CudaIpc,
-}
+/// `#[rdt::method(tensor_transport = "...")]`; a transport registered by the
+/// program itself is passed there as its constant
+/// (`tensor_transport = MY_TRANSPORT`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Transport(&'static str);
 
+#[allow(non_upper_case_globals)]
 impl Transport {
-    /// Every transport rdt knows.
-    pub const ALL: [Transport; 6] = [
+    /// Through the driver, serialized (Ray's default; the baseline).
+    pub const ObjectStore: Transport = Transport("object_store");
+    /// CPU, two-sided, worker-to-worker sockets in a collective group.
+    pub const Tcp: Transport = Transport("tcp");
+    /// CPU, one-sided, same-host shared memory.
+    pub const Shm: Transport = Transport("shm");
+    /// CUDA, two-sided, NCCL in a collective group (not built yet).
+    pub const Nccl: Transport = Transport("nccl");
+    /// CPU or CUDA, one-sided, NIXL (not built yet).
+    pub const Nixl: Transport = Transport("nixl");
+    /// CUDA, one-sided, same host.
+    pub const CudaIpc: Transport = Transport("cuda_ipc");
+
+    /// The transports rdt names itself, registered or not.
+    const BUILT_IN: [Transport; 6] = [
         Transport::ObjectStore,
         Transport::Tcp,
         Transport::Shm,
@@ -38,100 +50,118 @@ impl Transport {
         Transport::CudaIpc,
     ];
 
-    /// The name used in attributes and errors.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Transport::ObjectStore => "object_store",
-            Transport::Tcp => "tcp",
-            Transport::Shm => "shm",
-            Transport::Nccl => "nccl",
-            Transport::Nixl => "nixl",
-            Transport::CudaIpc => "cuda_ipc",
-        }
+    /// The transport registered as `name` (a program's own transport;
+    /// built-in ones have constants). Whether it is registered is checked
+    /// where it is used.
+    pub const fn named(name: &'static str) -> Transport {
+        Transport(name)
     }
 
-    /// Who acts in a move over this transport.
-    pub const fn sidedness(self) -> rdt_transport::Sidedness {
-        use rdt_transport::Sidedness::*;
-        match self {
-            Transport::ObjectStore => ThroughDriver,
-            Transport::Tcp | Transport::Nccl => TwoSided,
-            Transport::Shm | Transport::Nixl | Transport::CudaIpc => OneSided,
+    /// For `#[rdt::method(tensor_transport = "...")]`: the built-in
+    /// transport called `name`, checked while compiling.
+    #[doc(hidden)]
+    pub const fn built_in(name: &'static str) -> Transport {
+        let mut i = 0;
+        while i < Self::BUILT_IN.len() {
+            if const_str_eq(Self::BUILT_IN[i].0, name) {
+                return Self::BUILT_IN[i];
+            }
+            i += 1;
         }
+        panic!("unknown tensor transport; the built-in names are object_store, tcp, shm, nccl, nixl and cuda_ipc; for a transport the program registers itself, give its constant: tensor_transport = MY_TRANSPORT")
+    }
+
+    /// Every registered transport, by name.
+    pub fn registered() -> Vec<Transport> {
+        registry::names().into_iter().map(Transport).collect()
+    }
+
+    /// The name used in attributes and errors.
+    pub const fn name(self) -> &'static str {
+        self.0
+    }
+
+    /// The transport's registration, or why there is none.
+    pub fn registration(self) -> Result<&'static Registration> {
+        registry::find(self.0).ok_or_else(|| Error::TransportUnavailable {
+            name: self.0.to_string(),
+            reason: format!(
+                "no transport of that name is linked into this program (registered: {})",
+                Self::valid_names()
+            ),
+        })
+    }
+
+    /// Who acts in a move over this transport (through the driver for a
+    /// name nobody registered: nothing can be exported with it).
+    pub fn sidedness(self) -> Sidedness {
+        registry::find(self.0)
+            .map(|r| r.sidedness)
+            .unwrap_or(Sidedness::ThroughDriver)
     }
 
     /// Is this a collective transport (its peers must share a group)?
-    pub const fn is_collective(self) -> bool {
-        matches!(self, Transport::Tcp | Transport::Nccl)
-    }
-
-    /// The valid names, comma-separated (for error messages).
-    pub fn valid_names() -> String {
-        Self::ALL
-            .iter()
-            .map(|t| t.name())
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-
-    /// Does this build implement the transport?
-    pub const fn is_implemented(self) -> bool {
-        matches!(
-            self,
-            Transport::ObjectStore | Transport::Tcp | Transport::Shm | Transport::CudaIpc
-        )
-    }
-
-    /// The transport instance of this process, or why there is none.
-    ///
-    /// Direct transports exist in worker processes only (the driver moves
-    /// values through the object store).
-    pub fn instance(self) -> Result<Arc<dyn TensorTransport>> {
-        static OBJECT_STORE: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
-        static SHM: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
-        static CUDA_IPC: OnceLock<Arc<dyn TensorTransport>> = OnceLock::new();
-        static TCP: OnceLock<std::result::Result<Arc<dyn TensorTransport>, String>> =
-            OnceLock::new();
-        match self {
-            Transport::ObjectStore => Ok(OBJECT_STORE
-                .get_or_init(|| Arc::new(ObjectStoreTransport))
-                .clone()),
-            Transport::Shm => Ok(SHM.get_or_init(|| Arc::new(ShmTransport::new())).clone()),
-            // Usable wherever CUDA is; without it, exports of CUDA tensors
-            // cannot happen and receives fail with the CUDA error.
-            Transport::CudaIpc => Ok(CUDA_IPC
-                .get_or_init(|| Arc::new(CudaIpcTransport::new()))
-                .clone()),
-            Transport::Tcp => {
-                let cfg = WORKER_CONFIG
-                    .get()
-                    .ok_or_else(|| Error::TransportUnavailable {
-                        name: "tcp".into(),
-                        reason: "tcp connects actors of a collective group; the driver is in none"
-                            .into(),
-                    })?;
-                TCP.get_or_init(|| {
-                    // The framework owns each transfer's deadline (XF-6) and
-                    // aborts both ends when it passes; the transport's own
-                    // is a backstop behind it.
-                    let backstop = cfg.transfer_timeout.saturating_mul(2);
-                    TcpTransport::start(cfg.me, &cfg.secret, &cfg.tcp_bind, backstop)
-                        .map(|t| Arc::new(t) as Arc<dyn TensorTransport>)
-                        .map_err(|e| format!("could not listen on {}: {e}", cfg.tcp_bind))
-                })
-                .clone()
-                .map_err(|reason| Error::TransportUnavailable {
-                    name: "tcp".into(),
-                    reason,
-                })
-            }
-            other => Err(Error::TransportUnavailable {
-                name: other.name().to_string(),
-                reason: "this build of rdt does not implement it yet; use object_store, tcp, shm or cuda_ipc"
-                    .to_string(),
-            }),
+    pub fn is_collective(self) -> bool {
+        match registry::find(self.0) {
+            Some(r) => r.collective,
+            // Known before it is built: say so at group creation.
+            None => self == Transport::Nccl,
         }
     }
+
+    /// Does it move tensors only between actors on one host?
+    pub fn same_host_only(self) -> bool {
+        registry::find(self.0).is_some_and(|r| r.same_host_only)
+    }
+
+    /// The registered names, comma-separated (for error messages).
+    pub fn valid_names() -> String {
+        registry::names().join(", ")
+    }
+
+    /// Is the transport linked into this program?
+    pub fn is_implemented(self) -> bool {
+        registry::find(self.0).is_some()
+    }
+
+    /// The transport instance of this process, started on first use (in
+    /// workers at boot), or why there is none.
+    pub fn instance(self) -> Result<Arc<dyn TensorTransport>> {
+        let reg = self.registration()?;
+        let mut started = STARTED.lock();
+        let entry = started
+            .entry(reg.name)
+            .or_insert_with(|| (reg.start)(&process_context()));
+        entry.clone().map_err(|reason| Error::TransportUnavailable {
+            name: reg.name.to_string(),
+            reason,
+        })
+    }
+
+    /// The instance of this process if it was started already.
+    pub(crate) fn existing_instance(self) -> Option<Arc<dyn TensorTransport>> {
+        STARTED.lock().get(self.0).and_then(|r| r.clone().ok())
+    }
+}
+
+type Started = HashMap<&'static str, std::result::Result<Arc<dyn TensorTransport>, String>>;
+
+/// The transports started in this process, by name.
+static STARTED: std::sync::LazyLock<Mutex<Started>> = std::sync::LazyLock::new(Default::default);
+
+const fn const_str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 /// What a worker's transports need to know about it.
@@ -144,15 +174,44 @@ pub(crate) struct WorkerTransportConfig {
 
 static WORKER_CONFIG: OnceLock<WorkerTransportConfig> = OnceLock::new();
 
-/// Called once at worker boot; returns the endpoints to publish.
+/// The context transports start with: the worker's, or the driver's.
+fn process_context() -> ProcessContext {
+    match WORKER_CONFIG.get() {
+        Some(cfg) => ProcessContext {
+            actor: Some(cfg.me),
+            secret: cfg.secret.clone(),
+            bind: cfg.tcp_bind.clone(),
+            transfer_timeout: cfg.transfer_timeout,
+        },
+        None => ProcessContext {
+            actor: None,
+            secret: Vec::new(),
+            bind: "127.0.0.1:0".into(),
+            transfer_timeout: Duration::from_secs(120),
+        },
+    }
+}
+
+/// Called once at worker boot: starts every registered transport (each
+/// may publish an endpoint for its peers) and returns the endpoints to
+/// publish. A transport that cannot start here is logged; calls that need
+/// it fail with the reason.
 pub(crate) fn configure_worker(cfg: WorkerTransportConfig) -> Vec<(String, String)> {
     let _ = WORKER_CONFIG.set(cfg);
     let mut endpoints = Vec::new();
-    match Transport::Tcp.instance() {
-        Ok(t) => endpoints.extend(t.endpoint().map(|e| ("tcp".to_string(), e))),
-        Err(e) => tracing::warn!("{e}"),
+    for t in Transport::registered() {
+        match t.instance() {
+            Ok(inst) => endpoints.extend(inst.endpoint().map(|e| (t.name().to_string(), e))),
+            Err(e) => tracing::warn!("{e}"),
+        }
     }
     endpoints
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Transport({})", self.0)
+    }
 }
 
 impl std::fmt::Display for Transport {
@@ -163,8 +222,13 @@ impl std::fmt::Display for Transport {
 
 impl FromStr for Transport {
     type Err = Error;
+    /// A registered name, or a built-in one not linked in (whose use then
+    /// says it is not available).
     fn from_str(s: &str) -> Result<Self> {
-        Self::ALL
+        if let Some(r) = registry::find(s) {
+            return Ok(Transport(r.name));
+        }
+        Self::BUILT_IN
             .iter()
             .copied()
             .find(|t| t.name() == s)

@@ -315,15 +315,14 @@ struct WorkerShared {
     /// Objects being received, and whether they were freed meanwhile
     /// (a tombstone: the receive drops what it got instead of storing it).
     receiving: Mutex<HashMap<u64, bool>>,
-    /// Objects received, per transport (index in `Transport::ALL`): tests
-    /// and logs see which path a value took.
-    received: [std::sync::atomic::AtomicU64; Transport::ALL.len()],
+    /// Objects received, per transport: tests and logs see which path a
+    /// value took.
+    received: Mutex<HashMap<Transport, u64>>,
 }
 
 impl WorkerShared {
     fn count_received(&self, t: Transport) {
-        let i = Transport::ALL.iter().position(|x| *x == t).unwrap_or(0);
-        self.received[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *self.received.lock().entry(t).or_default() += 1;
     }
 }
 
@@ -357,13 +356,9 @@ pub fn local_objects() -> usize {
 /// [`Transport::ObjectStore`]). Tests use it to prove which path a value
 /// took; outside an actor it is 0.
 pub fn received_objects(transport: Transport) -> u64 {
-    let i = Transport::ALL
-        .iter()
-        .position(|x| *x == transport)
-        .unwrap_or(0);
     WORKER
         .get()
-        .map(|w| w.received[i].load(std::sync::atomic::Ordering::Relaxed))
+        .and_then(|w| w.received.lock().get(&transport).copied())
         .unwrap_or(0)
 }
 
@@ -624,7 +619,11 @@ async fn control_loop<A: RdtActor>(
                 None => tracing::trace!(xfer, object, "abort of a finished transfer"),
             },
             ToWorker::PeerGone { actor } => {
-                tracing::debug!("peer actor {actor} is gone");
+                for t in Transport::registered() {
+                    if let Some(inst) = t.existing_instance() {
+                        inst.peer_gone(actor);
+                    }
+                }
             }
             ToWorker::Free { object } => {
                 if let Some(freed) = shared.receiving.lock().get_mut(&object) {

@@ -51,7 +51,7 @@ pub async fn point_to_point(t: Transport) {
 /// other transport: a direct transport that silently fell back to the
 /// object store fails here.
 async fn assert_path(rt: &Runtime, c: &ConsumerHandle, t: Transport, n: u64) {
-    for other in Transport::ALL {
+    for other in Transport::registered() {
         let got = rt
             .get(c.received(other.name().to_string()).remote())
             .await

@@ -14,25 +14,6 @@ use syn::{
     ReturnType, Type,
 };
 
-/// The transport names `#[rdt::method(tensor_transport = ...)]` accepts,
-/// with the `rdt::Transport` variant each maps to.
-const TRANSPORTS: &[(&str, &str)] = &[
-    ("object_store", "ObjectStore"),
-    ("tcp", "Tcp"),
-    ("shm", "Shm"),
-    ("nccl", "Nccl"),
-    ("nixl", "Nixl"),
-    ("cuda_ipc", "CudaIpc"),
-];
-
-fn valid_names() -> String {
-    TRANSPORTS
-        .iter()
-        .map(|(n, _)| *n)
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
 /// Marks an actor: put it on the struct (generates the typed handle
 /// `<Name>Handle` and the worker bootstrap) and on its `impl` block
 /// (generates dispatch, the handle's methods and the registration).
@@ -62,8 +43,10 @@ pub fn actor(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// Options of a remote method, inside an `#[rdt::actor]` impl block:
 /// `#[rdt::method(tensor_transport = "tcp")]` keeps the returned tensors in
 /// the producing actor and moves them with that transport when the ref is
-/// passed to another actor. Valid names: object_store, tcp, shm, nccl, nixl,
-/// cuda_ipc.
+/// passed to another actor. A string names a built-in transport (checked
+/// while compiling: object_store, tcp, shm, nccl, nixl, cuda_ipc); a path
+/// names the `rdt::Transport` constant of a transport the program
+/// registers itself (`tensor_transport = MY_TRANSPORT`).
 #[proc_macro_attribute]
 pub fn method(_attr: TokenStream, item: TokenStream) -> TokenStream {
     let item2: TokenStream2 = item.into();
@@ -175,7 +158,7 @@ struct Method {
     args: Vec<(String, Type)>,
     value_ty: Type,
     is_result: bool,
-    transport: syn::Ident,
+    transport: TokenStream2,
     docs: Vec<syn::Attribute>,
 }
 
@@ -203,28 +186,35 @@ fn is_method_attr(a: &syn::Attribute) -> bool {
         .unwrap_or(false)
 }
 
-fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<syn::Ident> {
-    let mut transport = format_ident!("ObjectStore");
+/// The `rdt::Transport` expression of a method's `tensor_transport`: a
+/// string names a built-in transport, checked while compiling by a const
+/// evaluation against the framework's own table (the macro keeps no list);
+/// a path is a program's own transport constant, checked by the type
+/// system.
+fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<TokenStream2> {
+    let mut transport = quote!(::rdt::Transport::ObjectStore);
     for a in attrs.iter().filter(|a| is_method_attr(a)) {
         if matches!(a.meta, syn::Meta::Path(_)) {
             continue;
         }
         a.parse_nested_meta(|meta| {
             if meta.path.is_ident("tensor_transport") {
-                let lit: LitStr = meta.value()?.parse()?;
-                let name = lit.value();
-                match TRANSPORTS.iter().find(|(n, _)| *n == name) {
-                    Some((_, v)) => {
-                        transport = format_ident!("{}", v);
-                        Ok(())
-                    }
-                    None => Err(syn::Error::new(
-                        lit.span(),
-                        format!("unknown tensor transport \"{name}\"; valid names are: {}", valid_names()),
-                    )),
+                let value = meta.value()?;
+                if value.peek(LitStr) {
+                    let lit: LitStr = value.parse()?;
+                    transport = quote_spanned! {lit.span()=>
+                        {
+                            const __RDT_TRANSPORT: ::rdt::Transport = ::rdt::Transport::built_in(#lit);
+                            __RDT_TRANSPORT
+                        }
+                    };
+                } else {
+                    let path: syn::Path = value.parse()?;
+                    transport = quote_spanned!(path.span()=> #path);
                 }
+                Ok(())
             } else {
-                Err(meta.error("unknown option of #[rdt::method]; the only option is tensor_transport = \"...\""))
+                Err(meta.error("unknown option of #[rdt::method]; the only option is tensor_transport = \"...\" (or = MY_TRANSPORT)"))
             }
         })?;
     }
@@ -363,6 +353,12 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
     let mut arms = Vec::new();
     let mut names = Vec::new();
     let mut handle_fns = Vec::new();
+    // Item-level constants: evaluated while compiling even if no handle
+    // method is ever called (the handle methods are generic).
+    let transport_checks = methods.iter().map(|m| {
+        let t = &m.transport;
+        quote!(const _: ::rdt::Transport = #t;)
+    });
     for m in &methods {
         let Method {
             ident,
@@ -409,7 +405,7 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
             #[allow(private_interfaces, clippy::too_many_arguments)]
             pub fn #ident(&self, #(#params),*) -> ::rdt::Call<#value_ty> {
                 #[allow(unused_mut)]
-                let mut __c = ::rdt::__private::Call::new(&self.raw, #index, #name_str, ::rdt::Transport::#transport);
+                let mut __c = ::rdt::__private::Call::new(&self.raw, #index, #name_str, #transport);
                 #(__c.push_arg(::core::convert::Into::into(#locals));)*
                 __c
             }
@@ -450,6 +446,8 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
         impl #handle {
             #(#handle_fns)*
         }
+
+        #(#transport_checks)*
 
         #[::rdt::__private::linkme::distributed_slice(::rdt::__private::ACTOR_TYPES)]
         #[linkme(crate = ::rdt::__private::linkme)]

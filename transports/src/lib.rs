@@ -12,6 +12,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 pub mod object_store;
+pub mod registry;
 pub mod shm;
 pub mod tcp;
 mod tensor;
@@ -30,3 +31,7 @@ pub use transport::{
     Exported, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
 };
 pub use wire::Blob;
+
+/// For [`register_transport!`]; not a public API.
+#[doc(hidden)]
+pub use linkme as __linkme;

@@ -25,6 +25,15 @@ use crate::{Blob, Device, Exported, Tensor};
 /// Name of this transport in attributes and errors.
 pub const NAME: &str = "object_store";
 
+crate::register_transport!(crate::registry::Registration {
+    name: NAME,
+    sidedness: Sidedness::ThroughDriver,
+    collective: false,
+    devices: "CPU, CUDA (through the host)",
+    same_host_only: false,
+    start: |_| Ok(std::sync::Arc::new(ObjectStoreTransport)),
+});
+
 /// Moves tensors through the driver, serialized with the value.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ObjectStoreTransport;

@@ -96,7 +96,6 @@ use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::{AsRawFd, RawFd};
-use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
 use futures::future::BoxFuture;
@@ -112,6 +111,15 @@ use crate::{DType, Device, Exported, ExternalMemory, Tensor, TensorMeta};
 
 /// Name of this transport in attributes and errors.
 pub const NAME: &str = "shm";
+
+crate::register_transport!(crate::registry::Registration {
+    name: NAME,
+    sidedness: Sidedness::OneSided,
+    collective: false,
+    devices: "CPU",
+    same_host_only: true,
+    start: |_| Ok(Arc::new(ShmTransport::new())),
+});
 
 /// Alignment of every tensor in a memfd: a cache line, and enough for any
 /// element type and for SIMD loads.
@@ -499,13 +507,34 @@ impl Region {
 }
 
 /// Says why `/proc/<pid>/fd/<fd>` (`path`) could not be looked at or opened.
+/// Is process `pid` gone, a zombie, or on its way out? A killed process
+/// closes its descriptors while it exits, before it is a zombie: its
+/// `/proc/<pid>/stat` state is then `X`, `Z`, or its `PF_EXITING` flag is
+/// set.
+fn process_ending(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    // Fields after the command name (which may hold spaces) in parentheses.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return true;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    const PF_EXITING: u64 = 0x4;
+    let state = fields.first().copied().unwrap_or("X");
+    let flags: u64 = fields.get(6).and_then(|f| f.parse().ok()).unwrap_or(0);
+    matches!(state, "X" | "x" | "Z") || flags & PF_EXITING != 0
+}
+
 fn open_error(e: &std::io::Error, pid: u32, fd: RawFd, path: &str) -> String {
     match e.kind() {
-        ErrorKind::NotFound if !Path::new(&format!("/proc/{pid}")).exists() => {
-            format!("producer process {pid} is gone")
+        ErrorKind::NotFound if process_ending(pid) => {
+            format!("the producer died: its process {pid} is gone or exiting")
         }
         ErrorKind::NotFound => format!(
-            "producer process {pid} no longer has descriptor {fd} open: was the object freed?"
+            "producer process {pid} no longer has descriptor {fd} open: the object was \
+             released by its producer (a bug, since the driver frees objects only after \
+             their receives end: please report it)"
         ),
         ErrorKind::PermissionDenied => format!(
             "cannot open {path}: permission denied; shm needs both actors to run as the same \

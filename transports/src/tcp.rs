@@ -54,6 +54,34 @@ use crate::{auth, Device, Exported, Tensor};
 /// Name of this transport.
 pub const NAME: &str = "tcp";
 
+crate::register_transport!(crate::registry::Registration {
+    name: NAME,
+    sidedness: Sidedness::TwoSided,
+    collective: true,
+    devices: "CPU",
+    same_host_only: false,
+    start: start_in_process,
+});
+
+/// Starts the transport in a worker: listens on the configured address.
+/// The framework owns each transfer's deadline (and aborts both ends when
+/// it passes); the transport's own is a backstop at twice that.
+fn start_in_process(
+    cx: &crate::registry::ProcessContext,
+) -> Result<Arc<dyn TensorTransport>, String> {
+    let Some(me) = cx.actor else {
+        return Err("tcp connects actors of a collective group; the driver is in none".into());
+    };
+    TcpTransport::start(
+        me,
+        &cx.secret,
+        &cx.bind,
+        cx.transfer_timeout.saturating_mul(2),
+    )
+    .map(|t| Arc::new(t) as Arc<dyn TensorTransport>)
+    .map_err(|e| format!("could not listen on {}: {e}", cx.bind))
+}
+
 type Arrival = Result<Vec<Vec<u8>>, String>;
 
 enum Slot {

@@ -74,6 +74,17 @@ use crate::{Device, Exported, Tensor};
 /// Name of this transport in attributes and errors.
 pub const NAME: &str = "cuda_ipc";
 
+// Usable wherever CUDA is; without it, exports of CUDA tensors cannot
+// happen and receives fail with the CUDA error.
+crate::register_transport!(crate::registry::Registration {
+    name: NAME,
+    sidedness: Sidedness::OneSided,
+    collective: false,
+    devices: "CUDA",
+    same_host_only: true,
+    start: |_| Ok(std::sync::Arc::new(CudaIpcTransport::new())),
+});
+
 static OPENED: AtomicU64 = AtomicU64::new(0);
 static CACHED: AtomicU64 = AtomicU64::new(0);
 static EVENTS_OPENED: AtomicU64 = AtomicU64::new(0);
