@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use rdt::data::registry::{ProcessContext, Registration};
-use rdt::data::transport::{check_received, ObjectKey, TransferId};
+use rdt::data::transport::{check_received, ObjectKey, TransferCtx};
 use rdt::data::{Exported, Peer, Sidedness, TensorTransport, TransportError};
 use rdt::prelude::*;
 
@@ -101,7 +101,7 @@ impl TensorTransport for FileTransport {
     fn receive<'a>(
         &'a self,
         from: &'a Peer,
-        _xfer: TransferId,
+        cx: &'a TransferCtx,
         exported: &'a Exported,
     ) -> futures::future::BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         Box::pin(async move {
@@ -114,7 +114,7 @@ impl TensorTransport for FileTransport {
                 tensors.push(Tensor::from_bytes(meta.dtype, &meta.shape, bytes).map_err(err)?);
             }
             check_received("files", &exported.metas, &tensors)?;
-            Ok(tensors)
+            cx.target.place("files", &exported.metas, tensors)
         })
     }
 

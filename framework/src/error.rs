@@ -79,13 +79,13 @@ pub enum Error {
     },
     /// A ref on a collective transport was passed to an actor that shares
     /// no live group of that backend with the producer.
-    #[error("object {object} lives on the collective transport {transport:?}, and {consumer} shares no {transport} collective group with its producer {producer}; create one first with `Runtime::create_collective_group(&[producer.id(), consumer.id()], Transport::{backend})`, or use a one-sided transport")]
+    #[error("object {object} lives on the collective transport {transport:?}, and {consumer} shares no {transport} collective group with its producer {producer}; create one first with `Runtime::create_collective_group(&[producer.id(), consumer.id()], {backend})`, or use a one-sided transport")]
     NotInGroup {
         /// The object.
         object: u64,
         /// Its transport.
         transport: String,
-        /// Rust name of the backend variant.
+        /// How the program names the backend in Rust (`Transport::Tcp`).
         backend: String,
         /// The producing actor.
         producer: String,

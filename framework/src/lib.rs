@@ -32,7 +32,8 @@ pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta}
 pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;
 pub use worker::{
-    init, local_objects, received_objects, wait_tensor_freed, wait_tensor_freed_timeout,
+    group_memberships, init, local_objects, received_objects, wait_tensor_freed,
+    wait_tensor_freed_timeout, GroupMembership,
 };
 
 /// The data-plane crate: tensors, the transport trait, value extraction.

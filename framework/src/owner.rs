@@ -43,10 +43,15 @@
 //!   fails the transfer the same way.
 //! - **OW-7 (one connection):** messages to one actor go out on one ordered
 //!   connection, so a `Free` never overtakes the delivery it frees.
+//! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
+//!   a live collective group holding both ends, looked up when its orders
+//!   go out (a delivery that waited for a pending object too): no transfer
+//!   after a destroy or an abort; the orders carry the group and both
+//!   ranks.
 
 use std::collections::HashMap;
 
-use rdt_transport::{Peer, Sidedness};
+use rdt_transport::{GroupRef, Peer, Sidedness};
 use tokio::sync::oneshot;
 
 use crate::error::Error;
@@ -129,6 +134,20 @@ pub(crate) struct InFlight {
     pub consumer: ActorId,
     pub transport: String,
     pub two_sided: bool,
+}
+
+/// What the owner table asks of the driver's collective groups (OW-8).
+pub(crate) trait GroupLookup {
+    /// For a collective `transport`: the live group holding both ends, as
+    /// (group, producer's rank, consumer's rank), or the error saying why
+    /// there is none. `Ok(None)` for other transports.
+    fn group_for(
+        &self,
+        transport: &str,
+        object: u64,
+        producer: ActorId,
+        consumer: ActorId,
+    ) -> Result<Option<(u64, u32, u32)>, Error>;
 }
 
 /// What the driver knows of an actor.
@@ -239,7 +258,7 @@ impl OwnerTable {
     }
 
     /// A submitted call to `consumer` takes object `id`.
-    pub fn need(&mut self, id: u64, consumer: ActorId, actors: &Actors) {
+    pub fn need(&mut self, id: u64, consumer: ActorId, actors: &Actors, groups: &dyn GroupLookup) {
         let Some(e) = self.objects.get_mut(&id) else {
             // Cannot happen while the caller holds a ref; be loud if it does.
             tracing::error!("a call needs object {id}, which the owner table no longer has");
@@ -250,11 +269,11 @@ impl OwnerTable {
         if matches!(e.state, ObjState::Pending) {
             e.waiting.push(consumer);
         } else {
-            self.deliver(id, consumer, actors);
+            self.deliver(id, consumer, actors, groups);
         }
     }
 
-    fn deliver(&mut self, id: u64, consumer: ActorId, actors: &Actors) {
+    fn deliver(&mut self, id: u64, consumer: ActorId, actors: &Actors, groups: &dyn GroupLookup) {
         let Some(e) = self.objects.get_mut(&id) else {
             return;
         };
@@ -283,6 +302,7 @@ impl OwnerTable {
                         value,
                         from: None,
                         xfer: 0,
+                        group: None,
                     }),
                 };
                 if let Err(err) = send(actors, consumer, &msg) {
@@ -294,7 +314,7 @@ impl OwnerTable {
                 let xfer = self.next_xfer;
                 let e = self.objects.get_mut(&id).expect("looked up above");
                 self.transfers
-                    .extend(start_direct(e, id, xfer, consumer, value, actors));
+                    .extend(start_direct(e, id, xfer, consumer, value, actors, groups));
                 if self.transfers.contains_key(&xfer) {
                     self.started.push(xfer);
                 }
@@ -313,6 +333,7 @@ impl OwnerTable {
     }
 
     /// A call finished: record its result and release its arguments.
+    /// Returns the transfers it settled (their deadlines can go).
     pub fn call_done(
         &mut self,
         result: u64,
@@ -320,7 +341,9 @@ impl OwnerTable {
         consumer: ActorId,
         args: &[u64],
         actors: &Actors,
-    ) {
+        groups: &dyn GroupLookup,
+    ) -> Vec<u64> {
+        let outcome_kind = outcome.as_ref().err().cloned();
         if let Some(e) = self.objects.get_mut(&result) {
             if matches!(e.state, ObjState::Pending) {
                 e.state = match outcome {
@@ -335,7 +358,32 @@ impl OwnerTable {
                 }
                 let waiting = std::mem::take(&mut e.waiting);
                 for c in waiting {
-                    self.deliver(result, c, actors);
+                    self.deliver(result, c, actors, groups);
+                }
+            }
+        }
+        // XF-5: a call that got past argument resolution received every
+        // argument; its receives are settled now, without waiting for their
+        // acknowledgements (which follow on the same connection).
+        let resolved = !matches!(outcome_kind, Some(Error::Dependency { .. }));
+        let mut settled = Vec::new();
+        if resolved {
+            for &a in args {
+                let copy = self
+                    .objects
+                    .get(&a)
+                    .and_then(|e| e.copies.get(&consumer).copied());
+                if let Some(Copy::Receiving(xfer)) = copy {
+                    if let Some(t) = self.transfers.remove(&xfer) {
+                        if let Some(c) = self
+                            .objects
+                            .get_mut(&a)
+                            .and_then(|e| e.copies.get_mut(&consumer))
+                        {
+                            *c = Copy::Held;
+                        }
+                        settled.push((xfer, t));
+                    }
                 }
             }
         }
@@ -352,6 +400,7 @@ impl OwnerTable {
             self.maybe_free(a, actors);
         }
         self.maybe_free(result, actors);
+        settled.into_iter().map(|(x, _)| x).collect()
     }
 
     /// The consumer acknowledged transfer `xfer` (done or failed). Returns
@@ -524,6 +573,7 @@ fn start_direct(
     consumer: ActorId,
     value: WireValue,
     actors: &Actors,
+    groups: &dyn GroupLookup,
 ) -> Option<(u64, InFlight)> {
     let sided = e.sidedness();
     let producer = e
@@ -552,12 +602,28 @@ fn start_direct(
         }
     }
     let two_sided = sided == Sidedness::TwoSided;
+    // OW-8: the group is looked up now, not only at submission.
+    let group = match e.producer {
+        Some(p) => match groups.group_for(&e.transport, id, p, consumer) {
+            Ok(g) => g,
+            Err(err) => {
+                deliver_error(actors, consumer, id, err);
+                return None;
+            }
+        },
+        None => None,
+    };
     if two_sided {
         if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
             let order = ToWorker::SendTo {
                 object: id,
                 xfer,
                 to: c.peer(consumer, &e.transport),
+                group: group.map(|(g, prank, crank)| GroupRef {
+                    id: g,
+                    my_rank: prank,
+                    peer_rank: crank,
+                }),
             };
             if let Err(err) = send(actors, p, &order) {
                 deliver_error(actors, consumer, id, err); // OW-6
@@ -571,6 +637,11 @@ fn start_direct(
             value,
             from: producer,
             xfer,
+            group: group.map(|(g, prank, crank)| GroupRef {
+                id: g,
+                my_rank: crank,
+                peer_rank: prank,
+            }),
         }),
     };
     if let Err(err) = send(actors, consumer, &msg) {

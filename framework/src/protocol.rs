@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use rdt_transport::wire;
-use rdt_transport::{Blob, Exported, Peer};
+use rdt_transport::{Blob, Exported, GroupRef, GroupSpec, Peer};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -79,6 +79,8 @@ pub struct Delivery {
     pub from: Option<Peer>,
     /// Pairs the receive with the producer's send (two-sided transports).
     pub xfer: u64,
+    /// The collective group the transfer runs in (two-sided transports).
+    pub group: Option<GroupRef>,
 }
 
 /// What a worker is to host, and the settings it runs with.
@@ -129,6 +131,31 @@ pub enum ToWorker {
         xfer: u64,
         /// Consumer.
         to: Peer,
+        /// The collective group the transfer runs in, with both ranks.
+        group: Option<GroupRef>,
+    },
+    /// Join a collective group: start the backend's part of it (NCCL: the
+    /// communicator) and the group's ordered queue of transfers; answer
+    /// `GroupReady`.
+    CreateGroup {
+        /// The backend (a collective transport's name).
+        backend: String,
+        /// The members by rank, and this worker's rank.
+        spec: GroupSpec,
+    },
+    /// Leave a collective group: its queue drains, the backend tears its
+    /// part down; answer `GroupDestroyed`.
+    DestroyGroup {
+        /// The group.
+        group: u64,
+    },
+    /// A transfer in the group failed or a member died: the backend stops
+    /// what is in flight in it, and later transfers in it fail at once.
+    AbortGroup {
+        /// The group.
+        group: u64,
+        /// Why (for errors).
+        reason: String,
     },
     /// Stop a transfer in progress (either end): its deadline passed, the
     /// other end failed, or the peer died. The consumer's receive fails with
@@ -216,6 +243,20 @@ pub enum ToDriver {
         transport: String,
         /// What happened.
         message: String,
+    },
+    /// Reply to `CreateGroup`.
+    GroupReady {
+        /// The group.
+        group: u64,
+        /// Joined, or why not.
+        result: std::result::Result<(), Error>,
+    },
+    /// Reply to `DestroyGroup`.
+    GroupDestroyed {
+        /// The group.
+        group: u64,
+        /// Torn down, or what went wrong doing it.
+        result: std::result::Result<(), Error>,
     },
     /// Reply to `Fetch`.
     Fetched {

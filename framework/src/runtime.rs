@@ -35,7 +35,7 @@ use tokio::sync::{oneshot, watch};
 use crate::actor::Actor;
 use crate::error::{Error, Result};
 use crate::object_ref::{ActorId, ArgOut, ObjectRef, RawHandle};
-use crate::owner::{ActorInfo, Actors, ObjState, OwnerTable};
+use crate::owner::{ActorInfo, Actors, GroupLookup, ObjState, OwnerTable};
 use crate::protocol::{self, CallMsg, ToDriver, ToWorker, WireArg, WireValue};
 use crate::transport::Transport;
 use crate::worker::env as wenv;
@@ -259,6 +259,8 @@ pub(crate) struct State {
     volunteers: std::collections::VecDeque<Volunteer>,
     /// Deadline timers of transfers in flight (XF-6), by transfer id.
     timers: HashMap<u64, tokio::task::AbortHandle>,
+    /// Group creates and destroys waiting for acknowledgements.
+    group_ops: HashMap<u64, GroupOp>,
 }
 
 /// A collective group: actors that may move objects of its backend between
@@ -266,7 +268,31 @@ pub(crate) struct State {
 struct Group {
     backend: Transport,
     members: std::collections::HashSet<u64>,
+    /// The members by rank.
+    ranks: Vec<u64>,
+    /// Every member acknowledged joining.
+    ready: bool,
     broken: Option<String>,
+}
+
+/// A group create or destroy waiting for its members' acknowledgements.
+struct GroupOp {
+    waiting: std::collections::HashSet<u64>,
+    tx: oneshot::Sender<Result<()>>,
+}
+
+impl GroupOp {
+    /// `actor` answered: the op ends at the first error or the last answer.
+    fn answered(ops: &mut HashMap<u64, GroupOp>, group: u64, actor: u64, r: Result<()>) {
+        let Some(op) = ops.get_mut(&group) else {
+            return;
+        };
+        op.waiting.remove(&actor);
+        if r.is_err() || op.waiting.is_empty() {
+            let op = ops.remove(&group).expect("looked up above");
+            let _ = op.tx.send(r);
+        }
+    }
 }
 
 /// Identifies a collective group.
@@ -400,6 +426,7 @@ impl Runtime {
                 value: wv,
                 from: None,
                 xfer: 0,
+                group: None,
             }),
         };
         let size = rdt_transport::wire::to_frame(&probe)
@@ -449,43 +476,133 @@ impl Runtime {
                 "a collective group needs at least one actor".into(),
             ));
         }
-        let mut st = self.inner.state.lock();
-        let mut members = std::collections::HashSet::new();
-        for a in actors {
-            let info = st
-                .actors
-                .get(&a.0)
-                .ok_or_else(|| Error::Group(format!("no actor with id {}", a.0)))?;
-            if let Some(d) = &info.dead {
-                return Err(Error::ActorDied {
-                    actor: info.name.clone(),
-                    detail: d.clone(),
-                });
+        let (id, rx, deadline) = {
+            let mut st = self.inner.state.lock();
+            let st = &mut *st;
+            let mut members = std::collections::HashSet::new();
+            for a in actors {
+                let info = st
+                    .actors
+                    .get(&a.0)
+                    .ok_or_else(|| Error::Group(format!("no actor with id {}", a.0)))?;
+                if let Some(d) = &info.dead {
+                    return Err(Error::ActorDied {
+                        actor: info.name.clone(),
+                        detail: d.clone(),
+                    });
+                }
+                if !members.insert(a.0) {
+                    return Err(Error::Group(format!("actor {} is listed twice", info.name)));
+                }
             }
-            if !members.insert(a.0) {
-                return Err(Error::Group(format!("actor {} is listed twice", info.name)));
+            let id = self.inner.next_id();
+            let ranks: Vec<u64> = actors.iter().map(|a| a.0).collect();
+            let peers: Vec<rdt_transport::Peer> = ranks
+                .iter()
+                .map(|a| st.actors[a].peer(*a, backend.name()))
+                .collect();
+            // XF-2: every member joins (NCCL: one makes the unique id, the
+            // others join it) and acknowledges; the group is usable only
+            // once all did.
+            for (rank, a) in ranks.iter().enumerate() {
+                let order = ToWorker::CreateGroup {
+                    backend: backend.name().to_string(),
+                    spec: rdt_transport::GroupSpec {
+                        id,
+                        ranks: peers.clone(),
+                        my_rank: rank as u32,
+                    },
+                };
+                send_to(&st.actors, *a, &order);
+            }
+            let (tx, rx) = oneshot::channel();
+            st.group_ops.insert(
+                id,
+                GroupOp {
+                    waiting: members.clone(),
+                    tx,
+                },
+            );
+            st.groups.insert(
+                id,
+                Group {
+                    backend,
+                    members,
+                    ranks,
+                    ready: false,
+                    broken: None,
+                },
+            );
+            (id, rx, self.inner.config.spawn_timeout)
+        };
+        let joined = match tokio::time::timeout(deadline, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::Shutdown),
+            Err(_) => Err(Error::Group(format!(
+                "the members of {backend} group {id} did not all join within {deadline:?} (RuntimeBuilder::spawn_timeout)"
+            ))),
+        };
+        let mut st = self.inner.state.lock();
+        match joined {
+            Ok(()) => {
+                if let Some(g) = st.groups.get_mut(&id) {
+                    g.ready = true;
+                }
+                Ok(GroupId(id))
+            }
+            Err(e) => {
+                st.group_ops.remove(&id);
+                if let Some(g) = st.groups.remove(&id) {
+                    for a in g.ranks {
+                        send_to(&st.actors, a, &ToWorker::DestroyGroup { group: id });
+                    }
+                }
+                Err(e)
             }
         }
-        let id = self.inner.next_id();
-        st.groups.insert(
-            id,
-            Group {
-                backend,
-                members,
-                broken: None,
-            },
-        );
-        Ok(GroupId(id))
     }
 
-    /// Destroys a collective group. Objects already moved stay where they
-    /// are; later passes between its actors need a new group.
+    /// Destroys a collective group: no transfer starts in it from now on
+    /// (a delivery still waiting for its object fails with `NotInGroup`),
+    /// and every live member tears its part down and acknowledges. Objects
+    /// already moved stay where they are; later passes between its actors
+    /// need a new group.
     pub async fn destroy_collective_group(&self, group: GroupId) -> Result<()> {
-        match self.inner.state.lock().groups.remove(&group.0) {
-            Some(_) => Ok(()),
-            None => Err(Error::Group(format!(
-                "no collective group {group} (already destroyed?)"
-            ))),
+        let rx = {
+            let mut st = self.inner.state.lock();
+            let st = &mut *st;
+            let Some(g) = st.groups.remove(&group.0) else {
+                return Err(Error::Group(format!(
+                    "no collective group {group} (already destroyed?)"
+                )));
+            };
+            let live: std::collections::HashSet<u64> = g
+                .ranks
+                .iter()
+                .copied()
+                .filter(|a| st.actors.get(a).is_some_and(|i| i.dead.is_none()))
+                .collect();
+            for a in &live {
+                send_to(&st.actors, *a, &ToWorker::DestroyGroup { group: group.0 });
+            }
+            let (tx, rx) = oneshot::channel();
+            if live.is_empty() {
+                let _ = tx.send(Ok(()));
+            } else {
+                st.group_ops.insert(group.0, GroupOp { waiting: live, tx });
+            }
+            rx
+        };
+        let deadline = self.inner.config.spawn_timeout;
+        match tokio::time::timeout(deadline, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::Shutdown),
+            Err(_) => {
+                self.inner.state.lock().group_ops.remove(&group.0);
+                Err(Error::Group(format!(
+                    "the members of group {group} did not all leave it within {deadline:?}"
+                )))
+            }
         }
     }
 
@@ -836,7 +953,11 @@ impl Inner {
         } else {
             st.table.insert_pending(id, actor, transport.name());
             for &a in &arg_ids {
-                st.table.need(a, actor, &st.actors);
+                let groups = GroupView {
+                    groups: &st.groups,
+                    actors: &st.actors,
+                };
+                st.table.need(a, actor, &st.actors, &groups);
             }
             self.arm_deadlines(st);
             st.calls.insert(
@@ -859,8 +980,12 @@ impl Inner {
                 if let Err(e) = conn.send(&msg) {
                     // Too large to send: the call fails, nothing waits.
                     let pc = st.calls.remove(&call).expect("inserted above");
+                    let groups = GroupView {
+                        groups: &st.groups,
+                        actors: &st.actors,
+                    };
                     st.table
-                        .call_done(pc.result, Err(e), actor, &pc.args, &st.actors);
+                        .call_done(pc.result, Err(e), actor, &pc.args, &st.actors, &groups);
                 }
             }
         }
@@ -1084,7 +1209,7 @@ impl Inner {
     fn on_message(&self, actor: u64, msg: ToDriver) {
         let ends_transfer = matches!(
             msg,
-            ToDriver::Received { .. } | ToDriver::TransferFailed { .. }
+            ToDriver::Received { .. } | ToDriver::TransferFailed { .. } | ToDriver::CallDone { .. }
         );
         self.handle_message(actor, msg);
         if ends_transfer {
@@ -1112,8 +1237,12 @@ impl Inner {
                     tracing::warn!("actor {actor} finished unknown call {call}; ignored");
                     return;
                 };
+                let groups = GroupView {
+                    groups: &st.groups,
+                    actors: &st.actors,
+                };
                 st.table
-                    .call_done(pc.result, result, actor, &pc.args, &st.actors);
+                    .call_done(pc.result, result, actor, &pc.args, &st.actors, &groups);
                 self.arm_deadlines(st);
             }
             ToDriver::Received {
@@ -1163,6 +1292,15 @@ impl Inner {
                     break_groups(st, &t, &reason);
                 }
             }
+            ToDriver::GroupReady { group, result } | ToDriver::GroupDestroyed { group, result } => {
+                let result = result.map_err(|e| {
+                    Error::Group(format!(
+                        "{} could not take part in group {group}: {e}",
+                        actor_name(&st.actors, actor)
+                    ))
+                });
+                GroupOp::answered(&mut st.group_ops, group, actor, result);
+            }
             ToDriver::Hello { .. } => tracing::warn!("actor {actor} said hello twice; ignored"),
         }
     }
@@ -1194,8 +1332,18 @@ impl Inner {
             .collect();
         for c in failed {
             let pc = st.calls.remove(&c).expect("listed above");
-            st.table
-                .call_done(pc.result, Err(err.clone()), actor, &pc.args, &st.actors);
+            let groups = GroupView {
+                groups: &st.groups,
+                actors: &st.actors,
+            };
+            st.table.call_done(
+                pc.result,
+                Err(err.clone()),
+                actor,
+                &pc.args,
+                &st.actors,
+                &groups,
+            );
         }
         let fetches: Vec<u64> = st
             .fetches
@@ -1219,6 +1367,16 @@ impl Inner {
         });
         self.arm_deadlines(st);
         self.settled.notify_waiters();
+        // Group creates and destroys waiting for it end now.
+        let ops: Vec<u64> = st
+            .group_ops
+            .iter()
+            .filter(|(_, op)| op.waiting.contains(&actor))
+            .map(|(g, _)| *g)
+            .collect();
+        for g in ops {
+            GroupOp::answered(&mut st.group_ops, g, actor, Err(err.clone()));
+        }
         // Transports in the other workers drop what they keep for it.
         for (id, a) in st.actors.iter() {
             if *id != actor && a.dead.is_none() {
@@ -1244,45 +1402,70 @@ impl Inner {
 fn check_groups(st: &State, consumer: u64, args: &[u64]) -> Option<Error> {
     for &id in args {
         let e = st.table.objects.get(&id)?;
-        let Ok(t) = e.transport.parse::<Transport>() else {
-            continue;
-        };
         let Some(producer) = e.producer else { continue };
-        if !t.is_collective() || producer == consumer || matches!(e.state, ObjState::Failed(_)) {
+        if matches!(e.state, ObjState::Failed(_)) {
             continue;
         }
-        let shared: Vec<(&u64, &Group)> = st
+        let lookup = GroupView {
+            groups: &st.groups,
+            actors: &st.actors,
+        };
+        if let Err(err) = lookup.group_for(&e.transport, id, producer, consumer) {
+            return Some(err);
+        }
+    }
+    None
+}
+
+/// The driver's groups as the owner table sees them (OW-8).
+struct GroupView<'a> {
+    groups: &'a HashMap<u64, Group>,
+    actors: &'a Actors,
+}
+
+impl GroupLookup for GroupView<'_> {
+    fn group_for(
+        &self,
+        transport: &str,
+        object: u64,
+        producer: u64,
+        consumer: u64,
+    ) -> Result<Option<(u64, u32, u32)>> {
+        let Ok(t) = transport.parse::<Transport>() else {
+            return Ok(None);
+        };
+        if !t.is_collective() || producer == consumer {
+            return Ok(None);
+        }
+        let shared: Vec<(&u64, &Group)> = self
             .groups
             .iter()
             .filter(|(_, g)| {
-                g.backend == t && g.members.contains(&producer) && g.members.contains(&consumer)
+                g.backend == t
+                    && g.ready
+                    && g.members.contains(&producer)
+                    && g.members.contains(&consumer)
             })
             .collect();
-        if shared.iter().any(|(_, g)| g.broken.is_none()) {
-            continue;
+        if let Some((id, g)) = shared.iter().find(|(_, g)| g.broken.is_none()) {
+            let rank = |a: u64| g.ranks.iter().position(|r| *r == a).unwrap_or(0) as u32;
+            return Ok(Some((**id, rank(producer), rank(consumer))));
         }
-        let name = |a: u64| {
-            st.actors
-                .get(&a)
-                .map(|i| i.name.clone())
-                .unwrap_or_else(|| format!("actor {a}"))
-        };
-        return Some(match shared.first() {
+        Err(match shared.first() {
             Some((gid, g)) => Error::GroupBroken {
                 group: **gid,
                 transport: t.name().into(),
                 reason: g.broken.clone().unwrap_or_default(),
             },
             None => Error::NotInGroup {
-                object: id,
+                object,
                 transport: t.name().into(),
-                backend: format!("{t:?}"),
-                producer: name(producer),
-                consumer: name(consumer),
+                backend: t.rust_expr(),
+                producer: actor_name(self.actors, producer),
+                consumer: actor_name(self.actors, consumer),
             },
-        });
+        })
     }
-    None
 }
 
 fn actor_name(actors: &Actors, a: u64) -> String {
@@ -1304,6 +1487,17 @@ fn break_groups(st: &mut State, t: &crate::owner::InFlight, reason: &str) {
         {
             tracing::warn!("tearing down collective group {id}: {reason}");
             g.broken = Some(reason.to_string());
+            // XF-6: every member's backend stops what is in flight in it.
+            for a in &g.ranks {
+                send_to(
+                    &st.actors,
+                    *a,
+                    &ToWorker::AbortGroup {
+                        group: *id,
+                        reason: reason.to_string(),
+                    },
+                );
+            }
         }
     }
 }

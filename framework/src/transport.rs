@@ -76,6 +76,23 @@ impl Transport {
         registry::names().into_iter().map(Transport).collect()
     }
 
+    /// How a program names it in Rust (`Transport::Tcp`, or
+    /// `Transport::named("files")` for a program's own), for errors.
+    pub fn rust_expr(self) -> String {
+        const CONSTS: [(&str, &str); 6] = [
+            ("object_store", "ObjectStore"),
+            ("tcp", "Tcp"),
+            ("shm", "Shm"),
+            ("nccl", "Nccl"),
+            ("nixl", "Nixl"),
+            ("cuda_ipc", "CudaIpc"),
+        ];
+        match CONSTS.iter().find(|(n, _)| *n == self.0) {
+            Some((_, c)) => format!("Transport::{c}"),
+            None => format!("Transport::named({:?})", self.0),
+        }
+    }
+
     /// The name used in attributes and errors.
     pub const fn name(self) -> &'static str {
         self.0

@@ -318,6 +318,102 @@ struct WorkerShared {
     /// Objects received, per transport: tests and logs see which path a
     /// value took.
     received: Mutex<HashMap<Transport, u64>>,
+    /// The collective groups this worker is in (XF-3).
+    groups: Mutex<HashMap<u64, WorkerGroup>>,
+}
+
+/// A collective group this worker is in: its backend, its members, and its
+/// ordered queue of two-sided transfers (XF-3), served by a thread of its
+/// own (which can also host a backend's `!Send` handles).
+struct WorkerGroup {
+    backend: Transport,
+    spec: rdt_transport::GroupSpec,
+    queue: tokio::sync::mpsc::UnboundedSender<Job>,
+    broken: Option<String>,
+}
+
+/// A transfer waiting its turn in a group's queue.
+type Job = futures::future::BoxFuture<'static, ()>;
+
+/// Starts the thread that runs a group's transfers one after the other, in
+/// the order the control loop queued them (the driver's order). It ends
+/// when the group is dropped and its queue has drained.
+fn start_group_queue(group: u64) -> std::io::Result<tokio::sync::mpsc::UnboundedSender<Job>> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name(format!("rdt-group-{group}"))
+        .spawn(move || {
+            rt.block_on(async move {
+                while let Some(job) = rx.recv().await {
+                    job.await;
+                }
+            })
+        })?;
+    Ok(tx)
+}
+
+/// A collective group as an actor sees it (see [`group_memberships`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupMembership {
+    /// The group.
+    pub group: crate::runtime::GroupId,
+    /// Its backend.
+    pub backend: Transport,
+    /// This actor's rank in it.
+    pub rank: u32,
+    /// How many members it has.
+    pub size: usize,
+}
+
+/// Inside an actor: the collective groups it is a member of, as its worker
+/// knows them (every member joins before `create_collective_group`
+/// returns, and leaves before `destroy_collective_group` returns).
+/// Outside an actor: none.
+pub fn group_memberships() -> Vec<GroupMembership> {
+    let Some(w) = WORKER.get() else {
+        return Vec::new();
+    };
+    let mut v: Vec<GroupMembership> = w
+        .groups
+        .lock()
+        .values()
+        .map(|g| GroupMembership {
+            group: crate::runtime::GroupId(g.spec.id),
+            backend: g.backend,
+            rank: g.spec.my_rank,
+            size: g.spec.ranks.len(),
+        })
+        .collect();
+    v.sort_by_key(|m| m.group.0);
+    v
+}
+
+/// Runs `job` in `group`'s queue (XF-3), or returns why it cannot run
+/// there (not a member: destroyed or never created; broken).
+fn queue_in_group(
+    shared: &WorkerShared,
+    group: u64,
+    job: Job,
+) -> std::result::Result<(), (String, Job)> {
+    let groups = shared.groups.lock();
+    let Some(g) = groups.get(&group) else {
+        return Err((
+            format!("this worker is not in collective group {group} (destroyed, or never created)"),
+            job,
+        ));
+    };
+    if let Some(why) = &g.broken {
+        return Err((format!("collective group {group} was aborted: {why}"), job));
+    }
+    g.queue.send(job).map_err(|e| {
+        (
+            format!("the queue of collective group {group} is closed"),
+            e.0,
+        )
+    })
 }
 
 impl WorkerShared {
@@ -522,6 +618,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             transfers: Mutex::new(HashMap::new()),
             receiving: Mutex::new(HashMap::new()),
             received: Default::default(),
+            groups: Mutex::new(HashMap::new()),
         });
         let _ = WORKER.set(shared.clone());
         // The mailbox is sized before the actor starts: calls may arrive
@@ -606,7 +703,36 @@ async fn control_loop<A: RdtActor>(
                 }
             }
             ToWorker::Deliver { object, value } => on_deliver(&shared, object, value),
-            ToWorker::SendTo { object, xfer, to } => on_send(&shared, object, xfer, to),
+            ToWorker::SendTo {
+                object,
+                xfer,
+                to,
+                group,
+            } => on_send(&shared, object, xfer, to, group),
+            ToWorker::CreateGroup { backend, spec } => on_create_group(&shared, backend, spec),
+            ToWorker::DestroyGroup { group } => {
+                let g = shared.groups.lock().remove(&group);
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    let result = match g {
+                        // Dropping the queue ends its thread once it drained.
+                        Some(g) => match g.backend.instance() {
+                            Ok(inst) => inst.destroy_group(group).await.map_err(Error::from),
+                            Err(e) => Err(e),
+                        },
+                        None => Ok(()),
+                    };
+                    let _ = tx.send(&ToDriver::GroupDestroyed { group, result });
+                });
+            }
+            ToWorker::AbortGroup { group, reason } => {
+                if let Some(g) = shared.groups.lock().get_mut(&group) {
+                    g.broken = Some(reason.clone());
+                    if let Some(inst) = g.backend.existing_instance() {
+                        inst.abort_group(group, &reason);
+                    }
+                }
+            }
             ToWorker::AbortTransfer {
                 object,
                 xfer,
@@ -720,6 +846,7 @@ fn on_deliver(
     let (abort_tx, abort_rx) = oneshot::channel();
     shared.transfers.lock().insert(xfer, abort_tx);
     shared.receiving.lock().insert(object, false);
+    let shared_for_queue = shared.clone();
     let shared = shared.clone();
     let from = d.from.clone().unwrap_or_else(|| Peer {
         actor: 0,
@@ -736,26 +863,24 @@ fn on_deliver(
         bytes = d.value.exported.nbytes(),
         side = "receive",
     );
-    tokio::spawn(
+    let group = d.group;
+    let job = Box::pin(
         async move {
             let t0 = std::time::Instant::now();
+            let cx = rdt_transport::TransferCtx {
+                xfer,
+                group,
+                target: Default::default(),
+            };
             let received = tokio::select! {
-                r = transport.1.receive(&from, xfer, &d.value.exported) => r.map_err(Error::from),
+                r = transport.1.receive(&from, &cx, &d.value.exported) => r.map_err(Error::from),
                 e = abort_rx => Err(e.unwrap_or(Error::Shutdown)),
             };
             shared.transfers.lock().remove(&xfer);
-            // The acknowledgement goes out before the value is stored, so
-            // it precedes the `CallDone` of any call that uses the value
-            // (one ordered connection): the driver never sees a call end
-            // with its argument still "receiving".
-            let _ = shared.tx.send(&ToDriver::Received {
-                object,
-                xfer,
-                result: match &received {
-                    Ok(_) => Ok(()),
-                    Err(e) => Err(e.clone()),
-                },
-            });
+            let ack = match &received {
+                Ok(_) => Ok(()),
+                Err(e) => Err(e.clone()),
+            };
             // Held across the store insert: a `Free` either finds the
             // receive and leaves a tombstone, or finds the value stored.
             let mut receiving = shared.receiving.lock();
@@ -780,16 +905,81 @@ fn on_deliver(
                 shared.store.insert(object, slot);
             }
             drop(receiving);
+            // The acknowledgement comes after the value is stored, off the
+            // path of the call waiting for it; a call that ran with it
+            // settles the receive in the driver first (XF-5).
+            let _ = shared.tx.send(&ToDriver::Received {
+                object,
+                xfer,
+                result: ack,
+            });
         }
         .instrument(span),
     );
+    run_transfer(&shared_for_queue, group, job, xfer);
+}
+
+/// Runs a transfer's job: in its group's queue for a transfer in a group
+/// (XF-3), on the control runtime otherwise. A job that cannot be queued
+/// fails its transfer at once.
+fn run_transfer(
+    shared: &Arc<WorkerShared>,
+    group: Option<rdt_transport::GroupRef>,
+    job: Job,
+    xfer: u64,
+) {
+    let Some(g) = group else {
+        tokio::spawn(job);
+        return;
+    };
+    if let Err((why, job)) = queue_in_group(shared, g.id, job) {
+        // The job runs at once and meets its abort: a receive is
+        // acknowledged as failed, a send reported, by the usual paths.
+        if let Some(abort) = shared.transfers.lock().remove(&xfer) {
+            let _ = abort.send(Error::Group(why));
+        }
+        tokio::spawn(job);
+    }
+}
+
+/// Joins a collective group (XF-2): the backend sets up its part, the
+/// group's queue starts, and the driver hears back either way.
+fn on_create_group(shared: &Arc<WorkerShared>, backend: String, spec: rdt_transport::GroupSpec) {
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let group = spec.id;
+        let joined = async {
+            let t: Transport = backend.parse()?;
+            let inst = t.instance()?;
+            inst.create_group(&spec).await?;
+            let queue = start_group_queue(group)?;
+            shared.groups.lock().insert(
+                group,
+                WorkerGroup {
+                    backend: t,
+                    spec: spec.clone(),
+                    queue,
+                    broken: None,
+                },
+            );
+            Ok::<(), Error>(())
+        };
+        let result = joined.await;
+        let _ = shared.tx.send(&ToDriver::GroupReady { group, result });
+    });
 }
 
 /// A send order: the tensors are taken from the store here, in the
 /// control loop's order (WK-2: a `Free` processed after this order cannot
 /// pull them away; one processed before it makes the send fail at once,
 /// and the driver aborts the receive).
-fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
+fn on_send(
+    shared: &Arc<WorkerShared>,
+    object: u64,
+    xfer: u64,
+    to: Peer,
+    group: Option<rdt_transport::GroupRef>,
+) {
     let captured = match shared.store.get(object) {
         Some(Slot::Ready(v)) => v.transport.instance().map(|t| (t, v)),
         Some(Slot::Failed(e)) => Err(e),
@@ -810,6 +1000,7 @@ fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
     };
     let (abort_tx, abort_rx) = oneshot::channel();
     shared.transfers.lock().insert(xfer, abort_tx);
+    let shared_for_queue = shared.clone();
     let shared = shared.clone();
     let span = tracing::debug_span!(
         "transfer",
@@ -819,8 +1010,13 @@ fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
         peer = %to.name,
         side = "send",
     );
-    tokio::spawn(
+    let job = Box::pin(
         async move {
+            let cx = rdt_transport::TransferCtx {
+                xfer,
+                group,
+                target: Default::default(),
+            };
             #[cfg(feature = "failpoints")]
             let injected = fail::eval("rdt::send", |m| m.unwrap_or_else(|| "injected".into()));
             #[cfg(not(feature = "failpoints"))]
@@ -828,7 +1024,7 @@ fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
             let sent = match injected {
                 Some(m) => Err(Error::Protocol(format!("failpoint rdt::send: {m}"))),
                 None => tokio::select! {
-                    r = t.send(&to, xfer, &v.tensors) => r.map_err(Error::from),
+                    r = t.send(&to, &cx, &v.tensors) => r.map_err(Error::from),
                     e = abort_rx => Err(e.unwrap_or(Error::Shutdown)),
                 },
             };
@@ -846,6 +1042,7 @@ fn on_send(shared: &Arc<WorkerShared>, object: u64, xfer: u64, to: Peer) {
         }
         .instrument(span),
     );
+    run_transfer(&shared_for_queue, group, job, xfer);
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {

@@ -175,6 +175,14 @@ impl Producer {
         }
     }
 
+    /// The collective groups this worker is in: (group, rank, size).
+    async fn memberships(&mut self) -> Vec<(u64, u32, usize)> {
+        rdt::group_memberships()
+            .into_iter()
+            .map(|m| (m.group.0, m.rank, m.size))
+            .collect()
+    }
+
     /// Recurses until the stack overflows.
     async fn overflow(&mut self, depth: u64) -> u64 {
         #[allow(unconditional_recursion)]
@@ -261,6 +269,14 @@ impl Consumer {
     async fn add_one(&mut self, t: Tensor) -> rdt::Result<Tensor> {
         t.add_scalar_(1.0f32)?;
         Ok(t)
+    }
+
+    /// The collective groups this worker is in: (group, rank, size).
+    async fn memberships(&mut self) -> Vec<(u64, u32, usize)> {
+        rdt::group_memberships()
+            .into_iter()
+            .map(|m| (m.group.0, m.rank, m.size))
+            .collect()
     }
 
     /// Objects this worker received over `transport` (which path a value

@@ -253,3 +253,76 @@ async fn shm_consumer_writes_are_seen_by_the_producer() {
     })
     .await;
 }
+
+/// XF-2: a group reaches its members: each joined, with its rank, before
+/// `create_collective_group` returned, and left before
+/// `destroy_collective_group` returned.
+#[tokio::test]
+async fn xf_2_every_member_joins_with_its_rank_and_leaves() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let c2 = rt.spawn::<Consumer>(()).await.unwrap();
+        let g = rt
+            .create_collective_group(&[c.id(), p.id(), c2.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        assert_eq!(
+            rt.get(c.memberships().remote()).await.unwrap(),
+            vec![(g.0, 0, 3)]
+        );
+        assert_eq!(
+            rt.get(p.memberships().remote()).await.unwrap(),
+            vec![(g.0, 1, 3)]
+        );
+        assert_eq!(
+            rt.get(c2.memberships().remote()).await.unwrap(),
+            vec![(g.0, 2, 3)]
+        );
+        let r = p.make_tcp(1.0, 100).remote();
+        assert_eq!(rt.get(c2.sum(&r).remote()).await.unwrap(), 100.0);
+        rt.destroy_collective_group(g).await.unwrap();
+        for m in [
+            rt.get(c.memberships().remote()).await.unwrap(),
+            rt.get(p.memberships().remote()).await.unwrap(),
+        ] {
+            assert!(m.is_empty(), "{m:?}");
+        }
+    })
+    .await;
+}
+
+/// OW-8: a delivery that waited for a pending object re-checks the group
+/// when it goes out: after a destroy, no transfer starts; the call fails
+/// with `NotInGroup`.
+#[tokio::test]
+async fn ow_8_no_transfer_after_destroy() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let g = rt
+            .create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        // The producer is busy, so `r` is still pending when the call
+        // that needs it is submitted, and when the group goes.
+        let busy = p.block(3_000).remote();
+        let r = p.make_tcp(1.0, 100).remote();
+        let s = c.sum(&r).remote();
+        rt.destroy_collective_group(g).await.unwrap();
+        let e = rt.get(&s).await.unwrap_err();
+        assert!(matches!(e.root_cause(), Error::NotInGroup { .. }), "{e}");
+        assert_eq!(
+            rt.get(c.received("tcp".to_string()).remote())
+                .await
+                .unwrap(),
+            0
+        );
+        assert_eq!(rt.get(&busy).await.unwrap(), 3_000);
+    })
+    .await;
+}

@@ -80,11 +80,15 @@ async fn soak(t: Transport) {
     // Producers killed with an object on the way (DR-3, OW-5).
     for _ in 0..3 {
         let q = rt.spawn::<Producer>(()).await.unwrap();
-        if t.is_collective() {
-            rt.create_collective_group(&[q.id(), c.id()], t)
-                .await
-                .unwrap();
-        }
+        let group = if t.is_collective() {
+            Some(
+                rt.create_collective_group(&[q.id(), c.id()], t)
+                    .await
+                    .unwrap(),
+            )
+        } else {
+            None
+        };
         let r = q.make(1.0, 64 << 10).transport(t).remote();
         rt.wait(&r).await.unwrap();
         q.kill();
@@ -97,6 +101,10 @@ async fn soak(t: Transport) {
                 matches!(e.root_cause(), Error::ActorDied { actor, .. } if actor == q.name()),
                 "{e}"
             );
+        }
+        // A group does not outlive a member: destroy it, as its error says.
+        if let Some(g) = group {
+            rt.destroy_collective_group(g).await.unwrap();
         }
     }
     rt.transfers_settled().await;

@@ -28,7 +28,8 @@ pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
 pub use tensor::{ExternalMemory, Tensor, TensorError, TensorMeta};
 pub use transport::{
-    Exported, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+    Exported, GroupRef, GroupSpec, ObjectKey, Peer, Sidedness, Target, TensorTransport,
+    TransferCtx, TransferId, TransportError,
 };
 pub use wire::Blob;
 

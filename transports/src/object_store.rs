@@ -18,7 +18,7 @@
 use futures::future::BoxFuture;
 
 use crate::transport::{
-    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
 use crate::{Blob, Device, Exported, Tensor};
 
@@ -65,10 +65,10 @@ impl TensorTransport for ObjectStoreTransport {
     fn receive<'a>(
         &'a self,
         _from: &'a Peer,
-        _xfer: TransferId,
+        cx: &'a TransferCtx,
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
-        Box::pin(async move { unpack(exported) })
+        Box::pin(async move { cx.target.place(NAME, &exported.metas, unpack(exported)?) })
     }
 }
 

@@ -105,7 +105,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::transport::{
-    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
 use crate::{DType, Device, Exported, ExternalMemory, Tensor, TensorMeta};
 
@@ -334,12 +334,15 @@ impl TensorTransport for ShmTransport {
     fn receive<'a>(
         &'a self,
         from: &'a Peer,
-        _xfer: TransferId,
+        cx: &'a TransferCtx,
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         // Opening and mapping move no bytes: the receive costs the same
-        // whatever the tensors' size.
-        Box::pin(async move { self.receive_now(from, exported) })
+        // whatever the tensors' size (a target costs one copy).
+        Box::pin(async move {
+            let mapped = self.receive_now(from, exported)?;
+            cx.target.place(NAME, &exported.metas, mapped)
+        })
     }
 
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
@@ -750,7 +753,7 @@ mod tests {
     }
 
     fn receive(shm: &ShmTransport, e: &Exported) -> Result<Vec<Tensor>, TransportError> {
-        block_on(shm.receive(&peer(), 0, e))
+        block_on(shm.receive(&peer(), &TransferCtx::new(0), e))
     }
 
     fn sample() -> Vec<Tensor> {

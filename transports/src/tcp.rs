@@ -47,7 +47,8 @@ use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
 use crate::transport::{
-    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferId, TransportError,
+    check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransferId,
+    TransportError,
 };
 use crate::{auth, Device, Exported, Tensor};
 
@@ -426,9 +427,10 @@ impl TensorTransport for TcpTransport {
     fn send<'a>(
         &'a self,
         to: &'a Peer,
-        xfer: TransferId,
+        cx: &'a TransferCtx,
         tensors: &'a [Tensor],
     ) -> BoxFuture<'a, Result<(), TransportError>> {
+        let xfer = cx.xfer;
         Box::pin(async move {
             let slot = self.slot(to);
             let tensors = tensors.to_vec();
@@ -459,9 +461,10 @@ impl TensorTransport for TcpTransport {
     fn receive<'a>(
         &'a self,
         from: &'a Peer,
-        xfer: TransferId,
+        cx: &'a TransferCtx,
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
+        let xfer = cx.xfer;
         Box::pin(async move {
             let rx = {
                 let mut m = self.inbox.slots.lock();
@@ -535,7 +538,9 @@ impl TensorTransport for TcpTransport {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TransportError::with_peer(NAME, from, e.to_string()))?;
             check_received(NAME, &exported.metas, &tensors)?;
-            Ok(tensors)
+            // Received into buffers of its own first (they may arrive
+            // before the receive is posted): a target costs one copy.
+            cx.target.place(NAME, &exported.metas, tensors)
         })
     }
 
@@ -578,15 +583,21 @@ mod tests {
             ];
             let ex = a.export(1, &ts).await.unwrap();
             // send first, then receive
-            a.send(&peer(&b, 2), 10, &ts).await.unwrap();
-            let got = b.receive(&peer(&a, 1), 10, &ex).await.unwrap();
+            a.send(&peer(&b, 2), &TransferCtx::new(10), &ts)
+                .await
+                .unwrap();
+            let got = b
+                .receive(&peer(&a, 1), &TransferCtx::new(10), &ex)
+                .await
+                .unwrap();
             for (x, y) in ts.iter().zip(&got) {
                 assert!(x.equal(y).unwrap());
                 assert!(!x.shares_storage(y));
             }
             // receive first, then send
             let (pa, pb) = (peer(&a, 1), peer(&b, 2));
-            let (r, s) = tokio::join!(b.receive(&pa, 11, &ex), a.send(&pb, 11, &ts));
+            let cx = TransferCtx::new(11);
+            let (r, s) = tokio::join!(b.receive(&pa, &cx, &ex), a.send(&pb, &cx, &ts));
             s.unwrap();
             assert_eq!(r.unwrap().len(), 3);
         })
@@ -639,8 +650,8 @@ mod tests {
             let (pa, pb) = (peer(&a, 1), peer(&b, 2));
             let ts = vec![Tensor::arange::<f32>(10)];
             let ex = a.export(1, &ts).await.unwrap();
-            a.send(&pb, 1, &ts).await.unwrap();
-            b.receive(&pa, 1, &ex).await.unwrap();
+            a.send(&pb, &TransferCtx::new(1), &ts).await.unwrap();
+            b.receive(&pa, &TransferCtx::new(1), &ex).await.unwrap();
             assert_eq!(a.conns.lock().len(), 1);
             assert_eq!(b.inbox.incoming.lock().len(), 1);
             b.inbox
@@ -649,7 +660,7 @@ mod tests {
             // b waits for a transfer that a never sends.
             let waiting = {
                 let (b, pa, ex) = (b.clone(), pa.clone(), ex.clone());
-                tokio::spawn(async move { b.receive(&pa, 2, &ex).await })
+                tokio::spawn(async move { b.receive(&pa, &TransferCtx::new(2), &ex).await })
             };
             while !b.inbox.slots.lock().contains_key(&2) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -671,8 +682,8 @@ mod tests {
             assert!(b.inbox.slots.lock().is_empty());
 
             // Forgetting is not refusing: a new transfer connects afresh.
-            a.send(&pb, 3, &ts).await.unwrap();
-            let got = b.receive(&pa, 3, &ex).await.unwrap();
+            a.send(&pb, &TransferCtx::new(3), &ts).await.unwrap();
+            let got = b.receive(&pa, &TransferCtx::new(3), &ex).await.unwrap();
             assert!(got[0].equal(&ts[0]).unwrap());
             assert_eq!(a.conns.lock().len(), 1);
         })
@@ -688,13 +699,19 @@ mod tests {
             let b = TcpTransport::start(2, b"other", "127.0.0.1:0", Duration::from_millis(200))
                 .unwrap();
             let ts = vec![Tensor::full(1u8, &[4])];
-            let e = a.send(&peer(&b, 2), 1, &ts).await.unwrap_err();
+            let e = a
+                .send(&peer(&b, 2), &TransferCtx::new(1), &ts)
+                .await
+                .unwrap_err();
             assert!(
                 e.to_string().contains("authentication") || e.to_string().contains("handshake"),
                 "{e}"
             );
             let ex = a.export(1, &ts).await.unwrap();
-            let e = b.receive(&peer(&a, 1), 99, &ex).await.unwrap_err();
+            let e = b
+                .receive(&peer(&a, 1), &TransferCtx::new(99), &ex)
+                .await
+                .unwrap_err();
             assert!(e.to_string().contains("deadline"), "{e}");
         })
         .await

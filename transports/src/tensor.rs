@@ -830,6 +830,45 @@ impl Tensor {
         Ok(())
     }
 
+    /// Copies `src`'s bytes into this tensor's storage, across devices as
+    /// needed (receive into a target: contract point 7). Shapes and dtypes
+    /// must match. A copy into a CUDA tensor is enqueued on its stream
+    /// (ordered after the source's pending work); a copy out of a CUDA
+    /// tensor waits for it.
+    pub fn copy_from(&self, src: &Tensor) -> Result<(), TensorError> {
+        if self.dtype != src.dtype || self.shape != src.shape {
+            return Err(TensorError::Mismatch(format!(
+                "cannot copy a {} {:?} tensor into a {} {:?} one",
+                src.dtype, src.shape, self.dtype, self.shape
+            )));
+        }
+        match (self.is_cuda(), src.is_cuda()) {
+            (false, false) => {
+                let bytes = src.copy_bytes()?;
+                self.with_bytes_mut(|b| b.copy_from_slice(&bytes))
+            }
+            (false, true) => {
+                let bytes = src.to_cpu()?.copy_bytes()?;
+                self.with_bytes_mut(|b| b.copy_from_slice(&bytes))
+            }
+            (true, false) => {
+                let bytes = src.copy_bytes()?;
+                self.with_device_buffer(|dst| dst.gpu().copy_htod(dst.device_ptr(), &bytes))??;
+                Ok(())
+            }
+            (true, true) => self.with_device_buffer(|dst| -> Result<(), TensorError> {
+                src.with_device_buffer(|s| -> Result<(), TensorError> {
+                    if !Arc::ptr_eq(s.gpu(), dst.gpu()) {
+                        s.gpu().synchronize()?;
+                    }
+                    dst.gpu()
+                        .copy_dtod(dst.device_ptr(), s.device_ptr(), dst.len())?;
+                    Ok(())
+                })?
+            })?,
+        }
+    }
+
     /// A new tensor with a copy of the bytes in storage of its own, on the
     /// same device. A CPU tensor is copied on the host. A CUDA tensor gets
     /// fresh exportable memory on the local device its memory is used from

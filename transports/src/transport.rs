@@ -43,6 +43,20 @@
 //! 5. **No blocking.** Every operation is async and completes on socket I/O,
 //!    a CUDA event or a library's status: never by blocking an executor
 //!    thread for the transfer's duration.
+//! 6. **Peers and groups.** [`peer_gone`] tells a transport that an actor
+//!    died (drop its connections and caches). Collective transports get
+//!    [`create_group`], [`destroy_group`] and [`abort_group`] with the
+//!    members by rank ([`GroupSpec`]); every transfer in a group carries
+//!    its [`GroupRef`] in the [`TransferCtx`], and the framework runs a
+//!    group's transfers one after the other, in the driver's order, on a
+//!    thread of the group's own. The framework owns each transfer's
+//!    deadline and aborts a transfer by dropping its future.
+//! 7. **Targets.** A receive puts the tensors where [`TransferCtx::target`]
+//!    says: anywhere, or into given tensors (receive in place).
+//!
+//! A transport registers itself in its own module with
+//! [`register_transport!`](crate::register_transport) (see
+//! [`crate::registry`]); nothing else names it.
 //! 6. **Peer death.** When an actor dies or is killed, the framework calls
 //!    [`peer_gone`] with its id in every process; the transport drops what
 //!    it keeps for that peer, so that nothing it keeps per peer outlives
@@ -53,6 +67,10 @@
 //! [`receive`]: TensorTransport::receive
 //! [`release`]: TensorTransport::release
 //! [`check_device`]: TensorTransport::check_device
+//! [`peer_gone`]: TensorTransport::peer_gone
+//! [`create_group`]: TensorTransport::create_group
+//! [`destroy_group`]: TensorTransport::destroy_group
+//! [`abort_group`]: TensorTransport::abort_group
 //! [`peer_gone`]: TensorTransport::peer_gone
 
 use futures::future::BoxFuture;
@@ -94,6 +112,88 @@ impl Exported {
         self.metas
             .iter()
             .fold(0usize, |a, m| a.saturating_add(m.nbytes()))
+    }
+}
+
+/// A collective group as a member sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSpec {
+    /// The group's id (the framework's `GroupId`).
+    pub id: u64,
+    /// The members, by rank.
+    pub ranks: Vec<Peer>,
+    /// This process's rank.
+    pub my_rank: u32,
+}
+
+/// The group a two-sided transfer runs in, and the ranks of its ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupRef {
+    /// The group's id.
+    pub id: u64,
+    /// This process's rank in it.
+    pub my_rank: u32,
+    /// The other end's rank in it.
+    pub peer_rank: u32,
+}
+
+/// Where a receive puts the tensors (contract point 7).
+#[derive(Clone, Debug, Default)]
+pub enum Target {
+    /// Wherever the transport chooses (its own memory, the producer's
+    /// device for one-sided zero-copy transports).
+    #[default]
+    Any,
+    /// Into these tensors, one per received tensor, in metadata order:
+    /// the receiver's memory does not grow.
+    Tensors(Vec<Tensor>),
+}
+
+impl Target {
+    /// Puts `received` where the target says: as it is for [`Target::Any`],
+    /// copied into the target tensors otherwise (after checking they match
+    /// `expected`), returning the targets.
+    pub fn place(
+        &self,
+        transport: &str,
+        expected: &[TensorMeta],
+        received: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, TransportError> {
+        match self {
+            Target::Any => Ok(received),
+            Target::Tensors(targets) => {
+                check_received(transport, expected, targets).map_err(|e| {
+                    TransportError::new(transport, format!("target tensors: {}", e.message))
+                })?;
+                for (t, r) in targets.iter().zip(&received) {
+                    t.copy_from(r).map_err(|e| {
+                        TransportError::new(transport, format!("copy into the target: {e}"))
+                    })?;
+                }
+                Ok(targets.clone())
+            }
+        }
+    }
+}
+
+/// What the framework tells a transport about one transfer.
+#[derive(Clone, Debug, Default)]
+pub struct TransferCtx {
+    /// Pairs the two ends of a two-sided transfer.
+    pub xfer: TransferId,
+    /// The collective group it runs in (two-sided transports in a group).
+    pub group: Option<GroupRef>,
+    /// Where the receive puts the tensors.
+    pub target: Target,
+}
+
+impl TransferCtx {
+    /// A transfer with only an id (no group, no target).
+    pub fn new(xfer: TransferId) -> Self {
+        TransferCtx {
+            xfer,
+            ..Default::default()
+        }
     }
 }
 
@@ -168,14 +268,15 @@ pub trait TensorTransport: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Exported, TransportError>>;
 
     /// Producer of a two-sided transport: send `tensors` to `to` as transfer
-    /// `xfer` (contract point 2).
+    /// `cx.xfer`, in `cx.group` if the transport is collective (contract
+    /// point 2).
     fn send<'a>(
         &'a self,
         to: &'a Peer,
-        xfer: TransferId,
+        cx: &'a TransferCtx,
         tensors: &'a [Tensor],
     ) -> BoxFuture<'a, Result<(), TransportError>> {
-        let _ = (xfer, tensors);
+        let _ = (cx, tensors);
         Box::pin(async move {
             Err(TransportError::with_peer(
                 self.name(),
@@ -186,13 +287,41 @@ pub trait TensorTransport: Send + Sync + 'static {
     }
 
     /// Consumer: obtain the tensors `exported` describes from `from`
-    /// (contract point 2).
+    /// (contract point 2), into `cx.target` when one is given (contract
+    /// point 7; [`Target::place`] does it for transports that receive into
+    /// memory of their own first).
     fn receive<'a>(
         &'a self,
         from: &'a Peer,
-        xfer: TransferId,
+        cx: &'a TransferCtx,
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>>;
+
+    /// A collective group with this process as a member is created
+    /// (two-sided transports; contract point 2 of the framework's transfer
+    /// contract). The framework sends this to every member and waits for
+    /// every answer. The default has nothing to set up.
+    fn create_group<'a>(
+        &'a self,
+        spec: &'a GroupSpec,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        let _ = spec;
+        Box::pin(async { Ok(()) })
+    }
+
+    /// The group is destroyed (every transfer in it has ended or been
+    /// aborted). The default has nothing to tear down.
+    fn destroy_group(&self, group: u64) -> BoxFuture<'_, Result<(), TransportError>> {
+        let _ = group;
+        Box::pin(async { Ok(()) })
+    }
+
+    /// The group is aborted (a transfer in it failed or missed its deadline,
+    /// or a member died): stop everything in flight in it now. Must not
+    /// block. The default does nothing.
+    fn abort_group(&self, group: u64, reason: &str) {
+        let _ = (group, reason);
+    }
 
     /// Producer: the object was freed (contract point 3).
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
