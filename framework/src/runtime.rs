@@ -208,9 +208,10 @@ struct Joined {
 struct Process {
     pid: u32,
     exit: watch::Receiver<Option<String>>,
-    /// Signals go through this, never through `pid` (DR-2).
-    pidfd: Arc<std::os::fd::OwnedFd>,
-    _guard: ChildGuard,
+    /// Signals go through this, never through `pid` (DR-2); dropped at
+    /// death.
+    pidfd: Option<Arc<std::os::fd::OwnedFd>>,
+    _guard: Option<ChildGuard>,
 }
 
 /// Kills a worker process on drop (through its pidfd: a no-op once it was
@@ -877,7 +878,9 @@ impl Inner {
             .get(&actor)
             .map(|p| p.pidfd.clone());
         match pidfd {
-            Some(fd) => {
+            // Dead already: nothing to signal.
+            Some(None) => {}
+            Some(Some(fd)) => {
                 if pidfd_kill(&fd).is_ok() {
                     self.on_death(
                         actor,
@@ -1062,8 +1065,8 @@ impl Inner {
             Process {
                 pid,
                 exit: exit.clone(),
-                pidfd: pidfd.clone(),
-                _guard: ChildGuard { pidfd },
+                pidfd: Some(pidfd.clone()),
+                _guard: Some(ChildGuard { pidfd }),
             },
         );
         let fail = |this: &Arc<Self>, e: Error| {
@@ -1316,6 +1319,13 @@ impl Inner {
         }
         info.dead = Some(detail.clone());
         info.conn = None;
+        // A dead worker keeps its name and cause of death (for errors), not
+        // its pidfd: the guard's kill is a no-op or finishes a dying
+        // process, and the descriptor is closed.
+        if let Some(p) = st.processes.get_mut(&actor) {
+            p.pidfd = None;
+            p._guard = None;
+        }
         let err = Error::ActorDied {
             actor: info.name.clone(),
             detail,

@@ -1084,9 +1084,23 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
             .take()
             .expect("an atomic handler always puts the state back");
         let shared = self.shared.clone();
+        // One span per call: call id, actor, method (logs and tests see
+        // what ran where, and for how long).
+        let span = tracing::debug_span!(
+            "call",
+            call = msg.call,
+            actor = %shared.name,
+            method = A::__method_name(msg.method),
+        );
         let fut = async move {
             let call = msg.call;
+            let t0 = std::time::Instant::now();
             let result = run_call::<A>(&mut state, &shared, msg).await;
+            tracing::debug!(
+                micros = t0.elapsed().as_micros() as u64,
+                ok = result.is_ok(),
+                "call done"
+            );
             if let Err(e) = shared.tx.send(&ToDriver::CallDone { call, result }) {
                 // Too large for a frame: the call fails instead.
                 let _ = shared.tx.send(&ToDriver::CallDone {
@@ -1095,7 +1109,8 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
                 });
             }
             state
-        };
+        }
+        .instrument(span);
         AtomicResponse::new(Box::pin(fut.into_actor(self).map(|state, this, _| {
             this.state = Some(state);
         })))

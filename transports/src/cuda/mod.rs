@@ -26,12 +26,11 @@
 //! (`cuStreamQuery`) it is ready at once and nothing is enqueued: work on a
 //! GPU that another process is using costs a context switch (hundreds of
 //! microseconds on one GPU shared by two processes), so an idle stream must
-//! not be given any. Otherwise it records an event and polls
-//! `cuEventQuery` with `yield_now` for up to [`SPIN`] (short work finishes
-//! in microseconds, and a tokio timer would add a millisecond: its
-//! resolution), then waits in `cuEventSynchronize` on tokio's blocking pool
-//! (exact wake-up, no executor thread blocked; outside a tokio runtime it
-//! blocks the caller). Works on current-thread runtimes (actix).
+//! not be given any. Otherwise it records an event, asks `cuEventQuery`
+//! once, and if the GPU is not there yet waits in `cuEventSynchronize` on
+//! tokio's blocking pool (exact wake-up, no executor thread blocked or
+//! spinning; outside a tokio runtime it blocks the caller). Works on
+//! current-thread runtimes (actix).
 //!
 //! # Memory
 //! Every CUDA tensor rdt allocates comes from [`alloc`]'s slab allocator over
@@ -45,7 +44,6 @@ pub mod ops;
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
 
 use cudarc::driver::result as cu;
 use cudarc::driver::sys;
@@ -99,9 +97,6 @@ macro_rules! cuda_trace {
     };
 }
 pub(crate) use cuda_trace;
-
-/// How long [`Gpu::completion`] spins with `yield_now` before sleeping.
-pub const SPIN: Duration = Duration::from_micros(500);
 
 /// Driver symbols this crate calls. All are checked before first use.
 const SYMBOLS: &[&str] = &[
@@ -597,17 +592,11 @@ impl Completion {
         let Some(event) = self.event else {
             return Ok(());
         };
-        let start = Instant::now();
-        loop {
-            if self.query(event)? {
-                return Ok(());
-            }
-            if start.elapsed() >= SPIN {
-                break;
-            }
-            tokio::task::yield_now().await;
+        if self.query(event)? {
+            return Ok(());
         }
-        // Longer work: wait in the driver, on a blocking thread.
+        // Not there yet: wait in the driver, on a blocking thread, never
+        // spinning on an executor thread (contract point 5).
         if tokio::runtime::Handle::try_current().is_err() {
             return self.synchronize(event);
         }
