@@ -109,7 +109,9 @@ async fn check_pass(rt: &Runtime, p: &GpuProducerHandle, c: &GpuConsumerHandle) 
         (5.0 * n as f64, true)
     );
     let (_, _, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
-    assert_eq!(events, 1, "the producer's event was opened (once)");
+    // One event per export with work in flight, pooled: at least the busy
+    // one was opened, never more than the five exports above.
+    assert!((1..=5).contains(&events), "{events} producer events opened");
     rt.get(p.forget().remote()).await.unwrap();
     let r = p.make_kept(1.0, 64).transport(IPC).remote();
     rt.get(c.fill(&r, 7.0).remote()).await.unwrap();
@@ -168,11 +170,12 @@ gpu_test!(point_to_point, async {
         (0.5 * (3 << 20) as f64, true)
     );
     // Both tensors live in the producer's first slab: one new mapping, then
-    // the cache. The producer's event is opened once at most (not at all
-    // when its stream was idle at every export: nothing to wait for).
+    // the cache. A producer event is opened at most once per export (not
+    // at all when its stream was idle at every export: nothing to wait
+    // for).
     let (opened, cached, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
     assert_eq!((opened, cached), (1, 1));
-    assert!(events <= 1, "{events}");
+    assert!(events <= 2, "{events}");
 });
 
 gpu_test!(nested_values, async {
@@ -314,7 +317,10 @@ gpu_test!(waits_for_the_producers_gpu_work, async {
         );
     }
     let (_, _, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
-    assert_eq!(events, 1, "the producer's event was opened (once)");
+    // Each export records an event of its own, from a pool the producer
+    // refills at release: opened at least once (the stream waited), at
+    // most once per export (handles of pooled events are cached).
+    assert!((1..=2).contains(&events), "{events} producer events opened");
 });
 
 gpu_test!(same_gpu, async {
@@ -338,8 +344,9 @@ gpu_test2!(cross_gpu, async {
     check_pass(&rt, &p, &c).await;
     // Mappings are cached across passes to another GPU too.
     let (opened, cached, events) = rt.get(c.ipc_stats().remote()).await.unwrap();
+    // At most one producer event per export with work in flight (five).
     assert!(
-        opened >= 1 && cached >= 1 && events <= 1,
+        opened >= 1 && cached >= 1 && events <= 5,
         "{opened} {cached} {events}"
     );
 });

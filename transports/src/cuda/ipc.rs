@@ -6,11 +6,12 @@
 //!    range of a `cuMemAlloc` slab ([`alloc`](super::alloc)). Export
 //!    publishes, per tensor, its slab's `cuIpcGetMemHandle` (made once per
 //!    slab), the slab id, the range's offset and length, and the range's
-//!    import record slot; and, per device, the handle of the producer's
-//!    interprocess event, recorded on rdt's stream at export, so it
-//!    completes when the work that produced the tensors does (no handle
-//!    when that stream is idle: the tensors are ready, and a pass of ready
-//!    tensors puts no work on either GPU). The handles
+//!    import record slot; and, per device, the handle of an interprocess
+//!    event of this export's own (from a pool, given back at release),
+//!    recorded on rdt's stream at export, so it completes when the work
+//!    that produced the tensors does and never covers work the producer
+//!    enqueues later (no handle when that stream is idle: the tensors are
+//!    ready, and a pass of ready tensors puts no work on either GPU). The handles
 //!    also carry the host's boot id and pid namespace, the producer's pid
 //!    and the descriptor and inode of its import-record memfd. A tensor in
 //!    memory the producer did not allocate (one it received itself) is
@@ -65,7 +66,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::alloc::{self, Counters, Region, SlabRange};
-use super::{cuda_trace, CudaError, DeviceBuffer, Event, Gpu};
+use super::{cuda_trace, CudaError, DeviceBuffer, Event, Gpu, IpcEvent};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
@@ -142,6 +143,10 @@ struct TensorHandle {
 pub struct CudaIpcTransport {
     /// Copies made at export, kept until release.
     copies: Mutex<HashMap<ObjectKey, Vec<Tensor>>>,
+    /// The events each export recorded, given back to their device at
+    /// release (every consumer has enqueued its wait by then: the driver
+    /// frees only after every receive ended).
+    export_events: Mutex<HashMap<ObjectKey, ExportEvents>>,
     /// The producer processes each peer actor sent us tensors from, as the
     /// caches key them, so that [`TensorTransport::peer_gone`] can drop
     /// their entries.
@@ -228,13 +233,27 @@ impl CudaIpcTransport {
             handles.push(h);
         }
         let mut events = Vec::with_capacity(gpus.len());
+        let mut recorded = Vec::new();
         for g in &gpus {
             // No handle: the producer's stream was idle, nothing to wait for.
-            let ev = g.record_ipc_event().map_err(err)?;
-            events.push((
-                g.uuid().to_string(),
-                ev.map(|h| h.to_vec()).unwrap_or_default(),
-            ));
+            match g.record_ipc_event() {
+                Ok(ev) => {
+                    events.push((
+                        g.uuid().to_string(),
+                        ev.map(|e| e.handle.to_vec()).unwrap_or_default(),
+                    ));
+                    recorded.extend(ev.map(|e| (g.clone(), e)));
+                }
+                Err(e) => {
+                    for (g, ev) in recorded {
+                        g.return_ipc_event(ev);
+                    }
+                    return Err(err(e));
+                }
+            }
+        }
+        if !recorded.is_empty() {
+            self.export_events.lock().insert(key, recorded);
         }
         let h = Handles {
             boot_id: host.boot_id.clone(),
@@ -287,6 +306,7 @@ impl CudaIpcTransport {
             .entry(from.actor)
             .or_default()
             .insert((h.pid, h.counters_id));
+        release_deferred();
         close_retired_mappings();
 
         // Order this process's stream after the producer's work.
@@ -296,8 +316,8 @@ impl CudaIpcTransport {
             if !ev.is_empty() {
                 // Held while used: `peer_gone` may drop the cache's reference.
                 let ev = open_event(&h, uuid, ev, &g).map_err(|e| perr(e.to_string()))?;
-                // Already passed (the producer re-records this event at
-                // every export, so a passed event covers ours): no GPU work.
+                // Already passed: the producer's work before this export is
+                // done, no GPU work here.
                 if !event_passed(ev.event, &g).map_err(|e| perr(e.to_string()))? {
                     cuda_trace!(
                         "stream of local device {} waits on the event of {uuid}",
@@ -342,6 +362,7 @@ impl CudaIpcTransport {
                 len: th.len as usize,
                 counters: counters.clone(),
                 slot: th.slot,
+                stream_passed: false,
             };
             let device = Device::Cuda {
                 uuid: uuid.clone(),
@@ -399,7 +420,12 @@ fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
     Ok(c)
 }
 
-type EventKey = (u32, (u64, u64), String);
+/// The events one export recorded, with their devices.
+type ExportEvents = Vec<(Arc<Gpu>, IpcEvent)>;
+
+/// A producer's event: its process, its records file, its device, its
+/// handle (each export has an event of its own, from a pool).
+type EventKey = (u32, (u64, u64), String, Vec<u8>);
 
 /// A producer's event, opened in this process; destroyed when the last
 /// holder (the cache, a receive using it) drops it.
@@ -434,7 +460,7 @@ fn open_event(
     handle: &[u8],
     g: &Arc<Gpu>,
 ) -> Result<Arc<OpenedEvent>, CudaError> {
-    let key = (h.pid, h.counters_id, uuid.to_string());
+    let key = (h.pid, h.counters_id, uuid.to_string(), handle.to_vec());
     let mut cache = events().lock();
     if let Some(e) = cache.get(&key) {
         return Ok(e.clone());
@@ -596,7 +622,9 @@ fn forget_producer(key: ProducerKey) {
     mappings()
         .lock()
         .retain(|&(pid, id, _, _), _| !is_key(pid, id));
-    events().lock().retain(|(pid, id, _), _| !is_key(*pid, *id));
+    events()
+        .lock()
+        .retain(|(pid, id, _, _), _| !is_key(*pid, *id));
     counters_cache().lock().remove(&key);
 }
 
@@ -628,6 +656,7 @@ pub fn close_retired_mappings() -> usize {
 /// importer maps any more. Touches no CUDA state in a process that never
 /// used CUDA.
 pub fn housekeeping() {
+    release_deferred();
     close_retired_mappings();
     alloc::reclaim();
 }
@@ -637,7 +666,7 @@ pub fn housekeeping() {
 /// Cheap (two locks, no system call), so that a process that never used
 /// CUDA IPC does not run the upkeep at all.
 pub fn housekeeping_due() -> bool {
-    !mappings().lock().is_empty() || alloc::waiting_for_importers()
+    !mappings().lock().is_empty() || alloc::waiting_for_importers() || !deferred().lock().is_empty()
 }
 
 /// How often the rdt worker runs [`housekeeping`].
@@ -650,10 +679,62 @@ struct ImportedRange {
     len: usize,
     counters: Arc<Counters>,
     slot: u32,
+    /// The stream has passed every use of it (a deferred release).
+    stream_passed: bool,
+}
+
+/// Imported ranges dropped while this process's stream may still read
+/// them: each is released once the GPU passed the point marked when it was
+/// dropped (stream-ordered free, as PyTorch's `record_stream`).
+struct Deferred {
+    after: super::Completion,
+    /// Released (dropped) once `after` passed.
+    _range: ImportedRange,
+}
+
+fn deferred() -> &'static Mutex<Vec<Deferred>> {
+    static DEFERRED: OnceLock<Mutex<Vec<Deferred>>> = OnceLock::new();
+    DEFERRED.get_or_init(Default::default)
+}
+
+/// Releases the deferred ranges the GPU has passed (at every receive and
+/// housekeeping tick). A range whose query fails is released too: its
+/// stream is broken and reads nothing any more.
+fn release_deferred() {
+    let due: Vec<Deferred> = {
+        let mut d = deferred().lock();
+        let (due, keep): (Vec<Deferred>, Vec<Deferred>) =
+            d.drain(..).partition(|x| x.after.passed().unwrap_or(true));
+        *d = keep;
+        due
+    };
+    drop(due); // each range releases in its own drop, outside the lock
 }
 
 impl Drop for ImportedRange {
     fn drop(&mut self) {
+        // Stream-ordered free: while this process's stream may still read
+        // the range, hand it to the deferred list instead (released once
+        // the GPU passed what is pending now).
+        if !self.stream_passed {
+            if let Ok(after) = self.map.gpu.completion() {
+                if !after.passed().unwrap_or(true) {
+                    let range = ImportedRange {
+                        map: self.map.clone(),
+                        offset: self.offset,
+                        len: self.len,
+                        counters: self.counters.clone(),
+                        slot: self.slot,
+                        stream_passed: true,
+                    };
+                    deferred().lock().push(Deferred {
+                        after,
+                        _range: range,
+                    });
+                    return;
+                }
+            }
+        }
         self.counters.unhold(Region::Range, self.slot);
         // The last tensor in a slab the producer retires: close the mapping
         // now (it closes when `self.map`, the last user, drops right after).
@@ -739,6 +820,9 @@ impl TensorTransport for CudaIpcTransport {
 
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
         Box::pin(async move {
+            for (g, ev) in self.export_events.lock().remove(&key).unwrap_or_default() {
+                g.return_ipc_event(ev);
+            }
             self.copies.lock().remove(&key);
             alloc::reclaim();
             Ok(())

@@ -204,14 +204,22 @@ unsafe impl Send for Event {}
 // SAFETY: as above.
 unsafe impl Sync for Event {}
 
+/// An interprocess event and its IPC handle.
+#[derive(Clone, Copy)]
+pub(crate) struct IpcEvent {
+    pub(crate) event: Event,
+    pub(crate) handle: [u8; 64],
+}
+
 /// One visible device of this process: its primary context and rdt's stream.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     ordinal: usize,
     uuid: String,
     stream: Stream,
-    /// Interprocess event recorded at every export (created on first use).
-    ipc_event: Mutex<Option<(Event, [u8; 64])>>,
+    /// Interprocess events free for the next export (each export records
+    /// one of its own, returned here when the object is released).
+    ipc_events: Mutex<Vec<IpcEvent>>,
     /// rdt's kernels in this context (compiled and loaded on first use).
     kernels: OnceLock<Result<Arc<ops::Kernels>, CudaError>>,
     /// cuRAND generator on this stream (created on first use).
@@ -264,7 +272,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
         ordinal,
         uuid,
         stream: Stream(stream),
-        ipc_event: Mutex::new(None),
+        ipc_events: Mutex::new(Vec::new()),
         kernels: OnceLock::new(),
         generator: OnceLock::new(),
     });
@@ -450,38 +458,53 @@ impl Gpu {
         .map_err(|e| CudaError::call("cuStreamWaitEvent", e))
     }
 
-    /// Records this GPU's interprocess event on the stream and returns its
-    /// IPC handle (the event is created once per process and device; a
-    /// consumer that waits on it waits for at least this record); `None`
-    /// when the stream is idle: there is nothing to wait for, and recording
-    /// would put work on the GPU (see the module docs).
-    pub(crate) fn record_ipc_event(&self) -> Result<Option<[u8; 64]>, CudaError> {
+    /// Records an interprocess event of its own for one export on rdt's
+    /// stream (taken from the free ones, or made), so a consumer waits for
+    /// the work before this export and for nothing the producer enqueues
+    /// later. `None` when the stream is idle: the tensors are ready.
+    /// Give the event back with [`Gpu::return_ipc_event`] once every
+    /// consumer has enqueued its wait (the object was released).
+    pub(crate) fn record_ipc_event(&self) -> Result<Option<IpcEvent>, CudaError> {
         if self.stream_idle()? {
             return Ok(None);
         }
-        let mut slot = self.ipc_event.lock();
-        if slot.is_none() {
-            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
-                | sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
-            let mut ev = std::ptr::null_mut();
-            let mut h = std::mem::MaybeUninit::<sys::CUipcEventHandle>::uninit();
-            // SAFETY: out-pointers valid; the flags make the event exportable.
-            unsafe {
-                sys::cuEventCreate(&mut ev, flags)
-                    .result()
-                    .map_err(|e| CudaError::call("cuEventCreate(interprocess)", e))?;
-                sys::cuIpcGetEventHandle(h.as_mut_ptr(), ev)
-                    .result()
-                    .map_err(|e| CudaError::call("cuIpcGetEventHandle", e))?;
-                let h = h.assume_init();
-                *slot = Some((Event(ev), h.reserved.map(|c| c as u8)));
+        let free = self.ipc_events.lock().pop();
+        let ev = match free {
+            Some(ev) => ev,
+            None => {
+                self.bind()?;
+                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+                    | sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
+                let mut ev = std::ptr::null_mut();
+                let mut h = std::mem::MaybeUninit::<sys::CUipcEventHandle>::uninit();
+                // SAFETY: out-pointers valid; the flags make the event
+                // exportable.
+                unsafe {
+                    sys::cuEventCreate(&mut ev, flags)
+                        .result()
+                        .map_err(|e| CudaError::call("cuEventCreate(interprocess)", e))?;
+                    sys::cuIpcGetEventHandle(h.as_mut_ptr(), ev)
+                        .result()
+                        .map_err(|e| CudaError::call("cuIpcGetEventHandle", e))?;
+                    let h = h.assume_init();
+                    IpcEvent {
+                        event: Event(ev),
+                        handle: h.reserved.map(|c| c as u8),
+                    }
+                }
             }
-        }
-        let (ev, handle) = slot.expect("set above");
+        };
         // SAFETY: valid event and stream.
-        unsafe { cu::event::record(ev.0, self.stream.0) }
-            .map_err(|e| CudaError::call("cuEventRecord", e))?;
-        Ok(Some(handle))
+        if let Err(e) = unsafe { cu::event::record(ev.event.0, self.stream.0) } {
+            self.ipc_events.lock().push(ev);
+            return Err(CudaError::call("cuEventRecord", e));
+        }
+        Ok(Some(ev))
+    }
+
+    /// An export's event is free again (see [`Gpu::record_ipc_event`]).
+    pub(crate) fn return_ipc_event(&self, ev: IpcEvent) {
+        self.ipc_events.lock().push(ev);
     }
 
     /// Allocates `len` bytes with `cuMemAlloc` (IPC-capable).
@@ -606,6 +629,15 @@ impl Completion {
     }
 
     /// Has the GPU passed the event?
+    /// Has the GPU passed the point this completion marks? (Without
+    /// waiting; true when the stream was idle.)
+    pub(crate) fn passed(&self) -> Result<bool, CudaError> {
+        match self.event {
+            None => Ok(true),
+            Some(ev) => self.query(ev),
+        }
+    }
+
     fn query(&self, event: Event) -> Result<bool, CudaError> {
         self.ctx
             .bind_to_thread()
