@@ -571,6 +571,45 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn receives_into_target_tensors() {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            let a = TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let b = TcpTransport::start(2, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let ts = vec![Tensor::arange::<f32>(1000), Tensor::full(7u8, &[33])];
+            let ex = a.export(1, &ts).await.unwrap();
+            let targets = vec![
+                Tensor::zeros(crate::DType::F32, &[1000]),
+                Tensor::zeros(crate::DType::U8, &[33]),
+            ];
+            let cx = TransferCtx {
+                xfer: 20,
+                group: None,
+                target: crate::Target::Tensors(targets.clone()),
+            };
+            a.send(&peer(&b, 2), &cx, &ts).await.unwrap();
+            let got = b.receive(&peer(&a, 1), &cx, &ex).await.unwrap();
+            for ((x, y), t) in ts.iter().zip(&got).zip(&targets) {
+                assert!(x.equal(y).unwrap());
+                assert!(y.shares_storage(t), "received into the target itself");
+            }
+            // A target of the wrong shape is an error, not a partial copy.
+            let cx = TransferCtx {
+                xfer: 21,
+                group: None,
+                target: crate::Target::Tensors(vec![
+                    Tensor::zeros(crate::DType::F32, &[999]),
+                    Tensor::zeros(crate::DType::U8, &[33]),
+                ]),
+            };
+            a.send(&peer(&b, 2), &cx, &ts).await.unwrap();
+            let e = b.receive(&peer(&a, 1), &cx, &ex).await.unwrap_err();
+            assert!(e.message.contains("target tensors"), "{e}");
+        })
+        .await
+        .unwrap();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn moves_several_tensors_in_either_order() {
         tokio::time::timeout(Duration::from_secs(20), async {

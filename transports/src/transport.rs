@@ -147,12 +147,16 @@ pub enum Target {
     /// Into these tensors, one per received tensor, in metadata order:
     /// the receiver's memory does not grow.
     Tensors(Vec<Tensor>),
+    /// Onto this process's CUDA device (ordinal), whatever device the
+    /// producer's tensors were on; CPU tensors stay on the CPU.
+    Device(usize),
 }
 
 impl Target {
     /// Puts `received` where the target says: as it is for [`Target::Any`],
-    /// copied into the target tensors otherwise (after checking they match
-    /// `expected`), returning the targets.
+    /// copied onto the device for [`Target::Device`], copied into the
+    /// target tensors (after checking they match `expected`) for
+    /// [`Target::Tensors`], returning those.
     pub fn place(
         &self,
         transport: &str,
@@ -161,6 +165,25 @@ impl Target {
     ) -> Result<Vec<Tensor>, TransportError> {
         match self {
             Target::Any => Ok(received),
+            Target::Device(ordinal) => received
+                .into_iter()
+                .map(|t| {
+                    let here = match t.device() {
+                        crate::Device::Cuda { ordinal: o, .. } => *o as usize == *ordinal,
+                        crate::Device::Cpu => true,
+                    };
+                    if here {
+                        Ok(t)
+                    } else {
+                        t.to_device(*ordinal).map_err(|e| {
+                            TransportError::new(
+                                transport,
+                                format!("copy onto CUDA device {ordinal}: {e}"),
+                            )
+                        })
+                    }
+                })
+                .collect(),
             Target::Tensors(targets) => {
                 check_received(transport, expected, targets).map_err(|e| {
                     TransportError::new(transport, format!("target tensors: {}", e.message))
