@@ -406,6 +406,43 @@ impl GpuProducer {
         Ok(t)
     }
 
+    /// Like `make_busy`, but the tensor is written on a stream of its own
+    /// (as another library would: a fill of -1, then `reps - 1` more, the
+    /// last with `v`), and rdt is told so with `produced_on_stream`. A
+    /// transfer that did not wait for that stream sees a wrong sum.
+    async fn make_on_own_stream(&mut self, v: f32, n: usize, reps: usize) -> rdt::Result<Tensor> {
+        use cudarc::driver::{result, sys};
+        let t = Tensor::cuda_empty(DType::F32, &[n], 0).map_err(tensor_err)?;
+        let stream = t
+            .with_device_buffer(|d| -> rdt::Result<sys::CUstream> {
+                d.gpu()
+                    .bind()
+                    .map_err(|e| rdt::Error::Tensor(e.to_string()))?;
+                let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                    .map_err(|e| rdt::Error::Tensor(format!("cuStreamCreate: {e:?}")))?;
+                for i in 0..reps {
+                    let x = if i + 1 == reps { v } else { -(i as f32) - 1.0 };
+                    // SAFETY: the range is this tensor's, `n` f32 long; the
+                    // stream was just made in the bound context.
+                    let r =
+                        unsafe { sys::cuMemsetD32Async(d.device_ptr(), x.to_bits(), n, stream) };
+                    if r != sys::CUresult::CUDA_SUCCESS {
+                        return Err(rdt::Error::Tensor(format!("cuMemsetD32Async: {r:?}")));
+                    }
+                }
+                Ok(stream)
+            })
+            .map_err(tensor_err)??;
+        // SAFETY: a live stream of the tensor's device's primary context.
+        unsafe { t.produced_on_stream(stream) }.map_err(tensor_err)?;
+        // Destroying a stream with work pending lets that work finish.
+        // SAFETY: our stream, not used after this.
+        unsafe {
+            let _ = result::stream::destroy(stream);
+        }
+        Ok(t)
+    }
+
     /// A CUDA tensor of `n` random f32 from `seed` (cuRAND).
     async fn make_rand(&mut self, seed: u64, n: usize) -> rdt::Result<Tensor> {
         Tensor::cuda_rand(DType::F32, &[n], 0, seed).map_err(tensor_err)

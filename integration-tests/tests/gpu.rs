@@ -304,6 +304,21 @@ gpu_test!(object_store_on_cuda_tensors, async {
     assert_eq!(rt.get(c.sum(&put).remote()).await.unwrap(), (10.0, true));
 });
 
+// A tensor written on another library's stream carries the event after
+// which it is valid (`produced_on_stream`): the export waits for it on the
+// GPU, so the consumer reads the final values, not the memory before.
+gpu_test!(tensors_carry_their_ready_event, async {
+    let (rt, p, c) = setup().await;
+    let n = 256 << 20;
+    for _ in 0..2 {
+        let r = p.make_on_own_stream(7.0, n, 40).transport(IPC).remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote()).await.unwrap(),
+            (7.0 * n as f64, true)
+        );
+    }
+});
+
 gpu_test!(waits_for_the_producers_gpu_work, async {
     let (rt, p, c) = setup().await;
     // 1 GiB filled 20 times: the producer's stream is busy at export, so

@@ -107,6 +107,11 @@ enum Memory {
 pub struct Storage {
     device: Device,
     mem: RwLock<Memory>,
+    /// CUDA: the event after which the contents are valid, when they were
+    /// written on a stream other than rdt's (see
+    /// [`Tensor::produced_on_stream`]); rdt's stream waits on it before its
+    /// next use of the memory.
+    ready: parking_lot::Mutex<Option<cuda::StreamEvent>>,
 }
 
 impl std::fmt::Debug for Storage {
@@ -126,6 +131,7 @@ impl Storage {
         Arc::new(Storage {
             device: Device::Cpu,
             mem: RwLock::new(mem),
+            ready: parking_lot::Mutex::new(None),
         })
     }
 
@@ -269,6 +275,7 @@ impl Tensor {
         let storage = Arc::new(Storage {
             device,
             mem: RwLock::new(Memory::External(mem)),
+            ready: parking_lot::Mutex::new(None),
         });
         Ok(Self::with_storage(dtype, shape, storage))
     }
@@ -702,22 +709,78 @@ impl Tensor {
         let storage = Arc::new(Storage {
             device,
             mem: RwLock::new(Memory::Cuda(buf)),
+            ready: parking_lot::Mutex::new(None),
         });
         Ok(Self::with_storage(dtype, shape, storage))
     }
 
     /// Calls `f` with the storage's device memory; errors on host tensors.
+    /// Every rdt use of a CUDA tensor's memory goes through here: if the
+    /// contents were produced on another stream
+    /// ([`produced_on_stream`](Self::produced_on_stream)), rdt's stream is
+    /// made to wait for that first (on the GPU, no host sync).
     pub fn with_device_buffer<R>(
         &self,
         f: impl FnOnce(&dyn DeviceBuffer) -> R,
     ) -> Result<R, TensorError> {
         match &*self.storage.mem.read() {
-            Memory::Cuda(d) => Ok(f(d.as_ref())),
+            Memory::Cuda(d) => {
+                if let Some(ev) = self.storage.ready.lock().take() {
+                    d.gpu().wait_stream_event(ev)?;
+                }
+                Ok(f(d.as_ref()))
+            }
             _ => Err(TensorError::Cuda(format!(
                 "tensor is on {}, not on a CUDA device",
                 self.storage.device
             ))),
         }
+    }
+
+    /// The tensor's contents become valid when the work enqueued so far on
+    /// `stream` completes (a stream of another library: the tensor was
+    /// written there). The tensor carries that point as an event; rdt's
+    /// next use of it (an export to another actor, a transfer, an op) waits
+    /// for it on the GPU, without a host sync.
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream of this process, in the context
+    /// of this tensor's device (its primary context, which rdt uses too).
+    pub unsafe fn produced_on_stream(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), TensorError> {
+        let ev = {
+            let mem = self.storage.mem.read();
+            let Memory::Cuda(d) = &*mem else {
+                return Err(TensorError::NotHost(self.storage.device.clone()));
+            };
+            // SAFETY: forwarded from the caller.
+            unsafe { d.gpu().record_on_stream(stream) }?
+        };
+        // A newer point replaces an older one: it comes later on the same
+        // stream, or the caller says this one is what counts.
+        *self.storage.ready.lock() = Some(ev);
+        Ok(())
+    }
+
+    /// Orders `stream` (another library's) after every rdt operation on
+    /// this tensor so far, a transfer that received it included: work
+    /// enqueued on `stream` afterwards sees the contents. On the GPU, no
+    /// host sync; nothing is enqueued when rdt's stream is idle.
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream of this process, in the context
+    /// of this tensor's device.
+    pub unsafe fn ready_on_stream(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), TensorError> {
+        self.with_device_buffer(|d| {
+            // SAFETY: forwarded from the caller.
+            unsafe { d.gpu().order_stream_after_rdt(stream) }
+        })??;
+        Ok(())
     }
 
     /// An uninitialized CUDA tensor on local device `ordinal`, in

@@ -204,6 +204,26 @@ unsafe impl Send for Event {}
 // SAFETY: as above.
 unsafe impl Sync for Event {}
 
+/// An event recorded on another library's stream (see
+/// `Tensor::produced_on_stream`), owned by rdt and destroyed once rdt's
+/// stream waits on it.
+pub struct StreamEvent {
+    event: Event,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for StreamEvent {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: our event; a wait already enqueued on it is not
+            // cancelled by its destruction.
+            unsafe {
+                let _ = cu::event::destroy(self.event.0);
+            }
+        }
+    }
+}
+
 /// An interprocess event and its IPC handle.
 #[derive(Clone, Copy)]
 pub(crate) struct IpcEvent {
@@ -456,6 +476,53 @@ impl Gpu {
             )
         }
         .map_err(|e| CudaError::call("cuStreamWaitEvent", e))
+    }
+
+    /// Records an event on `stream` (another library's, in this device's
+    /// context).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context.
+    pub(crate) unsafe fn record_on_stream(
+        &self,
+        stream: sys::CUstream,
+    ) -> Result<StreamEvent, CudaError> {
+        self.bind()?;
+        let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(|e| CudaError::call("cuEventCreate", e))?;
+        let ev = StreamEvent {
+            event: Event(ev),
+            ctx: self.ctx.clone(),
+        };
+        // SAFETY: valid event; the stream is the caller's promise.
+        unsafe { cu::event::record(ev.event.0, stream) }
+            .map_err(|e| CudaError::call("cuEventRecord", e))?;
+        Ok(ev)
+    }
+
+    /// Makes rdt's stream wait on `ev` (then destroys it).
+    pub(crate) fn wait_stream_event(&self, ev: StreamEvent) -> Result<(), CudaError> {
+        self.wait_event(ev.event)
+    }
+
+    /// Makes `stream` wait for everything enqueued on rdt's stream so far
+    /// (nothing when rdt's stream is idle).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context.
+    pub(crate) unsafe fn order_stream_after_rdt(
+        &self,
+        stream: sys::CUstream,
+    ) -> Result<(), CudaError> {
+        let c = self.completion()?;
+        if let Some(ev) = c.event {
+            // SAFETY: valid event; the stream is the caller's promise.
+            unsafe {
+                cu::stream::wait_event(stream, ev.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+            }
+            .map_err(|e| CudaError::call("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
     }
 
     /// Records an interprocess event of its own for one export on rdt's
