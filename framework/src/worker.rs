@@ -417,8 +417,15 @@ fn queue_in_group(
 }
 
 impl WorkerShared {
-    fn count_received(&self, t: Transport) {
+    /// A value received over `t`, counted, as it goes into the store.
+    fn received_value(&self, t: Transport, data: Bytes, tensors: Vec<Tensor>) -> Slot {
         *self.received.lock().entry(t).or_default() += 1;
+        Slot::Ready(StoredValue {
+            data,
+            tensors,
+            transport: t,
+            produced: false,
+        })
     }
 }
 
@@ -828,15 +835,7 @@ fn on_deliver(
     let data = d.value.data.0.clone();
     if transport.1.sidedness() == Sidedness::ThroughDriver {
         let slot = match object_store::unpack(&d.value.exported) {
-            Ok(tensors) => {
-                shared.count_received(transport.0);
-                Slot::Ready(StoredValue {
-                    data,
-                    tensors,
-                    transport: transport.0,
-                    produced: false,
-                })
-            }
+            Ok(tensors) => shared.received_value(transport.0, data, tensors),
             Err(e) => Slot::Failed(e.into()),
         };
         return shared.store.insert(object, slot);
@@ -888,13 +887,7 @@ fn on_deliver(
             let slot = match received {
                 Ok(tensors) => {
                     tracing::debug!(micros = t0.elapsed().as_micros() as u64, "received");
-                    shared.count_received(transport.0);
-                    Slot::Ready(StoredValue {
-                        data,
-                        tensors,
-                        transport: transport.0,
-                        produced: false,
-                    })
+                    shared.received_value(transport.0, data, tensors)
                 }
                 Err(e) => {
                     tracing::debug!("receive failed: {e}");
