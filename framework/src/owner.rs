@@ -206,9 +206,10 @@ fn deliver_error(actors: &Actors, to: ActorId, object: u64, err: Error) {
 pub(crate) struct OwnerTable {
     pub objects: HashMap<u64, Entry>,
     transfers: HashMap<u64, InFlight>,
-    /// Transfers started since the driver last looked: it arms their
-    /// deadlines.
+    /// Transfers started and ended since the driver last looked: it arms
+    /// and cancels their deadlines.
     started: Vec<u64>,
+    ended: Vec<u64>,
     next_xfer: u64,
 }
 
@@ -242,9 +243,21 @@ impl OwnerTable {
         self.maybe_free(id, actors);
     }
 
-    /// Transfers started since the last call (their deadlines need arming).
-    pub fn take_started(&mut self) -> Vec<u64> {
-        std::mem::take(&mut self.started)
+    /// Transfers started and ended since the last call: `(started,
+    /// ended)`; the driver arms the deadlines of the first and cancels
+    /// those of the second.
+    pub fn take_transfer_changes(&mut self) -> (Vec<u64>, Vec<u64>) {
+        (
+            std::mem::take(&mut self.started),
+            std::mem::take(&mut self.ended),
+        )
+    }
+
+    /// Takes `xfer` out of the transfers in flight, noting that it ended.
+    fn end_transfer(&mut self, xfer: u64) -> Option<InFlight> {
+        let t = self.transfers.remove(&xfer)?;
+        self.ended.push(xfer);
+        Some(t)
     }
 
     /// The transfer `xfer`, if it is still in flight.
@@ -333,7 +346,6 @@ impl OwnerTable {
     }
 
     /// A call finished: record its result and release its arguments.
-    /// Returns the transfers it settled (their deadlines can go).
     pub fn call_done(
         &mut self,
         result: u64,
@@ -342,8 +354,8 @@ impl OwnerTable {
         args: &[u64],
         actors: &Actors,
         groups: &dyn GroupLookup,
-    ) -> Vec<u64> {
-        let outcome_kind = outcome.as_ref().err().cloned();
+    ) {
+        let resolved = !matches!(outcome, Err(Error::Dependency { .. }));
         if let Some(e) = self.objects.get_mut(&result) {
             if matches!(e.state, ObjState::Pending) {
                 e.state = match outcome {
@@ -364,9 +376,9 @@ impl OwnerTable {
         }
         // XF-5: a call that got past argument resolution received every
         // argument; its receives are settled now, without waiting for their
-        // acknowledgements (which follow on the same connection).
-        let resolved = !matches!(outcome_kind, Some(Error::Dependency { .. }));
-        let mut settled = Vec::new();
+        // acknowledgements (which follow on the same connection). The
+        // consumer still needs each argument here, so settling frees
+        // nothing yet: the loop below does.
         if resolved {
             for &a in args {
                 let copy = self
@@ -374,15 +386,8 @@ impl OwnerTable {
                     .get(&a)
                     .and_then(|e| e.copies.get(&consumer).copied());
                 if let Some(Copy::Receiving(xfer)) = copy {
-                    if let Some(t) = self.transfers.remove(&xfer) {
-                        if let Some(c) = self
-                            .objects
-                            .get_mut(&a)
-                            .and_then(|e| e.copies.get_mut(&consumer))
-                        {
-                            *c = Copy::Held;
-                        }
-                        settled.push((xfer, t));
+                    if let Some(t) = self.end_transfer(xfer) {
+                        self.settle(&t, actors);
                     }
                 }
             }
@@ -400,7 +405,6 @@ impl OwnerTable {
             self.maybe_free(a, actors);
         }
         self.maybe_free(result, actors);
-        settled.into_iter().map(|(x, _)| x).collect()
     }
 
     /// The consumer acknowledged transfer `xfer` (done or failed). Returns
@@ -422,7 +426,7 @@ impl OwnerTable {
             tracing::warn!("actor {from} acknowledged transfer {xfer}, which is not its own");
             return None;
         }
-        let t = self.transfers.remove(&xfer).expect("looked up above");
+        let t = self.end_transfer(xfer).expect("looked up above");
         if let (Err(e), true, Some(p)) = (result, t.two_sided, t.producer) {
             // The producer may still be sending into a receive that gave up.
             send_small(
@@ -459,7 +463,7 @@ impl OwnerTable {
     /// to stop, and the copy is settled now, without waiting for an ack
     /// that may never come.
     pub fn abort(&mut self, xfer: u64, error: Error, actors: &Actors) -> Option<InFlight> {
-        let t = self.transfers.remove(&xfer)?;
+        let t = self.end_transfer(xfer)?;
         let msg = ToWorker::AbortTransfer {
             object: t.object,
             xfer,

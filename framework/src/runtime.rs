@@ -815,12 +815,15 @@ impl Inner {
         self.state.lock().processes.get(&actor).map(|p| p.pid)
     }
 
-    /// Starts the deadline timers of transfers the owner table just
-    /// started (XF-6): when one passes, both ends are aborted and the
-    /// calls involved fail with a timeout.
-    fn arm_deadlines(&self, st: &mut State) {
+    /// Follows the owner table's transfers (XF-6), after every change to
+    /// it: arms a deadline timer for each transfer that started (when one
+    /// passes, both ends are aborted and the calls involved fail with a
+    /// timeout), cancels the timers of those that ended, and wakes
+    /// `transfers_settled` when any did.
+    fn sync_transfers(&self, st: &mut State) {
+        let (started, ended) = st.table.take_transfer_changes();
         let timeout = self.config.transfer_timeout;
-        for xfer in st.table.take_started() {
+        for xfer in started {
             let me = self.me.clone();
             let timer = self.tokio.spawn(async move {
                 tokio::time::sleep(timeout).await;
@@ -830,11 +833,21 @@ impl Inner {
             });
             st.timers.insert(xfer, timer.abort_handle());
         }
+        if ended.is_empty() {
+            return;
+        }
+        for xfer in ended {
+            if let Some(t) = st.timers.remove(&xfer) {
+                t.abort();
+            }
+        }
+        self.settled.notify_waiters();
     }
 
     fn transfer_expired(&self, xfer: u64, after: Duration) {
         let mut st = self.state.lock();
         let st = &mut *st;
+        // This timer has fired: it is not cancelled below.
         st.timers.remove(&xfer);
         let Some(t) = st.table.transfer(xfer).cloned() else {
             return;
@@ -854,7 +867,7 @@ impl Inner {
         tracing::warn!(xfer, object = t.object, "{err}; aborting both ends");
         st.table.abort(xfer, err.clone(), &st.actors);
         break_groups(st, &t, &err.to_string());
-        self.settled.notify_waiters();
+        self.sync_transfers(st);
     }
 
     /// The exit notice of the actor's worker process, if this runtime
@@ -962,7 +975,6 @@ impl Inner {
                 };
                 st.table.need(a, actor, &st.actors, &groups);
             }
-            self.arm_deadlines(st);
             st.calls.insert(
                 call,
                 PendingCall {
@@ -991,6 +1003,7 @@ impl Inner {
                         .call_done(pc.result, Err(e), actor, &pc.args, &st.actors, &groups);
                 }
             }
+            self.sync_transfers(st);
         }
         drop(guard);
         // Releases the arguments' refs after `need` counted them (outside
@@ -1210,17 +1223,6 @@ impl Inner {
     }
 
     fn on_message(&self, actor: u64, msg: ToDriver) {
-        let ends_transfer = matches!(
-            msg,
-            ToDriver::Received { .. } | ToDriver::TransferFailed { .. } | ToDriver::CallDone { .. }
-        );
-        self.handle_message(actor, msg);
-        if ends_transfer {
-            self.settled.notify_waiters();
-        }
-    }
-
-    fn handle_message(&self, actor: u64, msg: ToDriver) {
         let mut st = self.state.lock();
         let st = &mut *st;
         match msg {
@@ -1246,16 +1248,13 @@ impl Inner {
                 };
                 st.table
                     .call_done(pc.result, result, actor, &pc.args, &st.actors, &groups);
-                self.arm_deadlines(st);
+                self.sync_transfers(st);
             }
             ToDriver::Received {
                 object,
                 xfer,
                 result,
             } => {
-                if let Some(t) = st.timers.remove(&xfer) {
-                    t.abort();
-                }
                 let done = st.table.received(xfer, actor, &result, &st.actors);
                 match (done, result) {
                     (Some(t), Err(e)) => {
@@ -1265,6 +1264,7 @@ impl Inner {
                     (Some(_), Ok(())) => tracing::trace!(xfer, object, "transfer done"),
                     (None, _) => {}
                 }
+                self.sync_transfers(st);
             }
             ToDriver::Fetched { req, result } => {
                 if let Some((_, tx)) = st.fetches.remove(&req) {
@@ -1367,16 +1367,7 @@ impl Inner {
             }
         }
         st.table.actor_died(actor, &err, &st.actors);
-        let State { timers, table, .. } = st;
-        timers.retain(|xfer, timer| {
-            let live = table.transfer(*xfer).is_some();
-            if !live {
-                timer.abort();
-            }
-            live
-        });
-        self.arm_deadlines(st);
-        self.settled.notify_waiters();
+        self.sync_transfers(st);
         // Group creates and destroys waiting for it end now.
         let ops: Vec<u64> = st
             .group_ops
@@ -1395,15 +1386,8 @@ impl Inner {
         }
         // A collective group cannot go on without a member (as in Ray):
         // tear down every group it was in, so later passes fail at once.
-        for (id, g) in st.groups.iter_mut() {
-            if g.members.contains(&actor) && g.broken.is_none() {
-                tracing::warn!(
-                    "tearing down collective group {id}: its member {} died",
-                    err_actor(&err)
-                );
-                g.broken = Some(format!("its member {} died", err_actor(&err)));
-            }
-        }
+        let reason = format!("its member {} died", err_actor(&err));
+        break_groups_where(st, |g| g.members.contains(&actor), &reason);
     }
 }
 
@@ -1489,25 +1473,36 @@ fn actor_name(actors: &Actors, a: u64) -> String {
 /// ends share (its communicator may be in any state now).
 fn break_groups(st: &mut State, t: &crate::owner::InFlight, reason: &str) {
     let Some(p) = t.producer else { return };
+    break_groups_where(
+        st,
+        |g| {
+            g.backend.name() == t.transport
+                && g.members.contains(&p)
+                && g.members.contains(&t.consumer)
+        },
+        reason,
+    );
+}
+
+/// Tears down every live group `which` selects: later passes in it fail
+/// at once with `GroupBroken`, and every live member's backend stops what
+/// is in flight in it (`AbortGroup`, XF-2/XF-6).
+fn break_groups_where(st: &mut State, which: impl Fn(&Group) -> bool, reason: &str) {
     for (id, g) in st.groups.iter_mut() {
-        if g.backend.name() == t.transport
-            && g.members.contains(&p)
-            && g.members.contains(&t.consumer)
-            && g.broken.is_none()
-        {
-            tracing::warn!("tearing down collective group {id}: {reason}");
-            g.broken = Some(reason.to_string());
-            // XF-6: every member's backend stops what is in flight in it.
-            for a in &g.ranks {
-                send_to(
-                    &st.actors,
-                    *a,
-                    &ToWorker::AbortGroup {
-                        group: *id,
-                        reason: reason.to_string(),
-                    },
-                );
-            }
+        if g.broken.is_some() || !which(g) {
+            continue;
+        }
+        tracing::warn!("tearing down collective group {id}: {reason}");
+        g.broken = Some(reason.to_string());
+        for a in &g.ranks {
+            send_to(
+                &st.actors,
+                *a,
+                &ToWorker::AbortGroup {
+                    group: *id,
+                    reason: reason.to_string(),
+                },
+            );
         }
     }
 }
