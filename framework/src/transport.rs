@@ -40,14 +40,15 @@ impl Transport {
     /// CUDA, one-sided, same host.
     pub const CudaIpc: Transport = Transport("cuda_ipc");
 
-    /// The transports rdt names itself, registered or not.
-    const BUILT_IN: [Transport; 6] = [
-        Transport::ObjectStore,
-        Transport::Tcp,
-        Transport::Shm,
-        Transport::Nccl,
-        Transport::Nixl,
-        Transport::CudaIpc,
+    /// The transports rdt names itself, registered or not, with the name
+    /// of their constant.
+    const BUILT_IN: [(Transport, &'static str); 6] = [
+        (Transport::ObjectStore, "ObjectStore"),
+        (Transport::Tcp, "Tcp"),
+        (Transport::Shm, "Shm"),
+        (Transport::Nccl, "Nccl"),
+        (Transport::Nixl, "Nixl"),
+        (Transport::CudaIpc, "CudaIpc"),
     ];
 
     /// The transport registered as `name` (a program's own transport;
@@ -63,8 +64,8 @@ impl Transport {
     pub const fn built_in(name: &'static str) -> Transport {
         let mut i = 0;
         while i < Self::BUILT_IN.len() {
-            if const_str_eq(Self::BUILT_IN[i].0, name) {
-                return Self::BUILT_IN[i];
+            if const_str_eq(Self::BUILT_IN[i].0 .0, name) {
+                return Self::BUILT_IN[i].0;
             }
             i += 1;
         }
@@ -79,15 +80,7 @@ impl Transport {
     /// How a program names it in Rust (`Transport::Tcp`, or
     /// `Transport::named("files")` for a program's own), for errors.
     pub fn rust_expr(self) -> String {
-        const CONSTS: [(&str, &str); 6] = [
-            ("object_store", "ObjectStore"),
-            ("tcp", "Tcp"),
-            ("shm", "Shm"),
-            ("nccl", "Nccl"),
-            ("nixl", "Nixl"),
-            ("cuda_ipc", "CudaIpc"),
-        ];
-        match CONSTS.iter().find(|(n, _)| *n == self.0) {
+        match Self::BUILT_IN.iter().find(|(t, _)| *t == self) {
             Some((_, c)) => format!("Transport::{c}"),
             None => format!("Transport::named({:?})", self.0),
         }
@@ -247,7 +240,7 @@ impl FromStr for Transport {
         }
         Self::BUILT_IN
             .iter()
-            .copied()
+            .map(|(t, _)| *t)
             .find(|t| t.name() == s)
             .ok_or_else(|| Error::UnknownTransport {
                 name: s.to_string(),

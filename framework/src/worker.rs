@@ -417,6 +417,14 @@ fn queue_in_group(
 }
 
 impl WorkerShared {
+    /// WK-4: registers transfer `xfer`, whose abort handle `AbortTransfer`
+    /// fires; run its work with [`until_aborted`].
+    fn register_transfer(&self, xfer: u64) -> oneshot::Receiver<Error> {
+        let (abort_tx, abort_rx) = oneshot::channel();
+        self.transfers.lock().insert(xfer, abort_tx);
+        abort_rx
+    }
+
     /// A value received over `t`, counted, as it goes into the store.
     fn received_value(&self, t: Transport, data: Bytes, tensors: Vec<Tensor>) -> Slot {
         *self.received.lock().entry(t).or_default() += 1;
@@ -842,11 +850,9 @@ fn on_deliver(
     }
     // WK-4: the receive runs until done, failed or aborted by the driver;
     // its end is acknowledged exactly once (XF-5).
-    let (abort_tx, abort_rx) = oneshot::channel();
-    shared.transfers.lock().insert(xfer, abort_tx);
+    let abort = shared.register_transfer(xfer);
     shared.receiving.lock().insert(object, false);
-    let shared_for_queue = shared.clone();
-    let shared = shared.clone();
+    let worker = shared.clone();
     let from = d.from.clone().unwrap_or_else(|| Peer {
         actor: 0,
         name: "driver".into(),
@@ -871,11 +877,15 @@ fn on_deliver(
                 group,
                 target: Default::default(),
             };
-            let received = tokio::select! {
-                r = transport.1.receive(&from, &cx, &d.value.exported) => r.map_err(Error::from),
-                e = abort_rx => Err(e.unwrap_or(Error::Shutdown)),
+            let shared = worker;
+            let receive = async {
+                transport
+                    .1
+                    .receive(&from, &cx, &d.value.exported)
+                    .await
+                    .map_err(Error::from)
             };
-            shared.transfers.lock().remove(&xfer);
+            let received = until_aborted(&shared, xfer, abort, receive).await;
             let ack = match &received {
                 Ok(_) => Ok(()),
                 Err(e) => Err(e.clone()),
@@ -909,7 +919,23 @@ fn on_deliver(
         }
         .instrument(span),
     );
-    run_transfer(&shared_for_queue, group, job, xfer);
+    run_transfer(shared, group, job, xfer);
+}
+
+/// Runs a transfer's `work` until it ends or its abort handle fires, then
+/// forgets the transfer (WK-4).
+async fn until_aborted<T>(
+    shared: &WorkerShared,
+    xfer: u64,
+    abort: oneshot::Receiver<Error>,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    let r = tokio::select! {
+        r = work => r,
+        e = abort => Err(e.unwrap_or(Error::Shutdown)),
+    };
+    shared.transfers.lock().remove(&xfer);
+    r
 }
 
 /// Runs a transfer's job: in its group's queue for a transfer in a group
@@ -991,10 +1017,8 @@ fn on_send(
             return;
         }
     };
-    let (abort_tx, abort_rx) = oneshot::channel();
-    shared.transfers.lock().insert(xfer, abort_tx);
-    let shared_for_queue = shared.clone();
-    let shared = shared.clone();
+    let abort = shared.register_transfer(xfer);
+    let worker = shared.clone();
     let span = tracing::debug_span!(
         "transfer",
         xfer,
@@ -1014,15 +1038,14 @@ fn on_send(
             let injected = fail::eval("rdt::send", |m| m.unwrap_or_else(|| "injected".into()));
             #[cfg(not(feature = "failpoints"))]
             let injected: Option<String> = None;
-            let sent = match injected {
-                Some(m) => Err(Error::Protocol(format!("failpoint rdt::send: {m}"))),
-                None => tokio::select! {
-                    r = t.send(&to, &cx, &v.tensors) => r.map_err(Error::from),
-                    e = abort_rx => Err(e.unwrap_or(Error::Shutdown)),
-                },
+            let shared = worker;
+            let send = async {
+                match injected {
+                    Some(m) => Err(Error::Protocol(format!("failpoint rdt::send: {m}"))),
+                    None => t.send(&to, &cx, &v.tensors).await.map_err(Error::from),
+                }
             };
-            shared.transfers.lock().remove(&xfer);
-            if let Err(e) = sent {
+            if let Err(e) = until_aborted(&shared, xfer, abort, send).await {
                 tracing::debug!("send failed: {e}");
                 let _ = shared.tx.send(&ToDriver::TransferFailed {
                     object,
@@ -1035,7 +1058,7 @@ fn on_send(
         }
         .instrument(span),
     );
-    run_transfer(&shared_for_queue, group, job, xfer);
+    run_transfer(shared, group, job, xfer);
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {

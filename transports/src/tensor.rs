@@ -851,22 +851,7 @@ impl Tensor {
     /// stream).
     pub fn to_device(&self, ordinal: usize) -> Result<Tensor, TensorError> {
         let out = Self::cuda_empty(self.dtype, &self.shape, ordinal)?;
-        out.with_device_buffer(|dst| -> Result<(), TensorError> {
-            if self.is_cuda() {
-                self.with_device_buffer(|src| -> Result<(), TensorError> {
-                    // Order after the source's pending work, then copy.
-                    if !Arc::ptr_eq(src.gpu(), dst.gpu()) {
-                        src.gpu().synchronize()?;
-                    }
-                    dst.gpu()
-                        .copy_dtod(dst.device_ptr(), src.device_ptr(), dst.len())?;
-                    Ok(())
-                })?
-            } else {
-                self.with_bytes(|b| dst.gpu().copy_htod(dst.device_ptr(), b))??;
-                Ok(())
-            }
-        })??;
+        out.copy_from(self)?;
         Ok(out)
     }
 
@@ -907,18 +892,22 @@ impl Tensor {
         }
         match (self.is_cuda(), src.is_cuda()) {
             (false, false) => {
+                // Copied out first: `src` may share this storage, whose
+                // write lock the copy in takes.
                 let bytes = src.copy_bytes()?;
                 self.with_bytes_mut(|b| b.copy_from_slice(&bytes))
             }
-            (false, true) => {
-                let bytes = src.to_cpu()?.copy_bytes()?;
-                self.with_bytes_mut(|b| b.copy_from_slice(&bytes))
-            }
+            // `to_cpu` gives fresh private memory: read in place.
+            (false, true) => src
+                .to_cpu()?
+                .with_bytes(|s| self.with_bytes_mut(|b| b.copy_from_slice(s)))?,
             (true, false) => {
-                let bytes = src.copy_bytes()?;
-                self.with_device_buffer(|dst| dst.gpu().copy_htod(dst.device_ptr(), &bytes))??;
+                src.with_bytes(|b| {
+                    self.with_device_buffer(|dst| dst.gpu().copy_htod(dst.device_ptr(), b))
+                })???;
                 Ok(())
             }
+            // Ordered after the source's pending work, then copied.
             (true, true) => self.with_device_buffer(|dst| -> Result<(), TensorError> {
                 src.with_device_buffer(|s| -> Result<(), TensorError> {
                     if !Arc::ptr_eq(s.gpu(), dst.gpu()) {
