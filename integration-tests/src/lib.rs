@@ -39,6 +39,20 @@ pub async fn deadline<F: Future>(secs: u64, f: F) -> F::Output {
     }
 }
 
+/// A producer and a consumer spawned in `rt`, in one `tcp` collective
+/// group.
+pub async fn tcp_pair(
+    rt: &rdt::Runtime,
+) -> (actors::ProducerHandle, actors::ConsumerHandle, rdt::GroupId) {
+    let p = rt.spawn::<actors::Producer>(()).await.unwrap();
+    let c = rt.spawn::<actors::Consumer>(()).await.unwrap();
+    let g = rt
+        .create_collective_group(&[p.id(), c.id()], rdt::Transport::Tcp)
+        .await
+        .unwrap();
+    (p, c, g)
+}
+
 /// Installs a log subscriber once (respects `RUST_LOG`).
 pub fn logs() {
     let _ = tracing_subscriber::fmt()

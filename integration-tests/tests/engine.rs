@@ -79,11 +79,7 @@ async fn xf_5_free_waits_for_the_receive_ack() {
     deadline(120, async {
         rdt_integration_tests::logs();
         let rt = Runtime::start().await.unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
-            .await
-            .unwrap();
+        let (p, c, _) = rdt_integration_tests::tcp_pair(&rt).await;
         for _ in 0..3 {
             let failed = p.fail("first argument".to_string()).remote();
             let big = p.make(1.0, 32 << 20).transport(Transport::Tcp).remote();
@@ -113,11 +109,7 @@ async fn xf_6_a_failed_send_aborts_the_receive_at_once() {
             .start()
             .await
             .unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
-            .await
-            .unwrap();
+        let (p, c, _) = rdt_integration_tests::tcp_pair(&rt).await;
         rt.get(p.failpoint("rdt::send".to_string(), "return(disk on fire)".to_string()).remote())
             .await
             .unwrap();
@@ -163,11 +155,7 @@ async fn xf_6_the_transfer_deadline_aborts_a_silent_peer() {
             .start()
             .await
             .unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
-            .await
-            .unwrap();
+        let (p, c, _) = rdt_integration_tests::tcp_pair(&rt).await;
         let r = p.make(1.0, 1024).transport(Transport::Tcp).remote();
         rt.wait(&r).await.unwrap();
         let pid = p.pid().unwrap() as i32;

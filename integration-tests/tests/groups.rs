@@ -167,12 +167,7 @@ async fn failed_transfer_tears_the_group_down() {
             .start()
             .await
             .unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        let g = rt
-            .create_collective_group(&[p.id(), c.id()], Transport::Tcp)
-            .await
-            .unwrap();
+        let (p, c, g) = rdt_integration_tests::tcp_pair(&rt).await;
         let big = p.make_tcp(1.0, 64 << 20).remote();
         rt.wait(&big).await.unwrap();
         let e = rt.get(c.sum(&big).remote()).await.unwrap_err();
@@ -302,12 +297,7 @@ async fn ow_8_no_transfer_after_destroy() {
     deadline(60, async {
         rdt_integration_tests::logs();
         let rt = Runtime::start().await.unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        let g = rt
-            .create_collective_group(&[p.id(), c.id()], Transport::Tcp)
-            .await
-            .unwrap();
+        let (p, c, g) = rdt_integration_tests::tcp_pair(&rt).await;
         // The producer is busy, so `r` is still pending when the call
         // that needs it is submitted, and when the group goes.
         let busy = p.block(3_000).remote();
