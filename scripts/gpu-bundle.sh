@@ -27,11 +27,12 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])
 ' > "$out/tests.txt"
-cargo build -p rdt-examples --release --example bench_cuda --example quickstart --example bench
+cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example quickstart --example bench
 # Cargo's target folder (CARGO_TARGET_DIR where it is set).
 tgt="${CARGO_TARGET_DIR:-target}"
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
 cp "$tgt/release/examples/bench_cuda" "$out/bin/bench_cuda"
+cp "$tgt/release/examples/bench_nccl" "$out/bin/bench_nccl"
 cp "$tgt/release/examples/quickstart" "$out/bin/quickstart"
 cp "$tgt/release/examples/bench" "$out/bin/bench"
 rm "$out/tests.txt"
@@ -47,8 +48,8 @@ cp "$out/bin/"* "$tgt/gpu-unstripped/"
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the rdt GPU bundle: the quickstart, the gpu tests (the two-GPU ones
-# where two GPUs are visible), the CUDA benchmark, then the control-plane
-# benchmark; ends with the line `gpu tests: N passed, M failed, K skipped`.
+# where two GPUs are visible), the CUDA and NCCL benchmarks, then the
+# control-plane benchmark; ends with the line `gpu tests: N passed, M failed, K skipped`.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="${1:-$here/out}"
@@ -57,12 +58,14 @@ export NCCL_NVLS_ENABLE=0
 export RUST_BACKTRACE=1
 export RDT_COMMIT="$(cat "$here/COMMIT" 2>/dev/null || echo unknown)"
 echo "== host: $(hostname)  date: $(date -u +%FT%TZ)  rdt commit: $RDT_COMMIT  RDT_EXPECT_GPUS=${RDT_EXPECT_GPUS:-}"
-# cuRAND and NVRTC (on-device random fill, sum and compare) ship with the
-# CUDA toolkit and with PyTorch's nvidia-* wheels. Where the loader does not
+# cuRAND and NVRTC (on-device random fill, sum and compare) and cuBLAS
+# (bench_nccl's overlap workload) ship with the CUDA toolkit and with
+# PyTorch's nvidia-* wheels; NCCL is found by the binaries themselves
+# (libnccl.so.2 or libnccl.so on the loader path, or RDT_NCCL_LIBRARY). Where the loader does not
 # know them, look in RDT_CUDA_LIB_DIRS and the usual places, and say what
 # was added.
 known() { ldconfig -p 2>/dev/null | grep -q "$1"; }
-for lib in libnvrtc.so libcurand.so; do
+for lib in libnvrtc.so libcurand.so libcublas.so; do
   known "$lib" && continue
   for d in ${RDT_CUDA_LIB_DIRS:-} /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
            /usr/local/lib/python3*/dist-packages/nvidia/*/lib /opt/*/.venv/lib/python3*/site-packages/nvidia/*/lib; do
@@ -122,6 +125,10 @@ echo "== bench_cuda"
 "$here/bin/bench_cuda" --json "$logs/cuda.json" 2>&1 | tee "$logs/bench_cuda.log"
 b=${PIPESTATUS[0]}; [ "$b" = 0 ] || rc=$b
 echo "== bench_cuda exit: $b"
+echo "== bench_nccl"
+"$here/bin/bench_nccl" --json "$logs/nccl.json" 2>&1 | tee "$logs/bench_nccl.log"
+n=${PIPESTATUS[0]}; [ "$n" = 0 ] || rc=$n
+echo "== bench_nccl exit: $n"
 # The control plane on this host (CPU only): bare socket echo vs a tiny
 # actor call, the floor under every pass above.
 echo "== bench control"

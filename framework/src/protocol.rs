@@ -134,6 +134,14 @@ pub enum ToWorker {
         /// The collective group the transfer runs in, with both ranks.
         group: Option<GroupRef>,
     },
+    /// Rank 0 of a group about to be created: make what every member
+    /// joins with (NCCL: the unique id); answer `GroupPrepared`.
+    PrepareGroup {
+        /// The backend (a collective transport's name).
+        backend: String,
+        /// The members by rank, and this worker's rank (0).
+        spec: GroupSpec,
+    },
     /// Join a collective group: start the backend's part of it (NCCL: the
     /// communicator) and the group's ordered queue of transfers; answer
     /// `GroupReady`.
@@ -243,6 +251,13 @@ pub enum ToDriver {
         transport: String,
         /// What happened.
         message: String,
+    },
+    /// Reply to `PrepareGroup`.
+    GroupPrepared {
+        /// The group.
+        group: u64,
+        /// What every member joins with, or why rank 0 could not make it.
+        result: std::result::Result<Vec<u8>, Error>,
     },
     /// Reply to `CreateGroup`.
     GroupReady {

@@ -276,15 +276,16 @@ struct Group {
     broken: Option<String>,
 }
 
-/// A group create or destroy waiting for its members' acknowledgements.
+/// A group prepare, create or destroy waiting for its members'
+/// acknowledgements (a prepare's answer carries rank 0's bootstrap bytes).
 struct GroupOp {
     waiting: std::collections::HashSet<u64>,
-    tx: oneshot::Sender<Result<()>>,
+    tx: oneshot::Sender<Result<Vec<u8>>>,
 }
 
 impl GroupOp {
     /// `actor` answered: the op ends at the first error or the last answer.
-    fn answered(ops: &mut HashMap<u64, GroupOp>, group: u64, actor: u64, r: Result<()>) {
+    fn answered(ops: &mut HashMap<u64, GroupOp>, group: u64, actor: u64, r: Result<Vec<u8>>) {
         let Some(op) = ops.get_mut(&group) else {
             return;
         };
@@ -477,7 +478,8 @@ impl Runtime {
                 "a collective group needs at least one actor".into(),
             ));
         }
-        let (id, rx, deadline) = {
+        let deadline = self.inner.config.spawn_timeout;
+        let (id, peers, ranks, prepared) = {
             let mut st = self.inner.state.lock();
             let st = &mut *st;
             let mut members = std::collections::HashSet::new();
@@ -502,25 +504,23 @@ impl Runtime {
                 .iter()
                 .map(|a| st.actors[a].peer(*a, backend.name()))
                 .collect();
-            // XF-2: every member joins (NCCL: one makes the unique id, the
-            // others join it) and acknowledges; the group is usable only
-            // once all did.
-            for (rank, a) in ranks.iter().enumerate() {
-                let order = ToWorker::CreateGroup {
-                    backend: backend.name().to_string(),
-                    spec: rdt_transport::GroupSpec {
-                        id,
-                        ranks: peers.clone(),
-                        my_rank: rank as u32,
-                    },
-                };
-                send_to(&st.actors, *a, &order);
-            }
+            // XF-2, first step: rank 0 makes what every member joins with
+            // (NCCL: the unique id; its process runs the bootstrap root).
+            let order = ToWorker::PrepareGroup {
+                backend: backend.name().to_string(),
+                spec: rdt_transport::GroupSpec {
+                    id,
+                    ranks: peers.clone(),
+                    my_rank: 0,
+                    bootstrap: Vec::new(),
+                },
+            };
+            send_to(&st.actors, ranks[0], &order);
             let (tx, rx) = oneshot::channel();
             st.group_ops.insert(
                 id,
                 GroupOp {
-                    waiting: members.clone(),
+                    waiting: [ranks[0]].into_iter().collect(),
                     tx,
                 },
             );
@@ -529,24 +529,79 @@ impl Runtime {
                 Group {
                     backend,
                     members,
-                    ranks,
+                    ranks: ranks.clone(),
                     ready: false,
                     broken: None,
                 },
             );
-            (id, rx, self.inner.config.spawn_timeout)
+            (id, peers, ranks, rx)
         };
-        let joined = match tokio::time::timeout(deadline, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Error::Shutdown),
-            Err(_) => Err(Error::Group(format!(
-                "the members of {backend} group {id} did not all join within {deadline:?} (RuntimeBuilder::spawn_timeout)"
-            ))),
+        let joined = match self
+            .group_step(id, backend, prepared, deadline, "prepare")
+            .await
+        {
+            // Second step: every member joins (NCCL: with rank 0's unique
+            // id) and acknowledges; the group is usable once all did.
+            Ok(bootstrap) => {
+                let rx = {
+                    let mut st = self.inner.state.lock();
+                    let st = &mut *st;
+                    for (rank, a) in ranks.iter().enumerate() {
+                        let order = ToWorker::CreateGroup {
+                            backend: backend.name().to_string(),
+                            spec: rdt_transport::GroupSpec {
+                                id,
+                                ranks: peers.clone(),
+                                my_rank: rank as u32,
+                                bootstrap: bootstrap.clone(),
+                            },
+                        };
+                        send_to(&st.actors, *a, &order);
+                    }
+                    let (tx, rx) = oneshot::channel();
+                    st.group_ops.insert(
+                        id,
+                        GroupOp {
+                            waiting: ranks.iter().copied().collect(),
+                            tx,
+                        },
+                    );
+                    // A member that died since is not waited for.
+                    let dead: Vec<(u64, Error)> = ranks
+                        .iter()
+                        .filter_map(|a| {
+                            let i = st.actors.get(a)?;
+                            i.dead.as_ref().map(|d| {
+                                (
+                                    *a,
+                                    Error::ActorDied {
+                                        actor: i.name.clone(),
+                                        detail: d.clone(),
+                                    },
+                                )
+                            })
+                        })
+                        .collect();
+                    for (a, e) in dead {
+                        GroupOp::answered(&mut st.group_ops, id, a, Err(e));
+                    }
+                    rx
+                };
+                self.group_step(id, backend, rx, deadline, "join").await
+            }
+            Err(e) => Err(e),
         };
         let mut st = self.inner.state.lock();
         match joined {
-            Ok(()) => {
+            Ok(_) => {
                 if let Some(g) = st.groups.get_mut(&id) {
+                    if let Some(why) = &g.broken {
+                        let e = Error::Group(format!(
+                            "{backend} group {id} broke while it was created: {why}"
+                        ));
+                        st.groups.remove(&id);
+                        return Err(e);
+                    }
                     g.ready = true;
                 }
                 Ok(GroupId(id))
@@ -560,6 +615,25 @@ impl Runtime {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// Waits for one step of a group's creation (every answer, or the
+    /// first error), within `deadline`.
+    async fn group_step(
+        &self,
+        id: u64,
+        backend: Transport,
+        rx: oneshot::Receiver<Result<Vec<u8>>>,
+        deadline: Duration,
+        step: &str,
+    ) -> Result<Vec<u8>> {
+        match tokio::time::timeout(deadline, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::Shutdown),
+            Err(_) => Err(Error::Group(format!(
+                "the members of {backend} group {id} did not all {step} within {deadline:?} (RuntimeBuilder::spawn_timeout)"
+            ))),
         }
     }
 
@@ -588,7 +662,7 @@ impl Runtime {
             }
             let (tx, rx) = oneshot::channel();
             if live.is_empty() {
-                let _ = tx.send(Ok(()));
+                let _ = tx.send(Ok(Vec::new()));
             } else {
                 st.group_ops.insert(group.0, GroupOp { waiting: live, tx });
             }
@@ -596,7 +670,7 @@ impl Runtime {
         };
         let deadline = self.inner.config.spawn_timeout;
         match tokio::time::timeout(deadline, rx).await {
-            Ok(Ok(r)) => r,
+            Ok(Ok(r)) => r.map(|_| ()),
             Ok(Err(_)) => Err(Error::Shutdown),
             Err(_) => {
                 self.inner.state.lock().group_ops.remove(&group.0);
@@ -1296,12 +1370,12 @@ impl Inner {
                 }
             }
             ToDriver::GroupReady { group, result } | ToDriver::GroupDestroyed { group, result } => {
-                let result = result.map_err(|e| {
-                    Error::Group(format!(
-                        "{} could not take part in group {group}: {e}",
-                        actor_name(&st.actors, actor)
-                    ))
-                });
+                let result = result.map(|()| Vec::new());
+                let result = result.map_err(|e| group_error(&st.actors, actor, group, e));
+                GroupOp::answered(&mut st.group_ops, group, actor, result);
+            }
+            ToDriver::GroupPrepared { group, result } => {
+                let result = result.map_err(|e| group_error(&st.actors, actor, group, e));
                 GroupOp::answered(&mut st.group_ops, group, actor, result);
             }
             ToDriver::Hello { .. } => tracing::warn!("actor {actor} said hello twice; ignored"),
@@ -1460,6 +1534,14 @@ impl GroupLookup for GroupView<'_> {
             },
         })
     }
+}
+
+/// A member's failure to take part in a group, naming the member.
+fn group_error(actors: &Actors, actor: u64, group: u64, e: Error) -> Error {
+    Error::Group(format!(
+        "{} could not take part in group {group}: {e}",
+        actor_name(actors, actor)
+    ))
 }
 
 fn actor_name(actors: &Actors, a: u64) -> String {

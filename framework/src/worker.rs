@@ -275,6 +275,22 @@ impl Store {
         s
     }
 
+    /// A received value whose bytes never all arrived (a stream-ordered
+    /// receive failed after it returned) becomes that error.
+    fn fail_received(&self, id: u64, e: Error) {
+        let mut m = self.map.lock();
+        if let Some(
+            slot @ Slot::Ready(StoredValue {
+                produced: false, ..
+            }),
+        ) = m.get_mut(&id)
+        {
+            *slot = Slot::Failed(e);
+        }
+        drop(m);
+        self.changed.notify_waiters();
+    }
+
     fn get(&self, id: u64) -> Option<Slot> {
         self.map.lock().get(&id).cloned()
     }
@@ -320,6 +336,10 @@ struct WorkerShared {
     received: Mutex<HashMap<Transport, u64>>,
     /// The collective groups this worker is in (XF-3).
     groups: Mutex<HashMap<u64, WorkerGroup>>,
+    /// Received objects whose bytes are still landing (stream-ordered
+    /// receives, WK-5): a call that used one reports its result only once
+    /// they landed, and fails if they did not.
+    landing: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Option<Result<()>>>>>,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -634,6 +654,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             receiving: Mutex::new(HashMap::new()),
             received: Default::default(),
             groups: Mutex::new(HashMap::new()),
+            landing: Mutex::new(HashMap::new()),
         });
         let _ = WORKER.set(shared.clone());
         // The mailbox is sized before the actor starts: calls may arrive
@@ -724,6 +745,7 @@ async fn control_loop<A: RdtActor>(
                 to,
                 group,
             } => on_send(&shared, object, xfer, to, group),
+            ToWorker::PrepareGroup { backend, spec } => on_prepare_group(&shared, backend, spec),
             ToWorker::CreateGroup { backend, spec } => on_create_group(&shared, backend, spec),
             ToWorker::DestroyGroup { group } => {
                 let g = shared.groups.lock().remove(&group);
@@ -890,32 +912,73 @@ fn on_deliver(
                 Ok(_) => Ok(()),
                 Err(e) => Err(e.clone()),
             };
-            // Held across the store insert: a `Free` either finds the
-            // receive and leaves a tombstone, or finds the value stored.
-            let mut receiving = shared.receiving.lock();
-            let freed = receiving.remove(&object).unwrap_or(false);
-            let slot = match received {
-                Ok(tensors) => {
-                    tracing::debug!(micros = t0.elapsed().as_micros() as u64, "received");
-                    shared.received_value(transport.0, data, tensors)
+            // A stream-ordered receive returned before its bytes landed
+            // (the method may start; its kernels wait on the GPU): the
+            // acknowledgement waits for the landing (XF-5).
+            let landing = received
+                .as_ref()
+                .ok()
+                .and_then(|_| transport.1.landed(xfer));
+            // WK-5: known before the value is stored, so that a call that
+            // takes the value also finds the landing to wait for.
+            let gate = landing.as_ref().map(|_| {
+                let (tx, rx) = tokio::sync::watch::channel(None);
+                shared.landing.lock().insert(object, rx);
+                tx
+            });
+            {
+                // Held across the store insert: a `Free` either finds the
+                // receive and leaves a tombstone, or finds the value stored.
+                let mut receiving = shared.receiving.lock();
+                let freed = receiving.remove(&object).unwrap_or(false);
+                let slot = match received {
+                    Ok(tensors) => {
+                        tracing::debug!(micros = t0.elapsed().as_micros() as u64, "received");
+                        shared.received_value(transport.0, data, tensors)
+                    }
+                    Err(e) => {
+                        tracing::debug!("receive failed: {e}");
+                        Slot::Failed(e)
+                    }
+                };
+                if !freed {
+                    shared.store.insert(object, slot);
                 }
-                Err(e) => {
-                    tracing::debug!("receive failed: {e}");
-                    Slot::Failed(e)
-                }
-            };
-            if !freed {
-                shared.store.insert(object, slot);
             }
-            drop(receiving);
             // The acknowledgement comes after the value is stored, off the
             // path of the call waiting for it; a call that ran with it
             // settles the receive in the driver first (XF-5).
-            let _ = shared.tx.send(&ToDriver::Received {
-                object,
-                xfer,
-                result: ack,
-            });
+            let landed_already = landing.is_none();
+            let acknowledge = async move {
+                let ack = match landing {
+                    None => ack,
+                    Some(landed) => {
+                        let landed = landed.await.map_err(Error::from);
+                        if let Err(e) = &landed {
+                            // The bytes never all arrived: a call that has
+                            // not taken the value yet fails instead.
+                            shared.store.fail_received(object, e.clone());
+                        }
+                        shared.landing.lock().remove(&object);
+                        if let Some(gate) = gate {
+                            let _ = gate.send(Some(landed.clone()));
+                        }
+                        landed.and(ack)
+                    }
+                };
+                let _ = shared.tx.send(&ToDriver::Received {
+                    object,
+                    xfer,
+                    result: ack,
+                });
+            };
+            if landed_already {
+                acknowledge.await;
+            } else {
+                // Off the group's queue: the next transfer is enqueued
+                // while these bytes still move.
+                tokio::spawn(acknowledge.in_current_span());
+            }
         }
         .instrument(span),
     );
@@ -959,6 +1022,23 @@ fn run_transfer(
         }
         tokio::spawn(job);
     }
+}
+
+/// Rank 0 of a new group (XF-2): the backend makes what every member joins
+/// with (NCCL: the unique id), and the driver hears back either way.
+fn on_prepare_group(shared: &Arc<WorkerShared>, backend: String, spec: rdt_transport::GroupSpec) {
+    let tx = shared.tx.clone();
+    tokio::spawn(async move {
+        let made = async {
+            let t: Transport = backend.parse()?;
+            Ok::<_, Error>(t.instance()?.group_bootstrap(&spec).await?)
+        };
+        let result = made.await;
+        let _ = tx.send(&ToDriver::GroupPrepared {
+            group: spec.id,
+            result,
+        });
+    });
 }
 
 /// Joins a collective group (XF-2): the backend sets up its part, the
@@ -1140,22 +1220,35 @@ async fn run_call<A: RdtActor>(
 ) -> Result<WireValue> {
     let method = A::__method_name(msg.method);
     let mut values = Vec::with_capacity(msg.args.len());
+    let mut ref_args = Vec::new();
     for a in msg.args {
         match a {
             WireArg::Value(v) => {
                 values.push((v.data.0.clone(), object_store::unpack(&v.exported)?))
             }
-            WireArg::Ref(id) => match shared.store.wait_for(id).await {
-                Slot::Ready(v) => values.push((v.data, v.tensors)),
-                Slot::Failed(e) => {
-                    return Err(Error::Dependency {
-                        object: id,
-                        cause: Box::new(e),
-                    })
+            WireArg::Ref(id) => {
+                ref_args.push(id);
+                match shared.store.wait_for(id).await {
+                    Slot::Ready(v) => values.push((v.data, v.tensors)),
+                    Slot::Failed(e) => {
+                        return Err(Error::Dependency {
+                            object: id,
+                            cause: Box::new(e),
+                        })
+                    }
                 }
-            },
+            }
         }
     }
+    // WK-5: arguments whose bytes are still landing; the method runs now
+    // (its kernels wait on the GPU), its result waits for the landing.
+    let landing: Vec<(u64, tokio::sync::watch::Receiver<Option<Result<()>>>)> = {
+        let l = shared.landing.lock();
+        ref_args
+            .iter()
+            .filter_map(|id| l.get(id).map(|rx| (*id, rx.clone())))
+            .collect()
+    };
     let args = CallArgs {
         actor: shared.name.clone(),
         method,
@@ -1165,7 +1258,7 @@ async fn run_call<A: RdtActor>(
         .catch_unwind()
         .await
     {
-        Ok(r) => r?,
+        Ok(r) => r,
         Err(p) => {
             return Err(Error::Panic {
                 actor: shared.name.to_string(),
@@ -1174,6 +1267,20 @@ async fn run_call<A: RdtActor>(
             })
         }
     };
+    for (object, mut rx) in landing {
+        let landed = match rx.wait_for(Option::is_some).await {
+            Ok(r) => r.clone().unwrap_or(Ok(())),
+            // The sender went away after it sent the result: look no more.
+            Err(_) => Ok(()),
+        };
+        if let Err(e) = landed {
+            return Err(Error::Dependency {
+                object,
+                cause: Box::new(e),
+            });
+        }
+    }
+    let payload = payload?;
     if payload.tensors.is_empty() {
         return Ok(WireValue {
             data: Blob(payload.data),
@@ -1183,8 +1290,20 @@ async fn run_call<A: RdtActor>(
     }
     let transport: Transport = msg.transport.parse()?;
     let inst = transport.instance()?;
-    for t in &payload.tensors {
-        inst.check_device(t.device())?;
+    for (i, t) in payload.tensors.iter().enumerate() {
+        if let Err(e) = inst.check_device(t.device()) {
+            return Err(Error::Transport(rdt_transport::TransportError {
+                message: format!(
+                    "tensor #{i} ({} {:?}, on {}) of the value {}.{method} returned: {}",
+                    t.dtype(),
+                    t.shape(),
+                    t.device(),
+                    shared.name,
+                    e.message
+                ),
+                ..e
+            }));
+        }
     }
     let exported = inst.export(msg.result, &payload.tensors).await?;
     if inst.sidedness() != Sidedness::ThroughDriver {

@@ -530,6 +530,23 @@ impl GpuProducer {
     async fn echo(&mut self, x: u64) -> u64 {
         x
     }
+
+    /// A CPU tensor (for transports that move CUDA tensors only).
+    async fn make_cpu(&mut self, n: usize) -> Tensor {
+        Tensor::full(1.0f32, &[n])
+    }
+
+    /// An application error instead of a tensor.
+    async fn fail(&mut self, msg: String) -> Result<Tensor, String> {
+        Err(msg)
+    }
+
+    /// `n` CUDA tensors, tensor `i` of `len` f32 equal to `i`.
+    async fn many(&mut self, n: usize, len: usize) -> rdt::Result<Vec<Tensor>> {
+        (0..n)
+            .map(|i| Tensor::cuda_full(i as f32, &[len], 0).map_err(tensor_err))
+            .collect()
+    }
 }
 
 /// What [`GpuConsumer::fill_own_copy`] saw: (sum of the copy as taken,
@@ -615,6 +632,56 @@ impl GpuConsumer {
     async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
         t.cuda_ready().await.map_err(tensor_err)?;
         Ok(t.nbytes())
+    }
+
+    /// Sum of `t` read with a kernel launched as the method starts, and
+    /// whether the tensor's bytes were still on their way then (its
+    /// transfer's done event not passed): a stream-ordered receive lets
+    /// the method start early, and the kernel waits on the GPU.
+    async fn early_sum(&mut self, t: Tensor) -> rdt::Result<(bool, f64)> {
+        let early = !t.ready_event_passed().map_err(tensor_err)?;
+        Ok((early, t.sum().map_err(tensor_err)?))
+    }
+
+    /// Exits while `t`'s bytes are still on their way (a receiver that dies
+    /// mid-transfer); returns `false` (and lives) if they already landed.
+    async fn die_mid_transfer(&mut self, t: Tensor) -> rdt::Result<bool> {
+        if !t.ready_event_passed().map_err(tensor_err)? {
+            std::process::exit(9);
+        }
+        Ok(false)
+    }
+
+    /// Keeps this process's GPU stream busy for a while (`reps` fills of
+    /// `bytes` bytes) and returns at once: transfers into fresh memory
+    /// wait for it.
+    async fn busy(&mut self, bytes: usize, reps: usize) -> rdt::Result<()> {
+        let t = Tensor::cuda_empty(DType::U8, &[bytes], 0).map_err(tensor_err)?;
+        for i in 0..reps {
+            t.fill_(i as u8).map_err(tensor_err)?;
+        }
+        self.held.push(t);
+        Ok(())
+    }
+
+    /// Sums of every tensor of `ts`, in order.
+    async fn sums(&mut self, ts: Vec<Tensor>) -> rdt::Result<Vec<f64>> {
+        ts.iter().map(|t| t.sum().map_err(tensor_err)).collect()
+    }
+
+    /// Objects received over `transport` (see `rdt::received_objects`).
+    async fn received(&mut self, transport: String) -> rdt::Result<u64> {
+        Ok(rdt::received_objects(transport.parse()?))
+    }
+
+    /// Objects in its store.
+    async fn stored(&mut self) -> usize {
+        rdt::local_objects()
+    }
+
+    /// Answers (to tell whether it lives).
+    async fn echo(&mut self, x: u64) -> u64 {
+        x
     }
 
     /// A host copy of `t`.

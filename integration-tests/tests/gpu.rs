@@ -535,3 +535,6 @@ gpu_test!(a_dead_importer_keeps_no_memory, async {
     assert_eq!(rt.get(p.trim().remote()).await.unwrap(), (own_slab(n), 0));
     assert_eq!(rt.get(p.slab_bytes().remote()).await.unwrap(), 0);
 });
+
+#[path = "gpu/nccl.rs"]
+mod nccl;

@@ -11,6 +11,8 @@ pub mod auth;
 pub mod cuda;
 mod device;
 mod dtype;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod object_store;
 pub mod registry;
 pub mod shm;

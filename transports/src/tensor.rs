@@ -111,7 +111,7 @@ pub struct Storage {
     /// written on a stream other than rdt's (see
     /// [`Tensor::produced_on_stream`]); rdt's stream waits on it before its
     /// next use of the memory.
-    ready: parking_lot::Mutex<Option<cuda::StreamEvent>>,
+    ready: parking_lot::Mutex<Option<Arc<cuda::StreamEvent>>>,
 }
 
 impl std::fmt::Debug for Storage {
@@ -726,7 +726,7 @@ impl Tensor {
         match &*self.storage.mem.read() {
             Memory::Cuda(d) => {
                 if let Some(ev) = self.storage.ready.lock().take() {
-                    d.gpu().wait_stream_event(ev)?;
+                    d.gpu().wait_stream_event(&ev)?;
                 }
                 Ok(f(d.as_ref()))
             }
@@ -760,8 +760,29 @@ impl Tensor {
         };
         // A newer point replaces an older one: it comes later on the same
         // stream, or the caller says this one is what counts.
-        *self.storage.ready.lock() = Some(ev);
+        *self.storage.ready.lock() = Some(Arc::new(ev));
         Ok(())
+    }
+
+    /// The tensor's contents become valid when the GPU passes `ev` (a
+    /// transport's done event, shared by every tensor of one transfer).
+    /// Like [`produced_on_stream`](Self::produced_on_stream), but with an
+    /// event recorded already.
+    pub(crate) fn set_ready_event(&self, ev: Arc<cuda::StreamEvent>) {
+        *self.storage.ready.lock() = Some(ev);
+    }
+
+    /// Has the GPU passed the point after which the contents are valid, as
+    /// far as this tensor records one (an event of another stream: a
+    /// transfer that is still writing it, or a library's kernel)? True for
+    /// CPU tensors and for tensors with no such point pending. Work
+    /// enqueued on rdt's stream is not looked at: use
+    /// [`cuda_ready`](Self::cuda_ready) to wait for everything.
+    pub fn ready_event_passed(&self) -> Result<bool, TensorError> {
+        match &*self.storage.ready.lock() {
+            Some(ev) => Ok(ev.passed()?),
+            None => Ok(true),
+        }
     }
 
     /// Orders `stream` (another library's) after every rdt operation on

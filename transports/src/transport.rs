@@ -124,6 +124,10 @@ pub struct GroupSpec {
     pub ranks: Vec<Peer>,
     /// This process's rank.
     pub my_rank: u32,
+    /// What rank 0 made for every member to join with
+    /// ([`TensorTransport::group_bootstrap`]: NCCL's unique id); empty
+    /// for transports that need nothing.
+    pub bootstrap: Vec<u8>,
 }
 
 /// The group a two-sided transfer runs in, and the ranks of its ends.
@@ -320,6 +324,19 @@ pub trait TensorTransport: Send + Sync + 'static {
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>>;
 
+    /// Rank 0 of a collective group about to be created: make what every
+    /// member needs to join it (NCCL: the unique id, whose bootstrap root
+    /// lives in this process until every rank has joined). The framework
+    /// asks rank 0 first and hands the bytes to every member in
+    /// [`GroupSpec::bootstrap`]. The default needs nothing.
+    fn group_bootstrap<'a>(
+        &'a self,
+        spec: &'a GroupSpec,
+    ) -> BoxFuture<'a, Result<Vec<u8>, TransportError>> {
+        let _ = spec;
+        Box::pin(async { Ok(Vec::new()) })
+    }
+
     /// A collective group with this process as a member is created
     /// (two-sided transports; contract point 2 of the framework's transfer
     /// contract). The framework sends this to every member and waits for
@@ -344,6 +361,19 @@ pub trait TensorTransport: Send + Sync + 'static {
     /// block. The default does nothing.
     fn abort_group(&self, group: u64, reason: &str) {
         let _ = (group, reason);
+    }
+
+    /// Consumer: the bytes of receive `xfer`, which returned already, have
+    /// all landed (or failed to). A stream-ordered transport (NCCL)
+    /// returns from [`receive`](Self::receive) once the copy is enqueued,
+    /// with tensors that carry its done event, so the method can start
+    /// while the bytes arrive; this future tells the framework when to
+    /// acknowledge the receive. `None` (the default): the receive was
+    /// complete when it returned. Asked once per receive, right after it
+    /// returned.
+    fn landed(&self, xfer: TransferId) -> Option<BoxFuture<'static, Result<(), TransportError>>> {
+        let _ = xfer;
+        None
     }
 
     /// Producer: the object was freed (contract point 3).

@@ -212,6 +212,35 @@ pub struct StreamEvent {
     ctx: Arc<CudaContext>,
 }
 
+impl StreamEvent {
+    /// Has the GPU passed the event? (Without waiting.)
+    pub fn passed(&self) -> Result<bool, CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::call("cuCtxSetCurrent", e))?;
+        // SAFETY: valid event of the bound context.
+        match unsafe { sys::cuEventQuery(self.event.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => Err(CudaError::call("cuEventQuery", cu::DriverError(r))),
+        }
+    }
+}
+
+impl StreamEvent {
+    /// Blocks the calling thread until the GPU passed the event (for a
+    /// blocking pool's thread, never an executor's).
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::call("cuCtxSetCurrent", e))?;
+        // SAFETY: valid event of the bound context.
+        unsafe { sys::cuEventSynchronize(self.event.0) }
+            .result()
+            .map_err(|e| CudaError::call("cuEventSynchronize", e))
+    }
+}
+
 impl Drop for StreamEvent {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
@@ -500,8 +529,9 @@ impl Gpu {
         Ok(ev)
     }
 
-    /// Makes rdt's stream wait on `ev` (then destroys it).
-    pub(crate) fn wait_stream_event(&self, ev: StreamEvent) -> Result<(), CudaError> {
+    /// Makes rdt's stream wait on `ev` (destroyed once its last holder
+    /// drops it; a wait already enqueued is not cancelled by that).
+    pub(crate) fn wait_stream_event(&self, ev: &StreamEvent) -> Result<(), CudaError> {
         self.wait_event(ev.event)
     }
 
@@ -666,6 +696,12 @@ impl Gpu {
     }
 }
 
+/// How long [`Completion::wait`] asks the GPU again before it waits on the
+/// blocking pool: about the cost of that hand-off, so a short wait costs no
+/// more than the hand-off would and a long one loses at most this much
+/// CPU time.
+pub const SPIN_BEFORE_BLOCKING: std::time::Duration = std::time::Duration::from_micros(30);
+
 /// A future that resolves when the GPU has passed an event (see the module
 /// docs for how it waits).
 pub struct Completion {
@@ -685,8 +721,22 @@ impl Completion {
         if self.query(event)? {
             return Ok(());
         }
+        // A small transfer or kernel is usually done within microseconds:
+        // ask again, yielding between asks, for a bounded moment before
+        // paying a hand-off to the blocking pool (tens of microseconds).
+        let spin = std::time::Instant::now();
+        while spin.elapsed() < SPIN_BEFORE_BLOCKING {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                tokio::task::yield_now().await;
+            } else {
+                std::hint::spin_loop();
+            }
+            if self.query(event)? {
+                return Ok(());
+            }
+        }
         // Not there yet: wait in the driver, on a blocking thread, never
-        // spinning on an executor thread (contract point 5).
+        // spinning on an executor thread for long (contract point 5).
         if tokio::runtime::Handle::try_current().is_err() {
             return self.synchronize(event);
         }

@@ -1,0 +1,392 @@
+//! The `nccl` transport: CUDA tensors between the members of a collective
+//! group, over NCCL point-to-point, stream-ordered.
+//!
+//! NCCL runs under rdt's own thin wrapper ([`api`], [`comm`]) over
+//! cudarc's `nccl::sys` types, loaded at run time: cudarc's safe `Comm` is
+//! `!Send`, exposes no raw handle, cannot be aborted from a watchdog, and
+//! cudarc 0.19 never looks for `libnccl.so.2`.
+//!
+//! # How a group and a transfer go
+//! - **Group (XF-2).** The framework asks rank 0 for a unique id
+//!   ([`TensorTransport::group_bootstrap`]); rank 0's process runs NCCL's
+//!   bootstrap root from then on. Every member then joins with it
+//!   ([`TensorTransport::create_group`]): a non-blocking
+//!   `ncclCommInitRankConfig` on the member's first GPU, polled until
+//!   every rank joined. The communicator gets a stream of its own.
+//! - **Transfer (XF-3).** The framework runs a group's transfers one after
+//!   the other on the group's own thread. A send or a receive is one NCCL
+//!   group call holding every tensor of the object, enqueued on the
+//!   communicator's stream after the stream waits for the tensors' ready
+//!   events (rdt's stream, and any event a library recorded with
+//!   `Tensor::produced_on_stream`). It returns once NCCL took the call: the
+//!   bytes move while the next transfer is enqueued.
+//! - **Stream order (§6.4).** The receive records a done event on the
+//!   communicator's stream and gives it to every received tensor: rdt's
+//!   next use of a tensor (an op, a copy, `cuda_ready`, or
+//!   `Tensor::ready_on_stream` for a library's stream) waits for it on the
+//!   GPU. The method can start while the bytes arrive; its first kernel
+//!   waits. [`TensorTransport::landed`] tells the framework when the bytes
+//!   are in (it acknowledges the receive then).
+//! - **Memory.** Received tensors come from rdt's allocator on the
+//!   communicator's GPU, or are the target tensors the receive was given.
+//!   Memory a transfer reads or writes stays alive until the GPU passed
+//!   the transfer's done event, whatever the framework frees meanwhile
+//!   (a stream-ordered free, as PyTorch's `record_stream`), and the
+//!   communicator's stream waits for rdt's stream before it writes fresh
+//!   memory (whose last user ran there).
+//! - **Failures.** `abort_group` aborts the communicator from a thread of
+//!   its own (`ncclCommAbort`); transfers in it fail with NCCL's message;
+//!   later transfers in the group are refused. The process, its other
+//!   groups and transports go on.
+
+pub mod api;
+pub mod comm;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use parking_lot::Mutex;
+use tokio::sync::oneshot;
+
+use crate::registry::{ProcessContext, Registration};
+use crate::transport::{
+    check_received, Exported, GroupSpec, ObjectKey, Peer, Sidedness, Target, TensorTransport,
+    TransferCtx, TransferId, TransportError,
+};
+use crate::{cuda, Device, Tensor};
+pub use api::{available, NcclError};
+pub use comm::{Communicator, P2p, UniqueId};
+
+const NAME: &str = "nccl";
+
+crate::register_transport!(Registration {
+    name: NAME,
+    sidedness: Sidedness::TwoSided,
+    collective: true,
+    devices: "CUDA",
+    same_host_only: false,
+    start,
+});
+
+/// Starting costs nothing: NCCL is loaded when a group is created (and
+/// its absence is that call's error, not every worker's).
+fn start(cx: &ProcessContext) -> Result<Arc<dyn TensorTransport>, String> {
+    Ok(Arc::new(NcclTransport::new(cx.transfer_timeout)))
+}
+
+/// How long a landing waits asking the GPU again before it polls every
+/// millisecond.
+const LANDING_SPIN: Duration = Duration::from_micros(50);
+
+/// The `nccl` transport of one process.
+pub struct NcclTransport {
+    /// This process's communicators, by group id.
+    comms: Mutex<HashMap<u64, Arc<Communicator>>>,
+    /// Receives that returned before their bytes landed, by transfer.
+    landings: Mutex<HashMap<TransferId, oneshot::Receiver<Result<(), TransportError>>>>,
+    /// The framework's transfer deadline: also the bound on a destroy's
+    /// wait for what is in flight.
+    deadline: Duration,
+}
+
+impl NcclTransport {
+    /// A transport with no group yet.
+    pub fn new(deadline: Duration) -> Self {
+        NcclTransport {
+            comms: Mutex::new(HashMap::new()),
+            landings: Mutex::new(HashMap::new()),
+            deadline,
+        }
+    }
+
+    fn comm(
+        &self,
+        cx: &TransferCtx,
+        peer: &Peer,
+    ) -> Result<(Arc<Communicator>, usize), TransportError> {
+        let Some(g) = cx.group else {
+            return Err(TransportError::with_peer(
+                NAME,
+                peer,
+                "an nccl transfer needs a collective group (Runtime::create_collective_group with Transport::Nccl)",
+            ));
+        };
+        let comm = self.comms.lock().get(&g.id).cloned().ok_or_else(|| {
+            TransportError::with_peer(
+                NAME,
+                peer,
+                format!(
+                    "this process has no communicator for group {} (destroyed or aborted)",
+                    g.id
+                ),
+            )
+        })?;
+        Ok((comm, g.peer_rank as usize))
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> TransportError {
+    TransportError::new(NAME, e.to_string())
+}
+
+/// `(device address, bytes)` of a CUDA tensor on `gpu`, or why it cannot
+/// take part in a transfer on it. Takes the tensor's ready event over to
+/// rdt's stream (the caller orders the communicator's stream after it).
+fn device_range(
+    t: &Tensor,
+    i: usize,
+    gpu: &Arc<cuda::Gpu>,
+) -> Result<(u64, usize), TransportError> {
+    if !t.is_cuda() {
+        return Err(err(format!(
+            "tensor #{i} ({} {:?}) is on {}: nccl moves CUDA tensors only (use tcp for CPU tensors)",
+            t.dtype(),
+            t.shape(),
+            t.device()
+        )));
+    }
+    t.with_device_buffer(|d| {
+        if !Arc::ptr_eq(d.gpu(), gpu) {
+            return Err(err(format!(
+                "tensor #{i} ({} {:?}) is used from cuda:{}, but this process's nccl communicator is on cuda:{}: move it there first (Tensor::to_device)",
+                t.dtype(),
+                t.shape(),
+                d.gpu().ordinal(),
+                gpu.ordinal()
+            )));
+        }
+        Ok((d.device_ptr(), d.len()))
+    })
+    .map_err(err)?
+}
+
+impl TensorTransport for NcclTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn sidedness(&self) -> Sidedness {
+        Sidedness::TwoSided
+    }
+
+    fn check_device(&self, device: &Device) -> Result<(), TransportError> {
+        match device {
+            Device::Cuda { .. } => Ok(()),
+            Device::Cpu => Err(err(
+                "nccl moves CUDA tensors only; for CPU tensors use tcp (collective) or shm (one-sided, same host)",
+            )),
+        }
+    }
+
+    fn export<'a>(
+        &'a self,
+        _key: ObjectKey,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<Exported, TransportError>> {
+        Box::pin(async move {
+            for (i, t) in tensors.iter().enumerate() {
+                if !t.is_cuda() {
+                    return Err(err(format!(
+                        "tensor #{i} ({} {:?}) is on {}: nccl moves CUDA tensors only (use tcp for CPU tensors)",
+                        t.dtype(),
+                        t.shape(),
+                        t.device()
+                    )));
+                }
+            }
+            Ok(Exported {
+                metas: tensors.iter().map(Tensor::meta).collect(),
+                ..Default::default()
+            })
+        })
+    }
+
+    fn group_bootstrap<'a>(
+        &'a self,
+        _spec: &'a GroupSpec,
+    ) -> BoxFuture<'a, Result<Vec<u8>, TransportError>> {
+        Box::pin(async move { Ok(UniqueId::new().map_err(err)?.to_bytes()) })
+    }
+
+    fn create_group<'a>(
+        &'a self,
+        spec: &'a GroupSpec,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let id = UniqueId::from_bytes(&spec.bootstrap).map_err(err)?;
+            // The group runs on this process's first visible GPU.
+            let gpu = cuda::gpu(0).map_err(|e| {
+                err(format!(
+                    "an nccl group needs a CUDA device in every member: {e}"
+                ))
+            })?;
+            let comm = Communicator::start(&id, spec.ranks.len(), spec.my_rank as usize, gpu)
+                .map_err(err)?;
+            // Known before it is ready: a destroy or an abort during the
+            // join stops it.
+            self.comms.lock().insert(spec.id, comm.clone());
+            if let Err(e) = comm.ready().await {
+                self.comms.lock().remove(&spec.id);
+                abort_in_background(comm, e.0.clone());
+                return Err(err(e));
+            }
+            Ok(())
+        })
+    }
+
+    fn destroy_group(&self, group: u64) -> BoxFuture<'_, Result<(), TransportError>> {
+        Box::pin(async move {
+            let comm = self.comms.lock().remove(&group);
+            match comm {
+                Some(c) => c.destroy(self.deadline).await.map_err(err),
+                None => Ok(()),
+            }
+        })
+    }
+
+    fn abort_group(&self, group: u64, reason: &str) {
+        // Kept in the map: a transfer that still looks it up fails with
+        // the reason. A destroy removes it.
+        if let Some(c) = self.comms.lock().get(&group).cloned() {
+            abort_in_background(c, reason.to_string());
+        }
+    }
+
+    fn send<'a>(
+        &'a self,
+        to: &'a Peer,
+        cx: &'a TransferCtx,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let (comm, peer) = self.comm(cx, to)?;
+            let gpu = comm.gpu().clone();
+            let mut ops = Vec::with_capacity(tensors.len());
+            for (i, t) in tensors.iter().enumerate() {
+                let (ptr, len) = device_range(t, i, &gpu)?;
+                ops.push(P2p::Send { peer, ptr, len });
+            }
+            // The stream waits for the tensors' producers (§6.4).
+            // SAFETY: the communicator's stream lives in this GPU's context.
+            unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
+            let kept = tensors.to_vec();
+            comm.group(&ops)
+                .await
+                .map_err(|e| TransportError::with_peer(NAME, to, e.0))?;
+            let done = comm.record_done().map_err(err)?;
+            // The memory stays alive until the GPU read it (a free of the
+            // object meanwhile does not recycle it).
+            tokio::spawn(async move {
+                let _ = comm.wait_done(&done, LANDING_SPIN).await;
+                drop(kept);
+            });
+            Ok(())
+        })
+    }
+
+    fn receive<'a>(
+        &'a self,
+        from: &'a Peer,
+        cx: &'a TransferCtx,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
+        Box::pin(async move {
+            let (comm, peer) = self.comm(cx, from)?;
+            let gpu = comm.gpu().clone();
+            for (i, m) in exported.metas.iter().enumerate() {
+                if m.device.is_cpu() {
+                    return Err(TransportError::with_peer(
+                        NAME,
+                        from,
+                        format!(
+                            "tensor #{i} ({} {:?}) is on cpu: nccl moves CUDA tensors only",
+                            m.dtype, m.shape
+                        ),
+                    ));
+                }
+            }
+            // Into the targets where they are on this GPU (no staging);
+            // otherwise into fresh memory here, placed afterwards.
+            let in_place = match &cx.target {
+                Target::Tensors(ts) => {
+                    check_received(NAME, &exported.metas, ts)?;
+                    ts.iter().all(|t| {
+                        t.is_cuda()
+                            && t.with_device_buffer(|d| Arc::ptr_eq(d.gpu(), &gpu))
+                                .unwrap_or(false)
+                    })
+                }
+                _ => false,
+            };
+            let tensors: Vec<Tensor> = match (&cx.target, in_place) {
+                (Target::Tensors(ts), true) => ts.clone(),
+                _ => exported
+                    .metas
+                    .iter()
+                    .map(|m| Tensor::cuda_empty(m.dtype, &m.shape, gpu.ordinal()))
+                    .collect::<Result<_, _>>()
+                    .map_err(err)?,
+            };
+            let mut ops = Vec::with_capacity(tensors.len());
+            for (i, t) in tensors.iter().enumerate() {
+                let (ptr, len) = device_range(t, i, &gpu)?;
+                ops.push(P2p::Recv { peer, ptr, len });
+            }
+            // Fresh memory was last used on rdt's stream; targets may have
+            // work pending there: the communicator's stream waits for it.
+            // SAFETY: the communicator's stream lives in this GPU's context.
+            unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
+            comm.group(&ops)
+                .await
+                .map_err(|e| TransportError::with_peer(NAME, from, e.0))?;
+            let done = comm.record_done().map_err(err)?;
+            for t in &tensors {
+                t.set_ready_event(done.clone());
+            }
+            let (tx, rx) = oneshot::channel();
+            let kept = tensors.clone();
+            let peer_name = from.clone();
+            tokio::spawn(async move {
+                let r = comm
+                    .wait_done(&done, LANDING_SPIN)
+                    .await
+                    .map_err(|e| TransportError::with_peer(NAME, &peer_name, e.0));
+                drop(kept);
+                let _ = tx.send(r);
+            });
+            let placed = match (&cx.target, in_place) {
+                (Target::Tensors(_), true) => Ok(tensors),
+                (target, _) => target.place(NAME, &exported.metas, tensors),
+            };
+            if placed.is_ok() {
+                self.landings.lock().insert(cx.xfer, rx);
+            }
+            placed
+        })
+    }
+
+    fn landed(&self, xfer: TransferId) -> Option<BoxFuture<'static, Result<(), TransportError>>> {
+        let rx = self.landings.lock().remove(&xfer)?;
+        Some(Box::pin(async move {
+            rx.await
+                .unwrap_or_else(|_| Err(err("the receive's landing was dropped")))
+        }))
+    }
+}
+
+/// Aborts `comm` from a thread of its own: `ncclCommAbort` may take a
+/// while and must not hold up the caller (the worker's control loop).
+fn abort_in_background(comm: Arc<Communicator>, reason: String) {
+    let spawned = std::thread::Builder::new()
+        .name("rdt-nccl-abort".into())
+        .spawn({
+            let comm = comm.clone();
+            let reason = reason.clone();
+            move || comm.abort(&reason)
+        });
+    if spawned.is_err() {
+        comm.abort(&reason);
+    }
+}
