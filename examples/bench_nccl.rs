@@ -7,8 +7,9 @@
 //!   child, no actors) through rdt's own NCCL wrapper
 //!   (`rdt::data::nccl::Communicator`): each iteration is one group call
 //!   and a wait for its done event on both sides, timed on the receiver.
-//!   Communicator set-up (`comm_init`) and the first transfer (NCCL
-//!   connects the pair on first use) are separate rows.
+//!   Communicator set-up (`comm_init`: the non-blocking join, the split
+//!   into the blocking communicator transfers run on, and its connection
+//!   to the peer) and the first transfer are separate rows.
 //! * `nccl`: rdt passes between two actors in an `nccl` group. A `pass` is
 //!   one consumer call on a ref the producer made before: the driver hands
 //!   the ref to the consumer, the producer sends, the consumer's method

@@ -28,8 +28,9 @@ pub(crate) mod result {
 }
 
 /// The oldest NCCL rdt drives: non-blocking communicators, configs,
-/// `ncclCommFinalize` and `ncclGetLastError` are all there from 2.14.
-const MIN_VERSION: i32 = 21400;
+/// `ncclCommFinalize` and `ncclGetLastError` are there from 2.14,
+/// `ncclCommSplit` with a config (and `splitShare`) from 2.18.
+const MIN_VERSION: i32 = 21800;
 
 /// Environment variable naming the NCCL library to load.
 pub const LIBRARY_VAR: &str = "RDT_NCCL_LIBRARY";
@@ -48,6 +49,8 @@ pub(crate) struct Api {
         unsafe extern "C" fn(*mut ncclComm_t, c_int, ncclUniqueId, c_int, *mut ncclConfig_t) -> Res,
     pub comm_get_async_error: unsafe extern "C" fn(ncclComm_t, *mut c_int) -> Res,
     pub comm_abort: unsafe extern "C" fn(ncclComm_t) -> Res,
+    pub comm_split:
+        unsafe extern "C" fn(ncclComm_t, c_int, c_int, *mut ncclComm_t, *mut ncclConfig_t) -> Res,
     pub comm_finalize: unsafe extern "C" fn(ncclComm_t) -> Res,
     pub comm_destroy: unsafe extern "C" fn(ncclComm_t) -> Res,
     pub group_start: unsafe extern "C" fn() -> Res,
@@ -113,7 +116,7 @@ fn load() -> Result<Api, NcclError> {
         })
         .ok_or_else(|| {
             NcclError(format!(
-                "the NCCL library was not found (tried {}); install NCCL 2.14 or newer \
+                "the NCCL library was not found (tried {}); install NCCL 2.18 or newer \
                  (the libnccl2 package, or `pip install nvidia-nccl-cu13`) and put it on \
                  the loader path, or set {LIBRARY_VAR} to the file's path",
                 tried.join(", ")
@@ -125,7 +128,7 @@ fn load() -> Result<Api, NcclError> {
             // (nccl.h), with `int` for `ncclResult_t`.
             *unsafe { lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| {
                 NcclError(format!(
-                    "{path} lacks {}: NCCL 2.14 or newer is needed ({e})",
+                    "{path} lacks {}: NCCL 2.18 or newer is needed ({e})",
                     $name
                 ))
             })?
@@ -137,7 +140,7 @@ fn load() -> Result<Api, NcclError> {
     unsafe { get_version(&mut version) };
     if version < MIN_VERSION {
         return Err(NcclError(format!(
-            "{path} is NCCL {}, rdt needs 2.14 or newer",
+            "{path} is NCCL {}, rdt needs 2.18 or newer",
             version_string(version)
         )));
     }
@@ -148,6 +151,7 @@ fn load() -> Result<Api, NcclError> {
         comm_init_rank_config: sym!("ncclCommInitRankConfig"),
         comm_get_async_error: sym!("ncclCommGetAsyncError"),
         comm_abort: sym!("ncclCommAbort"),
+        comm_split: sym!("ncclCommSplit"),
         comm_finalize: sym!("ncclCommFinalize"),
         comm_destroy: sym!("ncclCommDestroy"),
         group_start: sym!("ncclGroupStart"),
@@ -198,6 +202,15 @@ impl Api {
             m.push_str(&last);
         }
         NcclError(m)
+    }
+
+    /// A config for the blocking communicator transfers run on, split from
+    /// the joined one and sharing its resources (`splitShare`).
+    pub(crate) fn blocking_split_config() -> ncclConfig_t {
+        let mut c = Self::nonblocking_config();
+        c.blocking = 1;
+        c.splitShare = 1;
+        c
     }
 
     /// A config for a non-blocking communicator: NCCL_CONFIG_INITIALIZER
