@@ -150,7 +150,9 @@ impl NcclSink {
 
     /// Waits until `t` is usable on this process's GPU.
     async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
+        rdt::data::cuda::timeline("touch start", 0);
         t.cuda_ready().await?;
+        rdt::data::cuda::timeline("touch ready", 0);
         Ok(t.nbytes())
     }
 
@@ -526,6 +528,9 @@ async fn main() -> rdt::Result<()> {
         .position(|a| a == "--json")
         .and_then(|i| args.get(i + 1).cloned());
     rdt::data::cuda::available().map_err(cuda_err)?;
+    if args.iter().any(|a| a == "--timeline") {
+        return timeline_passes().await;
+    }
     let n_gpus = rdt::data::cuda::device_count();
     let commit = std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into());
     if n_gpus < 2 {
@@ -599,7 +604,9 @@ async fn main() -> rdt::Result<()> {
         let mut us = Vec::new();
         for i in 0..iters + 3 {
             let t0 = Instant::now();
+            rdt::data::cuda::timeline("driver pass start", bytes as u64);
             let n = rt.get(c.touch(&r).remote()).await?;
+            rdt::data::cuda::timeline("driver pass end", bytes as u64);
             assert_eq!(n, bytes);
             if i >= 3 {
                 us.push(us_since(t0));
@@ -838,4 +845,28 @@ async fn overlap(
         on_iterations_ms: on,
         on_all_at_once_iterations_ms: on_all,
     })
+}
+
+/// `--timeline`: a few passes at 4 KiB and 1 GiB with `RDT_TIMELINE` on in
+/// the driver and both workers (every step of every pass on one clock);
+/// no rows.
+async fn timeline_passes() -> rdt::Result<()> {
+    // Before any worker starts: they inherit it.
+    std::env::set_var("RDT_TIMELINE", "1");
+    let rt = Runtime::start().await?;
+    let p = rt.spawn::<NcclSource>(()).on_gpus([0]).await?;
+    let c = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;
+    rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
+        .await?;
+    for bytes in [4usize << 10, 1 << 30] {
+        rt.get(p.prepare(bytes).remote()).await?;
+        let r = p.tensor(bytes).transport(Transport::Nccl).remote();
+        rt.wait(&r).await?;
+        for _ in 0..6 {
+            rdt::data::cuda::timeline("driver pass start", bytes as u64);
+            rt.get(c.touch(&r).remote()).await?;
+            rdt::data::cuda::timeline("driver pass end", bytes as u64);
+        }
+    }
+    Ok(())
 }

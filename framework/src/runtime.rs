@@ -1858,7 +1858,19 @@ async fn read_worker(
         last = tokio::time::Instant::now();
         match msg {
             Ok(Some(msg)) => match rt.upgrade() {
-                Some(inner) => inner.on_message(worker, msg),
+                Some(inner) => {
+                    let call = match &msg {
+                        ToDriver::CallDone { call, .. } => Some(*call),
+                        _ => None,
+                    };
+                    if let Some(c) = call {
+                        rdt_transport::cuda::timeline("driver got call done", c);
+                    }
+                    inner.on_message(worker, msg);
+                    if let Some(c) = call {
+                        rdt_transport::cuda::timeline("driver handled call done", c);
+                    }
+                }
                 None => return,
             },
             Ok(None) => break "closed its control connection".to_string(),

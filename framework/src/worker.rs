@@ -339,7 +339,7 @@ struct WorkerShared {
     /// Received objects whose bytes are still landing (stream-ordered
     /// receives, WK-5): a call that used one reports its result only once
     /// they landed, and fails if they did not.
-    landing: Mutex<HashMap<u64, tokio::sync::watch::Receiver<Option<Result<()>>>>>,
+    landing: Mutex<HashMap<u64, Landing>>,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -351,6 +351,13 @@ struct WorkerGroup {
     queue: tokio::sync::mpsc::UnboundedSender<Job>,
     broken: Option<String>,
 }
+
+/// The landing of a stream-ordered receive (WK-5), awaited by the
+/// receive's acknowledgement and by every call that took the value (the
+/// first to ask drives it; each is woken directly when it resolves).
+type Landing = futures::future::Shared<
+    futures::future::BoxFuture<'static, std::result::Result<(), rdt_transport::TransportError>>,
+>;
 
 /// A transfer waiting its turn in a group's queue.
 type Job = futures::future::BoxFuture<'static, ()>;
@@ -738,13 +745,21 @@ async fn control_loop<A: RdtActor>(
                     });
                 }
             }
-            ToWorker::Deliver { object, value } => on_deliver(&shared, object, value),
+            ToWorker::Deliver { object, value } => {
+                if let Ok(d) = &value {
+                    rdt_transport::cuda::timeline("deliver received", d.xfer);
+                }
+                on_deliver(&shared, object, value)
+            }
             ToWorker::SendTo {
                 object,
                 xfer,
                 to,
                 group,
-            } => on_send(&shared, object, xfer, to, group),
+            } => {
+                rdt_transport::cuda::timeline("send order received", xfer);
+                on_send(&shared, object, xfer, to, group)
+            }
             ToWorker::PrepareGroup { backend, spec } => on_prepare_group(&shared, backend, spec),
             ToWorker::CreateGroup { backend, spec } => on_create_group(&shared, backend, spec),
             ToWorker::DestroyGroup { group } => {
@@ -915,17 +930,16 @@ fn on_deliver(
             // A stream-ordered receive returned before its bytes landed
             // (the method may start; its kernels wait on the GPU): the
             // acknowledgement waits for the landing (XF-5).
-            let landing = received
+            let landing: Option<Landing> = received
                 .as_ref()
                 .ok()
-                .and_then(|_| transport.1.landed(xfer));
+                .and_then(|_| transport.1.landed(xfer))
+                .map(FutureExt::shared);
             // WK-5: known before the value is stored, so that a call that
             // takes the value also finds the landing to wait for.
-            let gate = landing.as_ref().map(|_| {
-                let (tx, rx) = tokio::sync::watch::channel(None);
-                shared.landing.lock().insert(object, rx);
-                tx
-            });
+            if let Some(l) = &landing {
+                shared.landing.lock().insert(object, l.clone());
+            }
             {
                 // Held across the store insert: a `Free` either finds the
                 // receive and leaves a tombstone, or finds the value stored.
@@ -960,9 +974,6 @@ fn on_deliver(
                             shared.store.fail_received(object, e.clone());
                         }
                         shared.landing.lock().remove(&object);
-                        if let Some(gate) = gate {
-                            let _ = gate.send(Some(landed.clone()));
-                        }
                         landed.and(ack)
                     }
                 };
@@ -1191,7 +1202,10 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
         let fut = async move {
             let call = msg.call;
             let t0 = std::time::Instant::now();
+            rdt_transport::cuda::timeline("call start", call);
             let result = run_call::<A>(&mut state, &shared, msg).await;
+            rdt_transport::cuda::timeline("call done", call);
+            let sent = std::time::Instant::now();
             tracing::debug!(
                 micros = t0.elapsed().as_micros() as u64,
                 ok = result.is_ok(),
@@ -1204,6 +1218,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
                     result: Err(e),
                 });
             }
+            rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
             state
         }
         .instrument(span);
@@ -1242,11 +1257,11 @@ async fn run_call<A: RdtActor>(
     }
     // WK-5: arguments whose bytes are still landing; the method runs now
     // (its kernels wait on the GPU), its result waits for the landing.
-    let landing: Vec<(u64, tokio::sync::watch::Receiver<Option<Result<()>>>)> = {
+    let landing: Vec<(u64, Landing)> = {
         let l = shared.landing.lock();
         ref_args
             .iter()
-            .filter_map(|id| l.get(id).map(|rx| (*id, rx.clone())))
+            .filter_map(|id| l.get(id).map(|f| (*id, f.clone())))
             .collect()
     };
     let args = CallArgs {
@@ -1267,16 +1282,11 @@ async fn run_call<A: RdtActor>(
             })
         }
     };
-    for (object, mut rx) in landing {
-        let landed = match rx.wait_for(Option::is_some).await {
-            Ok(r) => r.clone().unwrap_or(Ok(())),
-            // The sender went away after it sent the result: look no more.
-            Err(_) => Ok(()),
-        };
-        if let Err(e) = landed {
+    for (object, landed) in landing {
+        if let Err(e) = landed.await {
             return Err(Error::Dependency {
                 object,
-                cause: Box::new(e),
+                cause: Box::new(e.into()),
             });
         }
     }

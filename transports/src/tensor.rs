@@ -726,7 +726,11 @@ impl Tensor {
         match &*self.storage.mem.read() {
             Memory::Cuda(d) => {
                 if let Some(ev) = self.storage.ready.lock().take() {
-                    d.gpu().wait_stream_event(&ev)?;
+                    // Passed already (a transfer that landed): nothing to
+                    // wait for, and rdt's stream stays idle.
+                    if !ev.passed().unwrap_or(false) {
+                        d.gpu().wait_stream_event(&ev)?;
+                    }
                 }
                 Ok(f(d.as_ref()))
             }

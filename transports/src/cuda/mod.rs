@@ -83,6 +83,44 @@ pub fn tracing_enabled() -> bool {
     })
 }
 
+/// Is `RDT_TIMELINE` set (non-empty, not `0`)? Then the steps of every
+/// direct transfer (order received, job started, enqueued, landed) and of
+/// every call are printed to stderr with a host-wide monotonic timestamp,
+/// so the lines of the driver and of every worker on one host line up (a
+/// debugging aid for latency: where a pass spends its time).
+pub fn timeline_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("RDT_TIMELINE")
+            .map(|v| !v.is_empty() && v != "0")
+            .unwrap_or(false)
+    })
+}
+
+/// Microseconds of `CLOCK_MONOTONIC`: the same clock in every process of
+/// a host.
+pub fn monotonic_us() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
+}
+
+/// One timeline line (see [`timeline_enabled`]): `what` happened to
+/// transfer or call `id`.
+pub fn timeline(what: &str, id: u64) {
+    if timeline_enabled() {
+        eprintln!(
+            "[timeline] {} pid {} {what} {id}",
+            monotonic_us(),
+            std::process::id()
+        );
+    }
+}
+
 /// Prints a trace line when [`tracing_enabled`].
 macro_rules! cuda_trace {
     ($($arg:tt)*) => {

@@ -261,6 +261,7 @@ impl TensorTransport for NcclTransport {
         tensors: &'a [Tensor],
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
+            cuda::timeline("nccl send start", cx.xfer);
             let (comm, peer) = self.comm(cx, to)?;
             let gpu = comm.gpu().clone();
             let mut ops = Vec::with_capacity(tensors.len());
@@ -271,15 +272,20 @@ impl TensorTransport for NcclTransport {
             // The stream waits for the tensors' producers (§6.4).
             // SAFETY: the communicator's stream lives in this GPU's context.
             unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
+            cuda::timeline("nccl send ordered", cx.xfer);
             let kept = tensors.to_vec();
             comm.group(&ops)
                 .await
                 .map_err(|e| TransportError::with_peer(NAME, to, e.0))?;
+            cuda::timeline("nccl send group call", cx.xfer);
             let done = comm.record_done().map_err(err)?;
+            let xfer = cx.xfer;
+            cuda::timeline("nccl send enqueued", xfer);
             // The memory stays alive until the GPU read it (a free of the
             // object meanwhile does not recycle it).
             tokio::spawn(async move {
                 let _ = comm.wait_done(&done, LANDING_SPIN).await;
+                cuda::timeline("nccl send done", xfer);
                 drop(kept);
             });
             Ok(())
@@ -293,6 +299,7 @@ impl TensorTransport for NcclTransport {
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         Box::pin(async move {
+            cuda::timeline("nccl receive start", cx.xfer);
             let (comm, peer) = self.comm(cx, from)?;
             let gpu = comm.gpu().clone();
             for (i, m) in exported.metas.iter().enumerate() {
@@ -329,6 +336,7 @@ impl TensorTransport for NcclTransport {
                     .collect::<Result<_, _>>()
                     .map_err(err)?,
             };
+            cuda::timeline("nccl receive allocated", cx.xfer);
             let mut ops = Vec::with_capacity(tensors.len());
             for (i, t) in tensors.iter().enumerate() {
                 let (ptr, len) = device_range(t, i, &gpu)?;
@@ -338,9 +346,11 @@ impl TensorTransport for NcclTransport {
             // work pending there: the communicator's stream waits for it.
             // SAFETY: the communicator's stream lives in this GPU's context.
             unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
+            cuda::timeline("nccl receive ordered", cx.xfer);
             comm.group(&ops)
                 .await
                 .map_err(|e| TransportError::with_peer(NAME, from, e.0))?;
+            cuda::timeline("nccl receive group call", cx.xfer);
             let done = comm.record_done().map_err(err)?;
             for t in &tensors {
                 t.set_ready_event(done.clone());
@@ -348,11 +358,14 @@ impl TensorTransport for NcclTransport {
             let (tx, rx) = oneshot::channel();
             let kept = tensors.clone();
             let peer_name = from.clone();
+            let xfer = cx.xfer;
+            cuda::timeline("nccl receive enqueued", xfer);
             tokio::spawn(async move {
                 let r = comm
                     .wait_done(&done, LANDING_SPIN)
                     .await
                     .map_err(|e| TransportError::with_peer(NAME, &peer_name, e.0));
+                cuda::timeline("nccl receive landed", xfer);
                 drop(kept);
                 let _ = tx.send(r);
             });
