@@ -26,11 +26,13 @@
 //! (`cuStreamQuery`) it is ready at once and nothing is enqueued: work on a
 //! GPU that another process is using costs a context switch (hundreds of
 //! microseconds on one GPU shared by two processes), so an idle stream must
-//! not be given any. Otherwise it records an event, asks `cuEventQuery`
-//! once, and if the GPU is not there yet waits in `cuEventSynchronize` on
-//! tokio's blocking pool (exact wake-up, no executor thread blocked or
-//! spinning; outside a tokio runtime it blocks the caller). Works on
-//! current-thread runtimes (actix).
+//! not be given any. Otherwise it records an event and asks `cuEventQuery`
+//! again, yielding between asks, for at most [`SPIN_BEFORE_BLOCKING`]
+//! (about what a hand-off to the blocking pool costs: a short wait pays no
+//! more than that); if the GPU is not there yet it waits in
+//! `cuEventSynchronize` on tokio's blocking pool (exact wake-up, no
+//! executor thread blocked or spinning for long; outside a tokio runtime
+//! it blocks the caller). Works on current-thread runtimes (actix).
 //!
 //! # Memory
 //! Every CUDA tensor rdt allocates comes from [`alloc`]'s slab allocator over
