@@ -5,7 +5,7 @@
 //! functions are ours, declared with `int` results (NCCL's enum may grow,
 //! and a Rust enum must never hold a value it does not list).
 //!
-//! Nothing here panics on a missing library or symbol: [`api`] says what is
+//! Nothing here panics on a missing library or symbol: `api()` says what is
 //! missing and how to get it.
 
 use std::ffi::{c_char, c_int, c_void, CStr};

@@ -1,7 +1,7 @@
 //! The `nccl` transport: CUDA tensors between the members of a collective
 //! group, over NCCL point-to-point, stream-ordered.
 //!
-//! NCCL runs under rdt's own thin wrapper ([`api`], [`comm`]) over
+//! NCCL runs under rdt's own thin wrapper ([`api`](mod@api), [`comm`](mod@comm)) over
 //! cudarc's `nccl::sys` types, loaded at run time: cudarc's safe `Comm` is
 //! `!Send`, exposes no raw handle, cannot be aborted from a watchdog, and
 //! cudarc 0.19 never looks for `libnccl.so.2`.
