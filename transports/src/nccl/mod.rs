@@ -131,6 +131,25 @@ fn err(e: impl std::fmt::Display) -> TransportError {
     TransportError::new(NAME, e.to_string())
 }
 
+/// Why nccl refuses a device that is not CUDA.
+const CUDA_ONLY: &str =
+    "nccl moves CUDA tensors only; for CPU tensors use tcp (collective) or shm (one-sided, same host)";
+
+/// [`CUDA_ONLY`] for tensor `i` of an object, naming it.
+fn check_tensor_device(
+    i: usize,
+    dtype: crate::DType,
+    shape: &[usize],
+    device: &Device,
+) -> Result<(), TransportError> {
+    match device {
+        Device::Cuda { .. } => Ok(()),
+        Device::Cpu => Err(err(format!(
+            "tensor #{i} ({dtype} {shape:?}) is on cpu: {CUDA_ONLY}"
+        ))),
+    }
+}
+
 /// `(device address, bytes)` of a CUDA tensor on `gpu`, or why it cannot
 /// take part in a transfer on it. Takes the tensor's ready event over to
 /// rdt's stream (the caller orders the communicator's stream after it).
@@ -139,14 +158,7 @@ fn device_range(
     i: usize,
     gpu: &Arc<cuda::Gpu>,
 ) -> Result<(u64, usize), TransportError> {
-    if !t.is_cuda() {
-        return Err(err(format!(
-            "tensor #{i} ({} {:?}) is on {}: nccl moves CUDA tensors only (use tcp for CPU tensors)",
-            t.dtype(),
-            t.shape(),
-            t.device()
-        )));
-    }
+    check_tensor_device(i, t.dtype(), t.shape(), t.device())?;
     t.with_device_buffer(|d| {
         if !Arc::ptr_eq(d.gpu(), gpu) {
             return Err(err(format!(
@@ -174,9 +186,7 @@ impl TensorTransport for NcclTransport {
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {
         match device {
             Device::Cuda { .. } => Ok(()),
-            Device::Cpu => Err(err(
-                "nccl moves CUDA tensors only; for CPU tensors use tcp (collective) or shm (one-sided, same host)",
-            )),
+            Device::Cpu => Err(err(CUDA_ONLY)),
         }
     }
 
@@ -263,31 +273,11 @@ impl TensorTransport for NcclTransport {
         Box::pin(async move {
             cuda::timeline("nccl send start", cx.xfer);
             let (comm, peer) = self.comm(cx, to)?;
-            let gpu = comm.gpu().clone();
-            let mut ops = Vec::with_capacity(tensors.len());
-            for (i, t) in tensors.iter().enumerate() {
-                let (ptr, len) = device_range(t, i, &gpu)?;
-                ops.push(P2p::Send { peer, ptr, len });
-            }
-            // The stream waits for the tensors' producers (§6.4).
-            // SAFETY: the communicator's stream lives in this GPU's context.
-            unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
-            cuda::timeline("nccl send ordered", cx.xfer);
-            let kept = tensors.to_vec();
-            comm.group(&ops)
-                .await
-                .map_err(|e| TransportError::with_peer(NAME, to, e.0))?;
-            cuda::timeline("nccl send group call", cx.xfer);
-            let done = comm.record_done().map_err(err)?;
-            let xfer = cx.xfer;
-            cuda::timeline("nccl send enqueued", xfer);
+            let send = |ptr, len| P2p::Send { peer, ptr, len };
+            let done = enqueue(&comm, to, tensors, send, SEND, cx.xfer).await?;
             // The memory stays alive until the GPU read it (a free of the
             // object meanwhile does not recycle it).
-            tokio::spawn(async move {
-                let _ = comm.wait_done(&done, LANDING_SPIN).await;
-                cuda::timeline("nccl send done", xfer);
-                drop(kept);
-            });
+            keep_until_done(comm, done, tensors.to_vec(), to.clone(), SEND, cx.xfer);
             Ok(())
         })
     }
@@ -303,16 +293,8 @@ impl TensorTransport for NcclTransport {
             let (comm, peer) = self.comm(cx, from)?;
             let gpu = comm.gpu().clone();
             for (i, m) in exported.metas.iter().enumerate() {
-                if m.device.is_cpu() {
-                    return Err(TransportError::with_peer(
-                        NAME,
-                        from,
-                        format!(
-                            "tensor #{i} ({} {:?}) is on cpu: nccl moves CUDA tensors only",
-                            m.dtype, m.shape
-                        ),
-                    ));
-                }
+                check_tensor_device(i, m.dtype, &m.shape, &m.device)
+                    .map_err(|e| TransportError::with_peer(NAME, from, e.message))?;
             }
             // Into the targets where they are on this GPU (no staging);
             // otherwise into fresh memory here, placed afterwards.
@@ -337,38 +319,14 @@ impl TensorTransport for NcclTransport {
                     .map_err(err)?,
             };
             cuda::timeline("nccl receive allocated", cx.xfer);
-            let mut ops = Vec::with_capacity(tensors.len());
-            for (i, t) in tensors.iter().enumerate() {
-                let (ptr, len) = device_range(t, i, &gpu)?;
-                ops.push(P2p::Recv { peer, ptr, len });
-            }
-            // Fresh memory was last used on rdt's stream; targets may have
-            // work pending there: the communicator's stream waits for it.
-            // SAFETY: the communicator's stream lives in this GPU's context.
-            unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
-            cuda::timeline("nccl receive ordered", cx.xfer);
-            comm.group(&ops)
-                .await
-                .map_err(|e| TransportError::with_peer(NAME, from, e.0))?;
-            cuda::timeline("nccl receive group call", cx.xfer);
-            let done = comm.record_done().map_err(err)?;
+            // Fresh memory was last used on rdt's stream, and targets may
+            // have work pending there: `enqueue` orders after it.
+            let recv = |ptr, len| P2p::Recv { peer, ptr, len };
+            let done = enqueue(&comm, from, &tensors, recv, RECEIVE, cx.xfer).await?;
             for t in &tensors {
                 t.set_ready_event(done.clone());
             }
-            let (tx, rx) = oneshot::channel();
-            let kept = tensors.clone();
-            let peer_name = from.clone();
-            let xfer = cx.xfer;
-            cuda::timeline("nccl receive enqueued", xfer);
-            tokio::spawn(async move {
-                let r = comm
-                    .wait_done(&done, LANDING_SPIN)
-                    .await
-                    .map_err(|e| TransportError::with_peer(NAME, &peer_name, e.0));
-                cuda::timeline("nccl receive landed", xfer);
-                drop(kept);
-                let _ = tx.send(r);
-            });
+            let rx = keep_until_done(comm, done, tensors.clone(), from.clone(), RECEIVE, cx.xfer);
             let placed = match (&cx.target, in_place) {
                 (Target::Tensors(_), true) => Ok(tensors),
                 (target, _) => target.place(NAME, &exported.metas, tensors),
@@ -387,6 +345,77 @@ impl TensorTransport for NcclTransport {
                 .unwrap_or_else(|_| Err(err("the receive's landing was dropped")))
         }))
     }
+}
+
+/// The timeline labels of one side of a transfer (see
+/// `cuda::timeline`): ordered, group call made, enqueued, done.
+struct Side([&'static str; 4]);
+
+const SEND: Side = Side([
+    "nccl send ordered",
+    "nccl send group call",
+    "nccl send enqueued",
+    "nccl send done",
+]);
+const RECEIVE: Side = Side([
+    "nccl receive ordered",
+    "nccl receive group call",
+    "nccl receive enqueued",
+    "nccl receive landed",
+]);
+
+/// One side of a transfer (§6.4): `tensors` as one NCCL group call (`op`
+/// makes each tensor's send or receive) on the communicator's stream,
+/// after that stream waits for rdt's (the tensors' producers, and the last
+/// user of recycled memory). Returns the call's done event.
+async fn enqueue(
+    comm: &Communicator,
+    peer: &Peer,
+    tensors: &[Tensor],
+    op: impl Fn(u64, usize) -> P2p,
+    side: Side,
+    xfer: TransferId,
+) -> Result<Arc<cuda::StreamEvent>, TransportError> {
+    let gpu = comm.gpu();
+    let ops = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| device_range(t, i, gpu).map(|(ptr, len)| op(ptr, len)))
+        .collect::<Result<Vec<_>, _>>()?;
+    // SAFETY: the communicator's stream lives in this GPU's context.
+    unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
+    cuda::timeline(side.0[0], xfer);
+    comm.group(&ops)
+        .await
+        .map_err(|e| TransportError::with_peer(NAME, peer, e.0))?;
+    cuda::timeline(side.0[1], xfer);
+    let done = comm.record_done().map_err(err)?;
+    cuda::timeline(side.0[2], xfer);
+    Ok(done)
+}
+
+/// Keeps `kept` (the memory a transfer reads or writes) alive until the
+/// GPU passed `done`, on a task of the calling thread (the group's); the
+/// receiver hears how the transfer ended (a stream-ordered free, §6.4).
+fn keep_until_done(
+    comm: Arc<Communicator>,
+    done: Arc<cuda::StreamEvent>,
+    kept: Vec<Tensor>,
+    peer: Peer,
+    side: Side,
+    xfer: TransferId,
+) -> oneshot::Receiver<Result<(), TransportError>> {
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let r = comm
+            .wait_done(&done, LANDING_SPIN)
+            .await
+            .map_err(|e| TransportError::with_peer(NAME, &peer, e.0));
+        cuda::timeline(side.0[3], xfer);
+        drop(kept);
+        let _ = tx.send(r);
+    });
+    rx
 }
 
 /// Aborts `comm` from a thread of its own: `ncclCommAbort` may take a
