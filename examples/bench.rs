@@ -30,7 +30,7 @@
 use std::time::{Duration, Instant};
 
 use rdt::prelude::*;
-use serde::Serialize;
+use rdt_examples::{Kind, Row};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[rdt::actor]
@@ -84,52 +84,14 @@ impl Sink {
     }
 }
 
-/// What a row's time is (see the module docs).
-#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-enum Kind {
-    /// The bytes are copied: `gbps` is a bandwidth.
-    Bandwidth,
-    /// A zero-copy hand-off: no bandwidth, only a latency.
-    HandoffLatency,
-    /// A round trip of a tiny payload, or a latency under load.
-    Latency,
-}
-
-impl Kind {
-    /// A full pass of a tensor the producer keeps: a hand-off over `shm`
-    /// (published where it is, after the first pass), a copy otherwise.
-    fn of_pass(t: Transport) -> Kind {
-        if t == Transport::Shm {
-            Kind::HandoffLatency
-        } else {
-            Kind::Bandwidth
-        }
+/// What a full pass of a tensor the producer keeps is: a hand-off over
+/// `shm` (published where it is, after the first pass), a copy otherwise.
+fn kind_of_pass(t: Transport) -> Kind {
+    if t == Transport::Shm {
+        Kind::HandoffLatency
+    } else {
+        Kind::Bandwidth
     }
-
-    /// The table's label.
-    fn label(self) -> &'static str {
-        match self {
-            Kind::Bandwidth => "bandwidth",
-            Kind::HandoffLatency => "hand-off latency",
-            Kind::Latency => "latency",
-        }
-    }
-}
-
-#[derive(Serialize, Clone, Debug)]
-struct Row {
-    suite: String,
-    case: String,
-    transport: String,
-    device: String,
-    bytes: u64,
-    iters: usize,
-    median_us: f64,
-    p90_us: f64,
-    kind: Kind,
-    /// `bytes` per median in GB/s, for `Kind::Bandwidth` rows only.
-    gbps: Option<f64>,
 }
 
 fn row(
@@ -138,25 +100,10 @@ fn row(
     transport: &str,
     kind: Kind,
     bytes: u64,
-    mut samples: Vec<Duration>,
+    samples: Vec<Duration>,
 ) -> Row {
-    samples.sort();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    let median = us(samples[samples.len() / 2]);
-    let p90 = us(samples[(samples.len() * 9 / 10).min(samples.len() - 1)]);
-    Row {
-        suite: suite.into(),
-        case: case.into(),
-        transport: transport.into(),
-        device: "cpu".into(),
-        bytes,
-        iters: samples.len(),
-        median_us: median,
-        p90_us: p90,
-        kind,
-        gbps: (kind == Kind::Bandwidth && bytes > 0 && median > 0.0)
-            .then(|| bytes as f64 / (median / 1e6) / 1e9),
-    }
+    let us = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    Row::new(suite, case, transport, "cpu", kind, bytes, us)
 }
 
 const ECHO_ENV: &str = "RDT_BENCH_ECHO_SOCKET";
@@ -327,7 +274,7 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
                 "transports",
                 &format!("pass {label}"),
                 transport.name(),
-                Kind::of_pass(transport),
+                kind_of_pass(transport),
                 bytes as u64,
                 samples,
             ));

@@ -44,7 +44,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use rdt::prelude::*;
-use serde::Serialize;
+use rdt_examples::{median_of, Kind, Row};
 
 // ANCHOR: source
 #[rdt::actor]
@@ -128,36 +128,6 @@ impl CudaSink {
     }
 }
 
-/// What a row's time is (see the module docs).
-#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-enum Kind {
-    /// The bytes are copied: `gbps` is a bandwidth.
-    Bandwidth,
-    /// A zero-copy hand-off: no bandwidth, only a latency.
-    HandoffLatency,
-    /// A round trip without a tensor.
-    Latency,
-}
-
-#[derive(Serialize)]
-struct Row {
-    suite: &'static str,
-    case: String,
-    transport: String,
-    device: String,
-    bytes: usize,
-    iters: usize,
-    median_us: f64,
-    p90_us: f64,
-    kind: Kind,
-    /// `bytes` per median in GB/s, for `Kind::Bandwidth` rows only.
-    gbps: Option<f64>,
-    placement: String,
-    device_name: String,
-    commit: String,
-}
-
 struct Ctx {
     device: String,
     device_name: String,
@@ -165,35 +135,14 @@ struct Ctx {
     placement: &'static str,
 }
 
-fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, mut us: Vec<f64>) -> Row {
-    us.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let median = us[us.len() / 2];
-    let p90 = us[((us.len() as f64 * 0.9) as usize).min(us.len() - 1)];
+fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<f64>) -> Row {
     let r = Row {
-        suite: "cuda",
-        case: case.to_string(),
-        transport: transport.to_string(),
-        device: cx.device.clone(),
-        bytes,
-        iters: us.len(),
-        median_us: median,
-        p90_us: p90,
-        kind,
-        gbps: (kind == Kind::Bandwidth && median > 0.0 && bytes > 0)
-            .then(|| bytes as f64 / (median * 1e3)),
-        placement: cx.placement.to_string(),
-        device_name: cx.device_name.clone(),
-        commit: cx.commit.clone(),
+        placement: Some(cx.placement.to_string()),
+        device_name: Some(cx.device_name.clone()),
+        commit: Some(cx.commit.clone()),
+        ..Row::new("cuda", case, transport, &cx.device, kind, bytes as u64, us)
     };
-    let what = match (r.kind, r.gbps) {
-        (Kind::Bandwidth, Some(g)) => format!("{g:>8.2} GB/s"),
-        (Kind::HandoffLatency, _) => "hand-off latency".to_string(),
-        _ => "latency".to_string(),
-    };
-    println!(
-        "{:<10} {:<16} {:<13} {:>11} B {:>4} it  median {:>11.1} us  p90 {:>11.1} us  {}",
-        r.placement, r.case, r.transport, r.bytes, r.iters, r.median_us, r.p90_us, what
-    );
+    r.print();
     r
 }
 
@@ -257,16 +206,12 @@ fn cuda_err(e: impl std::fmt::Display) -> Error {
     Error::Protocol(e.to_string())
 }
 
+/// The median of `placement`'s row for (`case`, `transport`, `bytes`).
 fn median(rows: &[Row], placement: &str, case: &str, transport: &str, bytes: usize) -> f64 {
-    rows.iter()
-        .find(|r| {
-            r.placement == placement
-                && r.case == case
-                && r.transport == transport
-                && r.bytes == bytes
-        })
-        .map(|r| r.median_us)
-        .unwrap_or(f64::NAN)
+    let here = rows
+        .iter()
+        .filter(|r| r.placement.as_deref() == Some(placement));
+    median_of(here, case, transport, bytes as u64)
 }
 
 #[rdt::main]

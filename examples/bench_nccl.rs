@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use rdt::data::nccl::{Communicator, P2p, UniqueId};
 use rdt::prelude::*;
+use rdt_examples::{median_of, Kind, Row};
 use serde::Serialize;
 
 /// Side of the overlap workload's matrices.
@@ -285,62 +286,19 @@ impl NcclSink {
     }
 }
 
-#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-enum Kind {
-    Bandwidth,
-    Latency,
-}
-
-#[derive(Serialize)]
-struct Row {
-    suite: &'static str,
-    case: String,
-    transport: String,
-    device: String,
-    bytes: usize,
-    iters: usize,
-    median_us: f64,
-    p90_us: f64,
-    kind: Kind,
-    gbps: Option<f64>,
-    device_name: String,
-    commit: String,
-}
-
 struct Ctx {
     device: String,
     device_name: String,
     commit: String,
 }
 
-fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, mut us: Vec<f64>) -> Row {
-    us.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let median = us[us.len() / 2];
-    let p90 = us[((us.len() as f64 * 0.9) as usize).min(us.len() - 1)];
+fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<f64>) -> Row {
     let r = Row {
-        suite: "nccl",
-        case: case.to_string(),
-        transport: transport.to_string(),
-        device: cx.device.clone(),
-        bytes,
-        iters: us.len(),
-        median_us: median,
-        p90_us: p90,
-        kind,
-        gbps: (kind == Kind::Bandwidth && median > 0.0 && bytes > 0)
-            .then(|| bytes as f64 / (median * 1e3)),
-        device_name: cx.device_name.clone(),
-        commit: cx.commit.clone(),
+        device_name: Some(cx.device_name.clone()),
+        commit: Some(cx.commit.clone()),
+        ..Row::new("nccl", case, transport, &cx.device, kind, bytes as u64, us)
     };
-    let what = match r.gbps {
-        Some(g) => format!("{g:>8.2} GB/s"),
-        None => "latency".to_string(),
-    };
-    println!(
-        "{:<16} {:<13} {:>11} B {:>4} it  median {:>11.1} us  p90 {:>11.1} us  {}",
-        r.case, r.transport, r.bytes, r.iters, r.median_us, r.p90_us, what
-    );
+    r.print();
     r
 }
 
@@ -350,13 +308,6 @@ fn us_since(t0: Instant) -> f64 {
 
 fn cuda_err(e: impl std::fmt::Debug) -> Error {
     Error::Protocol(format!("{e:?}"))
-}
-
-fn median_of(rows: &[Row], case: &str, transport: &str, bytes: usize) -> f64 {
-    rows.iter()
-        .find(|r| r.case == case && r.transport == transport && r.bytes == bytes)
-        .map(|r| r.median_us)
-        .unwrap_or(f64::NAN)
 }
 
 /// The raw baseline's cases: (name, tensors, bytes each).
@@ -674,9 +625,9 @@ async fn main() -> rdt::Result<()> {
     println!("\n== summary (medians, same run)");
     let rtt = median_of(&rows, "actor_call_rtt", "none", 0);
     for &bytes in &sizes {
-        let raw = median_of(&rows, "pass", "raw", bytes);
-        let ours = median_of(&rows, "pass", "nccl", bytes);
-        let os = median_of(&rows, "pass", "object_store", bytes);
+        let raw = median_of(&rows, "pass", "raw", bytes as u64);
+        let ours = median_of(&rows, "pass", "nccl", bytes as u64);
+        let os = median_of(&rows, "pass", "object_store", bytes as u64);
         println!(
             "  {bytes:>10} B: rdt nccl {ours:>9.1} us, raw NCCL {raw:>9.1} us (raw/rdt bandwidth {:>5.1} %), \
              object store {os:>11.1} us ({:>6.1}x slower than rdt); rdt - raw = {:>7.1} us vs one actor call {rtt:.1} us",
@@ -686,8 +637,8 @@ async fn main() -> rdt::Result<()> {
         );
     }
     let (raw_m, ours_m) = (
-        median_of(&rows, "many100", "raw", total),
-        median_of(&rows, "many100", "nccl", total),
+        median_of(&rows, "many100", "raw", total as u64),
+        median_of(&rows, "many100", "nccl", total as u64),
     );
     println!(
         "  100 tensors / 1 GiB: rdt {ours_m:.1} us, raw {raw_m:.1} us ({:.1} %)",

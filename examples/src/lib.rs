@@ -1,1 +1,129 @@
+//! What the benchmark programs (`bench`, `bench_cuda`, `bench_nccl`) share:
+//! the harness's row schema (see the book's Benchmarks page) and the
+//! statistics every row is made of.
 
+use serde::Serialize;
+
+/// What a row's time is.
+#[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// The bytes are copied: `gbps` is a bandwidth.
+    Bandwidth,
+    /// A zero-copy hand-off: no bandwidth, only a latency.
+    HandoffLatency,
+    /// A round trip of a tiny payload, or a latency under load.
+    Latency,
+}
+
+impl Kind {
+    /// The tables' label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Kind::Bandwidth => "bandwidth",
+            Kind::HandoffLatency => "hand-off latency",
+            Kind::Latency => "latency",
+        }
+    }
+}
+
+/// One row of a benchmark's table and JSON.
+#[derive(Serialize, Clone, Debug)]
+pub struct Row {
+    /// The suite (`control`, `cuda`, `nccl`, ...).
+    pub suite: String,
+    /// What was measured.
+    pub case: String,
+    /// The path it took (`none`, `raw` for baselines).
+    pub transport: String,
+    /// Where the bytes were.
+    pub device: String,
+    /// Bytes per iteration.
+    pub bytes: u64,
+    /// Iterations timed.
+    pub iters: usize,
+    /// Median, µs.
+    pub median_us: f64,
+    /// 90th percentile, µs.
+    pub p90_us: f64,
+    /// What the time is.
+    pub kind: Kind,
+    /// `bytes` per median in GB/s (1e9 B/s), for `Kind::Bandwidth` rows only.
+    pub gbps: Option<f64>,
+    /// GPU suites: `same_gpu` or `cross_gpu`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement: Option<String>,
+    /// GPU suites: the device's product name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_name: Option<String>,
+    /// GPU suites: the commit the bundle was built from.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub commit: Option<String>,
+}
+
+impl Row {
+    /// A row of `us` (one sample per iteration, µs): median, p90 and, for
+    /// bandwidth rows, GB/s. The GPU fields are left empty.
+    pub fn new(
+        suite: &str,
+        case: &str,
+        transport: &str,
+        device: &str,
+        kind: Kind,
+        bytes: u64,
+        mut us: Vec<f64>,
+    ) -> Row {
+        us.sort_by(|a, b| a.partial_cmp(b).expect("no NaN sample"));
+        let median = us[us.len() / 2];
+        let p90 = us[(us.len() * 9 / 10).min(us.len() - 1)];
+        Row {
+            suite: suite.into(),
+            case: case.into(),
+            transport: transport.into(),
+            device: device.into(),
+            bytes,
+            iters: us.len(),
+            median_us: median,
+            p90_us: p90,
+            kind,
+            gbps: (kind == Kind::Bandwidth && median > 0.0 && bytes > 0)
+                .then(|| bytes as f64 / (median * 1e3)),
+            placement: None,
+            device_name: None,
+            commit: None,
+        }
+    }
+
+    /// Prints the row as the GPU benchmarks do (the placement first, if
+    /// it has one).
+    pub fn print(&self) {
+        let what = match (self.kind, self.gbps) {
+            (Kind::Bandwidth, Some(g)) => format!("{g:>8.2} GB/s"),
+            (Kind::HandoffLatency, _) => Kind::HandoffLatency.label().to_string(),
+            _ => Kind::Latency.label().to_string(),
+        };
+        let placement = self
+            .placement
+            .as_ref()
+            .map(|p| format!("{p:<10} "))
+            .unwrap_or_default();
+        println!(
+            "{placement}{:<16} {:<13} {:>11} B {:>4} it  median {:>11.1} us  p90 {:>11.1} us  {}",
+            self.case, self.transport, self.bytes, self.iters, self.median_us, self.p90_us, what
+        );
+    }
+}
+
+/// The median of `rows`' row for (`case`, `transport`, `bytes`), NaN if
+/// there is none.
+pub fn median_of<'a>(
+    rows: impl IntoIterator<Item = &'a Row>,
+    case: &str,
+    transport: &str,
+    bytes: u64,
+) -> f64 {
+    rows.into_iter()
+        .find(|r| r.case == case && r.transport == transport && r.bytes == bytes)
+        .map(|r| r.median_us)
+        .unwrap_or(f64::NAN)
+}
