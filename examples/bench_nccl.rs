@@ -19,7 +19,8 @@
 //!   are separate rows.
 //! * `object_store`: the same pass through the driver, serialized.
 //! * sizes 4 KiB, 1 MiB, 64 MiB, 1 GiB, and an object of 100 tensors
-//!   totalling 1 GiB (`many100`); `actor_call_rtt` for the 4 KiB budget.
+//!   totalling 1 GiB (`many100`); `actor_call_rtt` for the 4 KiB budget,
+//!   and `actor_call_rtt_after_idle` (the same call after 3 ms idle).
 //! * **overlap** (Ray Compiled Graphs' `_overlap_gpu_communication`
 //!   workload): three senders on GPU 0 each hold a 10000×10000 f16 matrix,
 //!   one receiver on GPU 1 (in three two-member groups) multiplies each
@@ -521,6 +522,23 @@ async fn main() -> rdt::Result<()> {
         us.push(us_since(t0));
     }
     rows.push(row(&cx, "actor_call_rtt", "none", Kind::Latency, 0, us));
+    // The same call after 3 ms with nothing to do (a 1 GiB pass keeps the
+    // control plane idle about that long): what waking idle threads costs.
+    let mut us = Vec::new();
+    for i in 0..50 {
+        tokio::time::sleep(Duration::from_millis(3)).await;
+        let t0 = Instant::now();
+        rt.get(c.ping(i).remote()).await?;
+        us.push(us_since(t0));
+    }
+    rows.push(row(
+        &cx,
+        "actor_call_rtt_after_idle",
+        "none",
+        Kind::Latency,
+        0,
+        us,
+    ));
     let t0 = Instant::now();
     rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
         .await?;

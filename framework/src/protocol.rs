@@ -99,6 +99,9 @@ pub struct SpawnOrder {
     pub tcp_bind: Option<String>,
     /// Deadline of a direct transfer, in milliseconds.
     pub transfer_timeout_ms: u64,
+    /// The hot window set by the driver's builder, in microseconds
+    /// (`None`: the worker's own default, `rdt_transport::hot`).
+    pub hot_window_us: Option<u64>,
     /// For workers over TCP: exit when the driver is silent this long
     /// (it pings every quarter of it), so a worker cut off from its driver
     /// does not live on.
@@ -697,6 +700,7 @@ mod tests {
             max_frame: 1 << 30,
             tcp_bind: None,
             transfer_timeout_ms: 1000,
+            hot_window_us: None,
             heartbeat_ms: None,
             args,
         })

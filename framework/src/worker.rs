@@ -26,6 +26,7 @@ use actix::prelude::*;
 use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
+use rdt_transport::hot::{self, hot};
 use rdt_transport::{object_store, Blob, Peer, Sidedness, Tensor};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};
@@ -340,6 +341,9 @@ struct WorkerShared {
     /// receives, WK-5): a call that used one reports its result only once
     /// they landed, and fails if they did not.
     landing: Mutex<HashMap<u64, Landing>>,
+    /// Told when a call arrives: ends the wait that keeps the actor's
+    /// thread awake after a call (within the hot window).
+    call_arrived: Arc<Notify>,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -374,7 +378,10 @@ fn start_group_queue(group: u64) -> std::io::Result<tokio::sync::mpsc::Unbounded
         .name(format!("rdt-group-{group}"))
         .spawn(move || {
             rt.block_on(async move {
-                while let Some(job) = rx.recv().await {
+                // Hot (rdt_transport::hot): the next transfer of a pass
+                // often comes within the window, and waking this thread
+                // after it slept costs more than the spin.
+                while let Some(job) = hot(rx.recv()).await {
                     job.await;
                 }
             })
@@ -618,6 +625,9 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
     });
     let boot_name: Arc<str> = order.name.clone().into();
     let heartbeat = order.heartbeat_ms.map(Duration::from_millis);
+    if let Some(us) = order.hot_window_us {
+        hot::set_window(Duration::from_micros(us));
+    }
     let args = order.args.clone();
     let handle = control.handle().clone();
     let sys = actix::System::new();
@@ -662,6 +672,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             received: Default::default(),
             groups: Mutex::new(HashMap::new()),
             landing: Mutex::new(HashMap::new()),
+            call_arrived: Arc::new(Notify::new()),
         });
         let _ = WORKER.set(shared.clone());
         // The mailbox is sized before the actor starts: calls may arrive
@@ -714,10 +725,12 @@ async fn control_loop<A: RdtActor>(
 ) -> Result<()> {
     let tx = shared.tx.clone();
     loop {
+        // Hot (rdt_transport::hot): the next message of a pass often comes
+        // within the window; waking this thread after it slept costs more.
         let next = match heartbeat {
-            None => rx.recv::<ToWorker>().await,
+            None => hot(rx.recv::<ToWorker>()).await,
             // recv is cancel-safe: a frame in progress stays buffered.
-            Some(hb) => match tokio::time::timeout(hb, rx.recv::<ToWorker>()).await {
+            Some(hb) => match tokio::time::timeout(hb, hot(rx.recv::<ToWorker>())).await {
                 Ok(m) => m,
                 Err(_) => {
                     return Err(Error::Protocol(format!(
@@ -736,6 +749,7 @@ async fn control_loop<A: RdtActor>(
                 // The actor replies itself, from its own thread (no hop back
                 // here); a full or closed mailbox fails the call at once.
                 let id = call.call;
+                shared.call_arrived.notify_waiters();
                 if let Err(e) = addr.try_send(Invoke(call)) {
                     let _ = tx.send(&ToDriver::CallDone {
                         call: id,
@@ -1219,6 +1233,16 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
                 });
             }
             rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
+            // Keep this thread awake for the hot window, or until the next
+            // call arrives: a call that finds it asleep pays the wake-up.
+            if !hot::window().is_zero() {
+                // Made here, not in the task: a call arriving before the
+                // task first runs still ends it.
+                let next = shared.call_arrived.clone().notified_owned();
+                actix::spawn(async move {
+                    hot(next).await;
+                });
+            }
             state
         }
         .instrument(span);

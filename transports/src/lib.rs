@@ -11,6 +11,7 @@ pub mod auth;
 pub mod cuda;
 mod device;
 mod dtype;
+pub mod hot;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod object_store;

@@ -29,7 +29,8 @@
 //! not be given any. Otherwise it records an event and asks `cuEventQuery`
 //! again, yielding between asks, for at most [`SPIN_BEFORE_BLOCKING`]
 //! (about what a hand-off to the blocking pool costs: a short wait pays no
-//! more than that); if the GPU is not there yet it waits in
+//! more than that) or the hot window ([`crate::hot`]) if that is longer;
+//! if the GPU is not there yet it waits in
 //! `cuEventSynchronize` on tokio's blocking pool (exact wake-up, no
 //! executor thread blocked or spinning for long; outside a tokio runtime
 //! it blocks the caller). Works on current-thread runtimes (actix).
@@ -764,8 +765,11 @@ impl Completion {
         // A small transfer or kernel is usually done within microseconds:
         // ask again, yielding between asks, for a bounded moment before
         // paying a hand-off to the blocking pool (tens of microseconds).
+        // Within the hot window (crate::hot) the thread stays awake for as
+        // long: a wake-up after sleeping costs more than the spin.
+        let limit = SPIN_BEFORE_BLOCKING.max(crate::hot::window());
         let spin = std::time::Instant::now();
-        while spin.elapsed() < SPIN_BEFORE_BLOCKING {
+        while spin.elapsed() < limit {
             if tokio::runtime::Handle::try_current().is_ok() {
                 tokio::task::yield_now().await;
             } else {

@@ -408,7 +408,7 @@ fn keep_until_done(
     let (tx, rx) = oneshot::channel();
     tokio::spawn(async move {
         let r = comm
-            .wait_done(&done, LANDING_SPIN)
+            .wait_done(&done, LANDING_SPIN.max(crate::hot::window()))
             .await
             .map_err(|e| TransportError::with_peer(NAME, &peer, e.0));
         cuda::timeline(side.0[3], xfer);

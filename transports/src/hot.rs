@@ -1,0 +1,181 @@
+//! The hot window: how long a thread that waits for something rdt expects
+//! soon keeps polling instead of going to sleep.
+//!
+//! # Why
+//! Waking a thread that has slept for a while costs far more than a
+//! hand-off between two busy threads: on the cloud VMs GPUs are rented as
+//! (measured on our 2×H200 host, a 32-vCPU guest without C-state control),
+//! a tiny actor call costs 47–51 µs back to back and 190–210 µs after
+//! 3 ms idle, because every idle vCPU on its path has to be woken through
+//! the hypervisor. A 1 GiB NCCL pass keeps the control plane idle for
+//! those 3 ms, then pays that wake-up two to four times in a row (the
+//! driver, the worker's control loop, the transfer thread, the actor);
+//! raw NCCL pays none, because CUDA's own synchronization spins.
+//!
+//! # What
+//! [`hot`] wraps a wait on rdt's critical path (the driver waiting for a
+//! value, a worker's control loop waiting for its next message, a group's
+//! transfer thread waiting for its next transfer, a GPU completion): for
+//! up to [`window`] after the wait began it asks the future again,
+//! yielding to the executor between asks (other tasks run, the I/O driver
+//! is polled), so the thread stays awake; past the window it parks as
+//! before, so an idle runtime costs nothing after the window. This is
+//! what CUDA does by default (`CU_CTX_SCHED_AUTO` spins when there are
+//! more cores than contexts) and what NCCL's proxy thread does while work
+//! is pending.
+//!
+//! # Setting
+//! [`window`] is, in order: what [`set_window`] set in this process (the
+//! framework sets it in every worker from `RuntimeBuilder::hot_window`),
+//! else `RDT_HOT_WINDOW_US` (microseconds; `0` turns it off), else
+//! [`DEFAULT_WINDOW`] on machines with at least [`MIN_CORES_TO_SPIN`]
+//! cores and zero on smaller ones (a 2-core machine running a driver and
+//! several workers has no idle core to spend: spinning there would slow
+//! everything down).
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+/// The window on machines with enough cores: longer than a 1 GiB transfer
+/// over NVLink (about 3 ms), so a pass of that size stays hot end to end;
+/// waits longer than this pay one wake-up, a small share of them.
+pub const DEFAULT_WINDOW: Duration = Duration::from_millis(5);
+
+/// Machines with fewer cores than this default to no hot window.
+pub const MIN_CORES_TO_SPIN: usize = 8;
+
+/// `u64::MAX`: not read yet.
+static WINDOW_US: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// How long [`hot`] keeps a waiting thread awake (see the module docs for
+/// where the value comes from).
+pub fn window() -> Duration {
+    let us = WINDOW_US.load(Ordering::Relaxed);
+    if us != u64::MAX {
+        return Duration::from_micros(us);
+    }
+    let d = default_window();
+    // A racing set_window wins: it is the explicit choice.
+    let _ = WINDOW_US.compare_exchange(
+        u64::MAX,
+        d.as_micros() as u64,
+        Ordering::Relaxed,
+        Ordering::Relaxed,
+    );
+    Duration::from_micros(WINDOW_US.load(Ordering::Relaxed))
+}
+
+/// Sets this process's hot window (zero turns it off).
+pub fn set_window(d: Duration) {
+    WINDOW_US.store(
+        d.as_micros().min(u64::MAX as u128 - 1) as u64,
+        Ordering::Relaxed,
+    );
+}
+
+fn default_window() -> Duration {
+    if let Ok(v) = std::env::var("RDT_HOT_WINDOW_US") {
+        match v.trim().parse::<u64>() {
+            Ok(us) => return Duration::from_micros(us),
+            Err(_) => tracing::warn!(
+                "RDT_HOT_WINDOW_US={v:?} is not a number of microseconds; using the default"
+            ),
+        }
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cores >= MIN_CORES_TO_SPIN {
+        DEFAULT_WINDOW
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// Awaits `fut`, keeping this thread awake for up to [`window`] (asking
+/// `fut` again after every yield to the executor), then parking as a
+/// plain `.await` would. Outside a tokio runtime, or with a zero window,
+/// it is a plain `.await`.
+pub async fn hot<F: Future>(fut: F) -> F::Output {
+    hot_for(window(), fut).await
+}
+
+/// [`hot`] with an explicit window.
+pub async fn hot_for<F: Future>(window: Duration, fut: F) -> F::Output {
+    if window.is_zero() || tokio::runtime::Handle::try_current().is_err() {
+        return fut.await;
+    }
+    let mut fut = pin!(fut);
+    let t0 = Instant::now();
+    loop {
+        if let Poll::Ready(v) = futures::poll!(fut.as_mut()) {
+            return v;
+        }
+        if t0.elapsed() >= window {
+            return fut.await;
+        }
+        // Yield, not wake-and-return: tokio polls its I/O driver and other
+        // tasks before it comes back here, so what we wait for can arrive.
+        tokio::task::yield_now().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_hot_wait_returns_what_arrives_within_the_window() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            let _ = tx.send(7u32);
+        });
+        let got =
+            tokio::time::timeout(Duration::from_secs(10), hot_for(Duration::from_secs(5), rx))
+                .await
+                .expect("deadline");
+        assert_eq!(got.unwrap(), 7);
+    }
+
+    #[tokio::test]
+    async fn a_hot_wait_parks_after_the_window_and_still_gets_the_value() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let t0 = Instant::now();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            let _ = tx.send(9u32);
+        });
+        let got = tokio::time::timeout(
+            Duration::from_secs(10),
+            hot_for(Duration::from_millis(1), rx),
+        )
+        .await
+        .expect("deadline");
+        assert_eq!(got.unwrap(), 9);
+        assert!(t0.elapsed() >= Duration::from_millis(50));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_hot_wait_lets_other_tasks_of_its_thread_run() {
+        // On one thread, the value comes from a task that can only run
+        // when the hot wait yields.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let _ = tx.send(3u32);
+        });
+        let got =
+            tokio::time::timeout(Duration::from_secs(10), hot_for(Duration::from_secs(5), rx))
+                .await
+                .expect("deadline");
+        assert_eq!(got.unwrap(), 3);
+    }
+
+    #[test]
+    fn set_window_overrides_the_default() {
+        set_window(Duration::from_micros(1234));
+        assert_eq!(window(), Duration::from_micros(1234));
+        set_window(Duration::ZERO);
+        assert_eq!(window(), Duration::ZERO);
+    }
+}
