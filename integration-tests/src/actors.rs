@@ -220,6 +220,11 @@ impl Consumer {
         Ok(t.sum()?)
     }
 
+    /// This worker's hot window, in microseconds (`rdt::data::hot`).
+    async fn hot_window_us(&mut self) -> u64 {
+        rdt::data::hot::window().as_micros() as u64
+    }
+
     /// Sum of two tensors.
     async fn sum2(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(f64, bool)> {
         Ok((a.sum()? + b.sum()?, a.shares_storage(&b)))
