@@ -220,11 +220,6 @@ impl Consumer {
         Ok(t.sum()?)
     }
 
-    /// This worker's hot window, in microseconds (`rdt::data::hot`).
-    async fn hot_window_us(&mut self) -> u64 {
-        rdt::data::hot::window().as_micros() as u64
-    }
-
     /// Sum of two tensors.
     async fn sum2(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(f64, bool)> {
         Ok((a.sum()? + b.sum()?, a.shares_storage(&b)))
@@ -288,6 +283,11 @@ impl Consumer {
     /// took).
     async fn received(&mut self, transport: String) -> rdt::Result<u64> {
         Ok(rdt::received_objects(transport.parse()?))
+    }
+
+    /// This worker's hot window, in microseconds (`rdt::data::hot`).
+    async fn hot_window_us(&mut self) -> u64 {
+        rdt::data::hot::window().as_micros() as u64
     }
 }
 
