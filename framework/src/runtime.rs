@@ -247,15 +247,14 @@ impl PendingCalls {
 
     /// The calls `actor` is running or has queued.
     fn of(&self, actor: u64) -> Vec<u64> {
-        match self.per_actor.contains_key(&actor) {
-            true => self
-                .by_id
-                .iter()
-                .filter(|(_, c)| c.actor == actor)
-                .map(|(k, _)| *k)
-                .collect(),
-            false => Vec::new(),
+        if !self.any_for(actor) {
+            return Vec::new();
         }
+        self.by_id
+            .iter()
+            .filter(|(_, c)| c.actor == actor)
+            .map(|(k, _)| *k)
+            .collect()
     }
 
     fn any_for(&self, actor: u64) -> bool {
