@@ -14,6 +14,8 @@ mod dtype;
 pub mod hot;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod object_store;
 pub mod registry;
 pub mod shm;

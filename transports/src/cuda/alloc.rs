@@ -79,6 +79,9 @@ pub(crate) struct Slab {
     handle: OnceLock<Result<([u8; 64], u32), CudaError>>,
     /// Free ranges: offset -> length.
     free: Mutex<BTreeMap<usize, usize>>,
+    /// Run just before the slab is freed: what other parts of rdt made of
+    /// its memory (a NIXL registration) is undone while it still exists.
+    before_free: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
 }
 
 impl Slab {
@@ -153,8 +156,18 @@ impl Slab {
     }
 }
 
+impl Slab {
+    /// Runs `f` just before the slab's memory is freed.
+    pub(crate) fn before_free(&self, f: Box<dyn FnOnce() + Send>) {
+        self.before_free.lock().push(f);
+    }
+}
+
 impl Drop for Slab {
     fn drop(&mut self) {
+        for f in std::mem::take(&mut *self.before_free.lock()) {
+            f();
+        }
         // Only the allocator drops slabs, and only unused ones whose
         // importers are all gone (invariant 3).
         if self.gpu.bind().is_ok() {
@@ -329,6 +342,7 @@ pub(crate) fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<SlabRange, CudaError> 
         len: slab_len,
         handle: OnceLock::new(),
         free: Mutex::new(BTreeMap::from([(0, slab_len)])),
+        before_free: Mutex::new(Vec::new()),
     });
     let off = slab.take(want).expect("a fresh slab fits");
     slabs.push(slab.clone());

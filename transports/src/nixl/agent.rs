@@ -1,0 +1,475 @@
+//! One NIXL agent with its UCX backend: a safe face over the C API.
+//!
+//! The C API's agent is made with NIXL's default thread mode, which is not
+//! thread-safe; every call into it goes through [`Agent::lock`], held only
+//! for the call itself (calls post or query; none waits for a transfer).
+
+use std::ffi::{c_char, c_void, CStr, CString};
+
+use parking_lot::Mutex;
+
+use super::api::{self, api, check, Api, NixlError};
+
+/// The handles of the agent, only touched under the lock.
+struct Raw {
+    agent: api::Agent,
+    backend: api::Backend,
+    notifs: api::NotifMap,
+}
+
+// SAFETY: the handles are only used under `Agent::raw`'s lock, and NIXL's
+// objects are not tied to the thread that made them.
+unsafe impl Send for Raw {}
+
+/// A memory type of NIXL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Mem {
+    /// Host memory.
+    Dram,
+    /// CUDA device memory (`dev` is the CUDA ordinal).
+    Vram,
+}
+
+impl Mem {
+    fn code(self) -> i32 {
+        match self {
+            Mem::Dram => api::mem::DRAM,
+            Mem::Vram => api::mem::VRAM,
+        }
+    }
+}
+
+/// One descriptor: `len` bytes at `addr` on device `dev` of memory `mem`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Desc {
+    pub mem: Mem,
+    pub addr: usize,
+    pub len: usize,
+    pub dev: u64,
+}
+
+/// A posted transfer request, released by [`Agent::release`].
+pub(crate) struct Request(api::XferReq);
+// SAFETY: a request handle is a pointer NIXL does not tie to a thread; it is
+// only used through the agent's lock.
+unsafe impl Send for Request {}
+
+/// Where a request stands.
+pub(crate) enum Progress {
+    Done,
+    Running,
+    Failed(NixlError),
+}
+
+/// This process's NIXL agent.
+pub(crate) struct Agent {
+    api: &'static Api,
+    name: String,
+    raw: Mutex<Raw>,
+}
+
+impl Agent {
+    /// Makes the agent `name` with a UCX backend.
+    pub fn new(name: &str) -> Result<Agent, NixlError> {
+        let api = api()?;
+        let cname = c_string(name)?;
+        let mut agent: api::Agent = std::ptr::null_mut();
+        // SAFETY: valid C string and out-pointer.
+        check("nixl_capi_create_agent", unsafe {
+            (api.create_agent)(cname.as_ptr(), &mut agent)
+        })?;
+        let ucx = c"UCX";
+        let (mut mems, mut params): (api::MemList, api::Params) =
+            (std::ptr::null_mut(), std::ptr::null_mut());
+        let made = (|| {
+            // SAFETY: live agent, valid out-pointers.
+            check("nixl_capi_get_plugin_params(UCX)", unsafe {
+                (api.get_plugin_params)(agent, ucx.as_ptr(), &mut mems, &mut params)
+            })
+            .map_err(|e| {
+                NixlError(format!(
+                    "{e}: NIXL's UCX plugin did not load (it is libplugin_UCX.so in the \
+                     plugins folder next to {})",
+                    api.path
+                ))
+            })?;
+            let mut backend: api::Backend = std::ptr::null_mut();
+            // SAFETY: live agent and params.
+            check("nixl_capi_create_backend(UCX)", unsafe {
+                (api.create_backend)(agent, ucx.as_ptr(), params, &mut backend)
+            })?;
+            let mut notifs: api::NotifMap = std::ptr::null_mut();
+            // SAFETY: valid out-pointer.
+            check("nixl_capi_create_notif_map", unsafe {
+                (api.create_notif_map)(&mut notifs)
+            })?;
+            Ok((backend, notifs))
+        })();
+        // SAFETY: made above (or null, which the C API refuses harmlessly).
+        unsafe {
+            if !mems.is_null() {
+                (api.destroy_mem_list)(mems);
+            }
+            if !params.is_null() {
+                (api.destroy_params)(params);
+            }
+        }
+        match made {
+            Ok((backend, notifs)) => Ok(Agent {
+                api,
+                name: name.to_string(),
+                raw: Mutex::new(Raw {
+                    agent,
+                    backend,
+                    notifs,
+                }),
+            }),
+            Err(e) => {
+                // SAFETY: the agent made above, used by nothing else.
+                unsafe { (api.destroy_agent)(agent) };
+                Err(e)
+            }
+        }
+    }
+
+    /// The agent's name (unique per process).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The metadata a peer needs to connect to this agent (name and UCX
+    /// address; no memory).
+    pub fn connection_md(&self) -> Result<Vec<u8>, NixlError> {
+        let raw = self.raw.lock();
+        let mut data: *mut c_void = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: live agent, valid out-pointers; the blob is malloc'd and
+        // ours to free.
+        check("nixl_capi_get_local_md", unsafe {
+            (self.api.get_local_md)(raw.agent, &mut data, &mut len)
+        })?;
+        Ok(take_blob(data, len))
+    }
+
+    /// Registers `desc` for remote access; returns the metadata a peer
+    /// loads to read it.
+    pub fn register(&self, desc: Desc) -> Result<Vec<u8>, NixlError> {
+        let raw = self.raw.lock();
+        let list = RegList::new(self.api, desc)?;
+        // SAFETY: live agent and list; no options.
+        check("nixl_capi_register_mem", unsafe {
+            (self.api.register_mem)(raw.agent, list.0, std::ptr::null_mut())
+        })?;
+        let mut data: *mut c_void = std::ptr::null_mut();
+        let mut len = 0usize;
+        // SAFETY: as above; the blob is malloc'd and ours to free.
+        let md = check("nixl_capi_get_local_partial_md", unsafe {
+            (self.api.get_local_partial_md)(
+                raw.agent,
+                list.0,
+                &mut data,
+                &mut len,
+                std::ptr::null_mut(),
+            )
+        });
+        match md {
+            Ok(()) => Ok(take_blob(data, len)),
+            Err(e) => {
+                // SAFETY: registered just above.
+                unsafe { (self.api.deregister_mem)(raw.agent, list.0, std::ptr::null_mut()) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Undoes [`register`](Self::register) (before the memory is freed).
+    pub fn deregister(&self, desc: Desc) -> Result<(), NixlError> {
+        let raw = self.raw.lock();
+        let list = RegList::new(self.api, desc)?;
+        // SAFETY: live agent and list.
+        check("nixl_capi_deregister_mem", unsafe {
+            (self.api.deregister_mem)(raw.agent, list.0, std::ptr::null_mut())
+        })
+    }
+
+    /// Loads a peer's metadata (connection or memory); returns the peer
+    /// agent's name.
+    pub fn load_remote(&self, md: &[u8]) -> Result<String, NixlError> {
+        if md.is_empty() {
+            return Err(NixlError("empty agent metadata".into()));
+        }
+        let raw = self.raw.lock();
+        let mut name: *mut c_char = std::ptr::null_mut();
+        // SAFETY: live agent, valid buffer; the name is strdup'd and ours.
+        check("nixl_capi_load_remote_md", unsafe {
+            (self.api.load_remote_md)(raw.agent, md.as_ptr().cast(), md.len(), &mut name)
+        })?;
+        // SAFETY: a NUL-terminated string from strdup.
+        let s = unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: strdup'd by the C API.
+        unsafe { libc::free(name.cast()) };
+        Ok(s)
+    }
+
+    /// Forgets everything loaded about `peer` and drops its connections.
+    pub fn forget_remote(&self, peer: &str) -> Result<(), NixlError> {
+        let raw = self.raw.lock();
+        let c = c_string(peer)?;
+        // SAFETY: live agent, valid C string.
+        check("nixl_capi_invalidate_remote_md", unsafe {
+            (self.api.invalidate_remote_md)(raw.agent, c.as_ptr())
+        })
+    }
+
+    /// Posts one READ of `remote` (on `peer`) into `local`, pairwise (same
+    /// count, same lengths), with `notif` for the peer when it completes.
+    pub fn post_read(
+        &self,
+        local: &[Desc],
+        remote: &[Desc],
+        peer: &str,
+        notif: &[u8],
+    ) -> Result<(Request, bool), NixlError> {
+        let raw = self.raw.lock();
+        let l = XferList::new(self.api, local)?;
+        let r = XferList::new(self.api, remote)?;
+        let opts = OptArgs::new(self.api)?;
+        let peer_c = c_string(peer)?;
+        // SAFETY: live option args, backend and buffer.
+        unsafe {
+            check("nixl_capi_opt_args_add_backend", {
+                (self.api.opt_args_add_backend)(opts.0, raw.backend)
+            })?;
+            if !notif.is_empty() {
+                check(
+                    "nixl_capi_opt_args_set_notif_msg",
+                    (self.api.opt_args_set_notif_msg)(opts.0, notif.as_ptr().cast(), notif.len()),
+                )?;
+                check(
+                    "nixl_capi_opt_args_set_has_notif",
+                    (self.api.opt_args_set_has_notif)(opts.0, true),
+                )?;
+            }
+        }
+        let mut req: api::XferReq = std::ptr::null_mut();
+        // SAFETY: live agent, lists, options; valid out-pointer.
+        check("nixl_capi_create_xfer_req(READ)", unsafe {
+            (self.api.create_xfer_req)(
+                raw.agent,
+                api::XFER_OP_READ,
+                l.0,
+                r.0,
+                peer_c.as_ptr(),
+                &mut req,
+                opts.0,
+            )
+        })
+        .map_err(|e| {
+            NixlError(format!(
+                "{e}: the peer's memory is not (or no longer) known to this agent"
+            ))
+        })?;
+        // SAFETY: the request made above.
+        let s = unsafe { (self.api.post_xfer_req)(raw.agent, req, std::ptr::null_mut()) };
+        match s {
+            api::status::SUCCESS => Ok((Request(req), true)),
+            api::status::IN_PROG => Ok((Request(req), false)),
+            _ => {
+                // SAFETY: the request made above; it did not start.
+                unsafe {
+                    if (self.api.release_xfer_req)(raw.agent, req) == api::status::SUCCESS {
+                        (self.api.destroy_xfer_req)(req);
+                    }
+                }
+                Err(NixlError(format!(
+                    "nixl_capi_post_xfer_req(READ) failed: {} ({s})",
+                    api::status::name(s)
+                )))
+            }
+        }
+    }
+
+    /// Where `req` stands.
+    pub fn progress(&self, req: &Request) -> Progress {
+        let raw = self.raw.lock();
+        // SAFETY: live agent and request.
+        match unsafe { (self.api.get_xfer_status)(raw.agent, req.0) } {
+            api::status::SUCCESS => Progress::Done,
+            api::status::IN_PROG => Progress::Running,
+            s => Progress::Failed(NixlError(format!(
+                "the READ failed: {} ({s})",
+                api::status::name(s)
+            ))),
+        }
+    }
+
+    /// Releases `req` (cancelling it if it still runs). Gives it back if
+    /// NIXL refuses for now, to be tried again.
+    pub fn release(&self, req: Request) -> Result<(), Request> {
+        let raw = self.raw.lock();
+        // SAFETY: live agent and request.
+        if unsafe { (self.api.release_xfer_req)(raw.agent, req.0) } == api::status::SUCCESS {
+            // SAFETY: released above, so its inner request is gone.
+            unsafe { (self.api.destroy_xfer_req)(req.0) };
+            Ok(())
+        } else {
+            Err(req)
+        }
+    }
+
+    /// The notifications that arrived since the last call, as
+    /// (peer agent, message).
+    pub fn take_notifications(&self) -> Result<Vec<(String, Vec<u8>)>, NixlError> {
+        let raw = self.raw.lock();
+        let map = raw.notifs;
+        let mut out = Vec::new();
+        // SAFETY: live agent and map; strings and buffers read before the
+        // map is cleared.
+        unsafe {
+            check(
+                "nixl_capi_get_notifs",
+                (self.api.get_notifs)(raw.agent, map, std::ptr::null_mut()),
+            )?;
+            let mut agents = 0usize;
+            check(
+                "nixl_capi_notif_map_size",
+                (self.api.notif_map_size)(map, &mut agents),
+            )?;
+            for i in 0..agents {
+                let mut name: *const c_char = std::ptr::null();
+                check(
+                    "nixl_capi_notif_map_get_agent_at",
+                    (self.api.notif_map_get_agent_at)(map, i, &mut name),
+                )?;
+                let peer = CStr::from_ptr(name).to_string_lossy().into_owned();
+                let mut n = 0usize;
+                check(
+                    "nixl_capi_notif_map_get_notifs_size",
+                    (self.api.notif_map_get_notifs_size)(map, name, &mut n),
+                )?;
+                for j in 0..n {
+                    let (mut data, mut len): (*const c_void, usize) = (std::ptr::null(), 0);
+                    check(
+                        "nixl_capi_notif_map_get_notif",
+                        (self.api.notif_map_get_notif)(map, name, j, &mut data, &mut len),
+                    )?;
+                    let msg = if len == 0 {
+                        Vec::new()
+                    } else {
+                        std::slice::from_raw_parts(data.cast::<u8>(), len).to_vec()
+                    };
+                    out.push((peer.clone(), msg));
+                }
+            }
+            (self.api.notif_map_clear)(map);
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let raw = self.raw.lock();
+        // SAFETY: the agent's own handles, used by nothing else now.
+        unsafe {
+            (self.api.destroy_notif_map)(raw.notifs);
+            (self.api.destroy_backend)(raw.backend);
+            (self.api.destroy_agent)(raw.agent);
+        }
+    }
+}
+
+fn c_string(s: &str) -> Result<CString, NixlError> {
+    CString::new(s).map_err(|_| NixlError(format!("{s:?} contains a NUL byte")))
+}
+
+/// Copies a malloc'd blob from the C API and frees it.
+fn take_blob(data: *mut c_void, len: usize) -> Vec<u8> {
+    if data.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: `len` bytes at `data`, malloc'd by the C API and ours to free.
+    let v = unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }.to_vec();
+    // SAFETY: see above.
+    unsafe { libc::free(data) };
+    v
+}
+
+/// A registration descriptor list of one entry, destroyed on drop.
+struct RegList(api::RegDlist, &'static Api);
+
+impl RegList {
+    fn new(api: &'static Api, d: Desc) -> Result<RegList, NixlError> {
+        let mut list: api::RegDlist = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("nixl_capi_create_reg_dlist", unsafe {
+            (api.create_reg_dlist)(d.mem.code(), &mut list)
+        })?;
+        let list = RegList(list, api);
+        // SAFETY: live list; no per-descriptor metadata.
+        check("nixl_capi_reg_dlist_add_desc", unsafe {
+            (api.reg_dlist_add_desc)(list.0, d.addr, d.len, d.dev, std::ptr::null(), 0)
+        })?;
+        Ok(list)
+    }
+}
+
+impl Drop for RegList {
+    fn drop(&mut self) {
+        // SAFETY: made in `new`.
+        unsafe { (self.1.destroy_reg_dlist)(self.0) };
+    }
+}
+
+/// A transfer descriptor list, destroyed on drop.
+struct XferList(api::XferDlist, &'static Api);
+
+impl XferList {
+    fn new(api: &'static Api, descs: &[Desc]) -> Result<XferList, NixlError> {
+        let mem = descs.first().map(|d| d.mem).unwrap_or(Mem::Dram);
+        let mut list: api::XferDlist = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("nixl_capi_create_xfer_dlist", unsafe {
+            (api.create_xfer_dlist)(mem.code(), &mut list)
+        })?;
+        let list = XferList(list, api);
+        for d in descs {
+            debug_assert_eq!(d.mem, mem, "one memory type per list");
+            // SAFETY: live list.
+            check("nixl_capi_xfer_dlist_add_desc", unsafe {
+                (api.xfer_dlist_add_desc)(list.0, d.addr, d.len, d.dev)
+            })?;
+        }
+        Ok(list)
+    }
+}
+
+impl Drop for XferList {
+    fn drop(&mut self) {
+        // SAFETY: made in `new`.
+        unsafe { (self.1.destroy_xfer_dlist)(self.0) };
+    }
+}
+
+/// Optional arguments, destroyed on drop.
+struct OptArgs(api::OptArgs, &'static Api);
+
+impl OptArgs {
+    fn new(api: &'static Api) -> Result<OptArgs, NixlError> {
+        let mut a: api::OptArgs = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("nixl_capi_create_opt_args", unsafe {
+            (api.create_opt_args)(&mut a)
+        })?;
+        Ok(OptArgs(a, api))
+    }
+}
+
+impl Drop for OptArgs {
+    fn drop(&mut self) {
+        // SAFETY: made in `new`.
+        unsafe { (self.1.destroy_opt_args)(self.0) };
+    }
+}

@@ -1,0 +1,1162 @@
+//! The `nixl` transport: one-sided reads of CPU and CUDA tensors through
+//! NIXL (UCX underneath: shared memory, CUDA IPC, RDMA or TCP, whichever
+//! UCX finds between the two processes), between any two processes that
+//! use it, the driver included, with no collective group.
+//!
+//! # Protocol
+//! 1. **Export (producer).** Every tensor of the object must lie in memory
+//!    registered with this process's agent:
+//!    - a CUDA tensor in one of rdt's slabs ([`crate::cuda::alloc`]) is
+//!      published where it is; its slab is registered once, on its first
+//!      export, and stays registered until the slab is freed;
+//!    - a CPU tensor in plain memory is moved into one fresh registered
+//!      host region per export (its bytes are copied once, and from then on
+//!      it and all its clones live there, as with `shm`); one already in
+//!      such a region (exported or received over `nixl` before) is
+//!      published where it is, with no copy and no registration;
+//!    - memory of another transport is copied (CPU into a region, CUDA into
+//!      a slab), since it cannot be moved.
+//!
+//!    The handles carry the agent's name and connection metadata, one
+//!    entry per registration used (its generation, range and the partial
+//!    metadata a peer loads to read it) and per tensor its registration,
+//!    offset and length. CUDA tensors are exported once the GPU has passed
+//!    every write to them.
+//! 2. **Receive (consumer).** The consumer loads the producer's connection
+//!    once per agent and each registration once per (agent, generation);
+//!    it takes memory for the tensors (a registered host region laid out
+//!    like the producer's, CUDA slabs on its device, or the target
+//!    tensors), pairs each tensor's remote and local range, coalesces
+//!    neighbours into one descriptor, and posts one READ per pair of
+//!    memory types (one for an object of one kind), carrying a
+//!    notification for the producer. The poller (one thread per process)
+//!    resolves the read's future.
+//! 3. **Release (producer).** The transport drops what it kept for the
+//!    object. A host region is deregistered and unmapped when its last
+//!    tensor is gone; a slab's registration is undone just before the slab
+//!    is freed.
+//!
+//! # Invariants
+//! - **NX-1 (no stale registration):** a registration is named by its
+//!   generation, never reused; a consumer that is handed a generation
+//!   whose range overlaps one it loaded before from the same agent forgets
+//!   that agent in NIXL (its memory and connection) and loads it afresh,
+//!   so a recycled address never reads through an old registration
+//!   (ray#65701).
+//! - **NX-2 (registration before use, deregistration before free):** memory
+//!   is registered before its handles leave the process, and deregistered
+//!   while it is still mapped or allocated.
+//! - **NX-3 (one registration per slab or region):** tensors are described
+//!   as (registration, offset, length): 10 000 tensors in one slab cost one
+//!   registration and, when they are neighbours, one descriptor.
+//! - **NX-4 (reads own their memory):** see the poller's PL-1 and PL-2: the
+//!   memory a read writes into lives until NIXL released the read.
+//! - **NX-5 (release after the read):** the engine frees an object only
+//!   after every consumer acknowledged its receive (DESIGN §6.5), so the
+//!   producer never deregisters memory a read still uses; the producer
+//!   also learns of each finished read from NIXL's notification
+//!   ([`stats`]'s `reads_served`).
+
+mod agent;
+pub mod api;
+mod poller;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use futures::future::BoxFuture;
+use memmap2::MmapMut;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use crate::cuda::alloc::{Slab, SlabRange};
+use crate::registry::ProcessContext;
+use crate::transport::{
+    check_received, ObjectKey, Peer, Sidedness, Target, TensorTransport, TransferCtx,
+    TransportError,
+};
+use crate::{Device, Exported, ExternalMemory, Tensor, TensorMeta};
+
+use agent::{Agent, Desc, Mem};
+pub use api::NixlError;
+use poller::Poller;
+
+/// Name of this transport in attributes and errors.
+pub const NAME: &str = "nixl";
+
+crate::register_transport!(crate::registry::Registration {
+    name: NAME,
+    sidedness: Sidedness::OneSided,
+    collective: false,
+    devices: "CPU, CUDA",
+    same_host_only: false,
+    start: |cx| Ok(Arc::new(NixlTransport::new(cx))),
+});
+
+/// Alignment of tensors in a host region: a cache line.
+const ALIGN: usize = 64;
+/// Two neighbouring tensors whose gap is at most this many bytes (on both
+/// sides alike) are read as one descriptor, gap included: reading a little
+/// padding costs less than another descriptor.
+const MERGE_GAP: usize = 4096;
+
+static NEXT_GENERATION: AtomicU64 = AtomicU64::new(1);
+
+/// Counters of this process's NIXL activity (for tests and benchmarks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlStats {
+    /// Memory registrations made.
+    pub registrations: u64,
+    /// Registrations undone.
+    pub deregistrations: u64,
+    /// READ requests posted.
+    pub reads_posted: u64,
+    /// Descriptors in those requests (after coalescing).
+    pub descriptors_posted: u64,
+    /// Reads of this process's memory that peers finished (NIXL
+    /// notifications received).
+    pub reads_served: u64,
+    /// Remote metadata blobs loaded (connections and registrations).
+    pub remote_loads: u64,
+    /// Times a peer agent was forgotten (stale registration, death).
+    pub remote_forgets: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    registrations: AtomicU64,
+    deregistrations: AtomicU64,
+    reads_posted: AtomicU64,
+    descriptors_posted: AtomicU64,
+    reads_served: AtomicU64,
+    remote_loads: AtomicU64,
+    remote_forgets: AtomicU64,
+}
+
+static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// This process's NIXL counters. Drains the notifications that arrived,
+/// so `reads_served` is current.
+pub fn stats() -> NixlStats {
+    if let Some(Ok(a)) = STARTED_AGENT.get() {
+        drain_notifications(a);
+    }
+    let c = &*COUNTERS;
+    NixlStats {
+        registrations: c.registrations.load(Ordering::Relaxed),
+        deregistrations: c.deregistrations.load(Ordering::Relaxed),
+        reads_posted: c.reads_posted.load(Ordering::Relaxed),
+        descriptors_posted: c.descriptors_posted.load(Ordering::Relaxed),
+        reads_served: c.reads_served.load(Ordering::Relaxed),
+        remote_loads: c.remote_loads.load(Ordering::Relaxed),
+        remote_forgets: c.remote_forgets.load(Ordering::Relaxed),
+    }
+}
+
+/// Is NIXL usable in this process? The error says how to install it.
+pub fn available() -> Result<(), NixlError> {
+    api::api().map(|_| ())
+}
+
+/// The agent of this process, once made.
+static STARTED_AGENT: OnceLock<Result<Arc<Agent>, NixlError>> = OnceLock::new();
+
+fn drain_notifications(agent: &Agent) {
+    if let Ok(n) = agent.take_notifications() {
+        bump(&COUNTERS.reads_served, n.len() as u64);
+    }
+}
+
+/// A registration with this process's agent, undone on drop (NX-2).
+struct Registered {
+    agent: Arc<Agent>,
+    generation: u64,
+    desc: Desc,
+    /// What a peer loads to read it.
+    md: Vec<u8>,
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl Registered {
+    fn new(agent: &Arc<Agent>, desc: Desc) -> Result<Registered, NixlError> {
+        let md = agent.register(desc)?;
+        bump(&COUNTERS.registrations, 1);
+        Ok(Registered {
+            agent: agent.clone(),
+            generation: NEXT_GENERATION.fetch_add(1, Ordering::Relaxed),
+            desc,
+            md,
+            done: Default::default(),
+        })
+    }
+
+    fn deregister(&self) {
+        if !self.done.swap(true, Ordering::AcqRel) {
+            if let Err(e) = self.agent.deregister(self.desc) {
+                tracing::warn!("deregistering {:?}: {e}", self.desc);
+            }
+            bump(&COUNTERS.deregistrations, 1);
+        }
+    }
+
+    fn handle(&self) -> RegionHandle {
+        RegionHandle {
+            generation: self.generation,
+            mem: self.desc.mem,
+            base: self.desc.addr as u64,
+            len: self.desc.len as u64,
+            dev: self.desc.dev,
+            md: self.md.clone(),
+        }
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.deregister();
+    }
+}
+
+/// Anonymous host memory registered with the agent.
+struct HostRegion {
+    // Declared first: dropped (deregistered) before the mapping goes (NX-2).
+    reg: Registered,
+    ptr: *mut u8,
+    _map: MmapMut,
+}
+
+// SAFETY: the pointer is into `_map`, which the region owns; access goes
+// through `NixlHostMem` under the tensor storage's lock.
+unsafe impl Send for HostRegion {}
+// SAFETY: as above.
+unsafe impl Sync for HostRegion {}
+
+impl HostRegion {
+    fn new(agent: &Arc<Agent>, len: usize) -> Result<Arc<HostRegion>, NixlError> {
+        let mut map = MmapMut::map_anon(len.max(1))
+            .map_err(|e| NixlError(format!("mapping {len} B of host memory: {e}")))?;
+        let ptr = map.as_mut_ptr();
+        let reg = Registered::new(
+            agent,
+            Desc {
+                mem: Mem::Dram,
+                addr: ptr as usize,
+                len: len.max(1),
+                dev: 0,
+            },
+        )?;
+        Ok(Arc::new(HostRegion {
+            reg,
+            ptr,
+            _map: map,
+        }))
+    }
+}
+
+/// A tensor's bytes in a [`HostRegion`].
+struct NixlHostMem {
+    region: Arc<HostRegion>,
+    offset: usize,
+    len: usize,
+}
+
+impl ExternalMemory for NixlHostMem {
+    fn as_ptr(&self) -> *mut u8 {
+        // SAFETY: offset + len lies within the region (made so).
+        unsafe { self.region.ptr.add(self.offset) }
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn describe(&self) -> String {
+        format!(
+            "nixl host region {} +{} ({} B)",
+            self.region.reg.generation, self.offset, self.len
+        )
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    /// Peers only read this memory (rdt posts no WRITE), and this process's
+    /// own reads into it finish before its tensors are handed out.
+    fn shared_with_other_processes(&self) -> bool {
+        false
+    }
+}
+
+/// One registration in the handles.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RegionHandle {
+    generation: u64,
+    mem: Mem,
+    base: u64,
+    len: u64,
+    dev: u64,
+    md: Vec<u8>,
+}
+
+/// One tensor in the handles.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+struct Piece {
+    region: u32,
+    offset: u64,
+    len: u64,
+}
+
+/// What [`Exported::handles`] holds.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Handles {
+    agent: String,
+    conn: Vec<u8>,
+    key: ObjectKey,
+    regions: Vec<RegionHandle>,
+    tensors: Vec<Piece>,
+}
+
+/// What this process loaded of one peer agent.
+#[derive(Default)]
+struct RemoteAgent {
+    /// Loaded registrations: generation -> (mem, dev, base, len).
+    loaded: HashMap<u64, (Mem, u64, u64, u64)>,
+}
+
+/// Moves CPU and CUDA tensors with one-sided NIXL reads (see the module
+/// docs).
+pub struct NixlTransport {
+    name: String,
+    /// Memory kept per exported object until release.
+    exports: Mutex<HashMap<ObjectKey, Vec<Kept>>>,
+    /// Registrations of rdt's CUDA slabs, by slab id.
+    slabs: Arc<Mutex<HashMap<u64, Arc<Registered>>>>,
+    /// Peer agents loaded, by name.
+    remotes: Mutex<HashMap<String, RemoteAgent>>,
+}
+
+/// What an export keeps alive.
+enum Kept {
+    Host(#[allow(dead_code)] Arc<HostRegion>),
+    Tensor(#[allow(dead_code)] Tensor),
+    Slab(#[allow(dead_code)] Arc<Registered>),
+}
+
+impl std::fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlTransport")
+            .field("agent", &self.name)
+            .finish()
+    }
+}
+
+/// One tensor's remote range and where it lands, with the registration
+/// each lies in.
+struct Pair {
+    remote: Desc,
+    remote_reg: u64,
+    local: Desc,
+    local_reg: u64,
+}
+
+/// Where one tensor goes on the consumer.
+struct Dest {
+    desc: Desc,
+    /// The local registration it lies in (descriptors never span two).
+    local_reg: u64,
+}
+
+impl NixlTransport {
+    /// The transport of a process: its agent is made on first use.
+    pub fn new(cx: &ProcessContext) -> NixlTransport {
+        let nonce: u32 = rand_u32();
+        let name = match cx.actor {
+            Some(a) => format!("rdt-a{a}-{}-{nonce:08x}", std::process::id()),
+            None => format!("rdt-driver-{}-{nonce:08x}", std::process::id()),
+        };
+        NixlTransport {
+            name,
+            exports: Default::default(),
+            slabs: Default::default(),
+            remotes: Default::default(),
+        }
+    }
+
+    fn agent(&self) -> Result<Arc<Agent>, TransportError> {
+        STARTED_AGENT
+            .get_or_init(|| Agent::new(&self.name).map(Arc::new))
+            .clone()
+            .map_err(|e| TransportError::new(NAME, e.0))
+    }
+
+    /// The registration of `slab`, made on first use (NX-3).
+    fn slab_registration(
+        &self,
+        agent: &Arc<Agent>,
+        slab: &Arc<Slab>,
+    ) -> Result<Arc<Registered>, NixlError> {
+        let mut slabs = self.slabs.lock();
+        if let Some(r) = slabs.get(&slab.id) {
+            return Ok(r.clone());
+        }
+        let reg = Arc::new(Registered::new(
+            agent,
+            Desc {
+                mem: Mem::Vram,
+                addr: slab.base as usize,
+                len: slab.len,
+                dev: slab.gpu.ordinal() as u64,
+            },
+        )?);
+        slabs.insert(slab.id, reg.clone());
+        let table = Arc::downgrade(&self.slabs);
+        let id = slab.id;
+        // NX-2: undone while the slab still exists.
+        slab.before_free(Box::new(move || {
+            if let Some(t) = table.upgrade() {
+                if let Some(r) = t.lock().remove(&id) {
+                    r.deregister();
+                }
+            }
+        }));
+        Ok(reg)
+    }
+
+    /// Loads what `h` needs of its agent (NX-1).
+    fn load_remote(&self, agent: &Agent, h: &Handles) -> Result<(), NixlError> {
+        let mut remotes = self.remotes.lock();
+        let stale = remotes.get(&h.agent).is_some_and(|r| {
+            h.regions.iter().any(|n| {
+                !r.loaded.contains_key(&n.generation)
+                    && r.loaded.iter().any(|(_, &(mem, dev, base, len))| {
+                        mem == n.mem && dev == n.dev && base < n.base + n.len && n.base < base + len
+                    })
+            })
+        });
+        if stale {
+            agent.forget_remote(&h.agent)?;
+            bump(&COUNTERS.remote_forgets, 1);
+            remotes.remove(&h.agent);
+        }
+        if !remotes.contains_key(&h.agent) {
+            let name = agent.load_remote(&h.conn)?;
+            bump(&COUNTERS.remote_loads, 1);
+            if name != h.agent {
+                return Err(NixlError(format!(
+                    "the handles name agent {} but carry the metadata of {name}",
+                    h.agent
+                )));
+            }
+            remotes.insert(h.agent.clone(), RemoteAgent::default());
+        }
+        let r = remotes.get_mut(&h.agent).expect("inserted above");
+        for n in &h.regions {
+            if r.loaded.contains_key(&n.generation) {
+                continue;
+            }
+            agent.load_remote(&n.md)?;
+            bump(&COUNTERS.remote_loads, 1);
+            r.loaded.insert(n.generation, (n.mem, n.dev, n.base, n.len));
+        }
+        Ok(())
+    }
+
+    async fn export_inner(
+        &self,
+        key: ObjectKey,
+        tensors: &[Tensor],
+    ) -> Result<Exported, TransportError> {
+        let agent = self.agent()?;
+        drain_notifications(&agent);
+        let err = |m: String| TransportError::new(NAME, m);
+        let mut kept: Vec<Kept> = Vec::new();
+        // Where each tensor is published: (registration, offset).
+        let mut at: Vec<Option<(Arc<Registered>, usize)>> = vec![None; tensors.len()];
+        // Host tensors that need a region: plain memory moves in, foreign
+        // memory is copied in.
+        let mut to_place: Vec<usize> = Vec::new();
+        let mut seen_storage: HashMap<usize, usize> = HashMap::new();
+        let mut dups: Vec<(usize, usize)> = Vec::new();
+        let mut gpus: Vec<Arc<crate::cuda::Gpu>> = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            if t.is_cuda() {
+                let found = t
+                    .with_device_buffer(|d| {
+                        if !gpus.iter().any(|g| Arc::ptr_eq(g, d.gpu())) {
+                            gpus.push(d.gpu().clone());
+                        }
+                        d.as_any()
+                            .downcast_ref::<SlabRange>()
+                            .map(|r| (r.slab.clone(), r.offset))
+                    })
+                    .map_err(|e| err(e.to_string()))?;
+                let (slab, offset, owner) = match found {
+                    Some((s, o)) => (s, o, None),
+                    None => {
+                        // Foreign device memory (a cuda_ipc import): copied
+                        // into a slab of this process.
+                        let copy = t.deep_copy().map_err(|e| err(e.to_string()))?;
+                        let (s, o) = copy
+                            .with_device_buffer(|d| {
+                                d.as_any()
+                                    .downcast_ref::<SlabRange>()
+                                    .map(|r| (r.slab.clone(), r.offset))
+                            })
+                            .map_err(|e| err(e.to_string()))?
+                            .ok_or_else(|| err("a CUDA copy is not in an rdt slab".into()))?;
+                        (s, o, Some(copy))
+                    }
+                };
+                let reg = self
+                    .slab_registration(&agent, &slab)
+                    .map_err(|e| err(e.0))?;
+                kept.push(Kept::Slab(reg.clone()));
+                kept.extend(owner.map(Kept::Tensor));
+                at[i] = Some((reg, offset));
+                continue;
+            }
+            if let Some(&j) = seen_storage.get(&t.storage_id()) {
+                // The same storage twice: published once, at the first.
+                dups.push((i, j));
+                continue;
+            }
+            seen_storage.insert(t.storage_id(), i);
+            let ours = t.with_external(|e| {
+                e.and_then(|e| e.as_any().downcast_ref::<NixlHostMem>())
+                    .map(|m| (m.region.clone(), m.offset))
+            });
+            match ours {
+                Some((region, offset)) => {
+                    // Registered already (exported or received before): no
+                    // copy, no registration.
+                    at[i] = Some((region_registration(&region), offset));
+                    kept.push(Kept::Host(region));
+                }
+                None => to_place.push(i),
+            }
+        }
+        if !to_place.is_empty() {
+            // One region for every host tensor that needs one (NX-3).
+            let mut offsets = Vec::with_capacity(to_place.len());
+            let mut len = 0usize;
+            for &i in &to_place {
+                offsets.push(len);
+                len = (len + tensors[i].nbytes()).next_multiple_of(ALIGN);
+            }
+            let region = HostRegion::new(&agent, len).map_err(|e| err(e.0))?;
+            let reg = region_registration(&region);
+            for (&i, &offset) in to_place.iter().zip(&offsets) {
+                let t = &tensors[i];
+                let mem = Box::new(NixlHostMem {
+                    region: region.clone(),
+                    offset,
+                    len: t.nbytes(),
+                });
+                if !t.migrate_storage(mem).map_err(|e| err(e.to_string()))? {
+                    // Foreign external memory: copied into the region.
+                    let bytes = t.to_bytes().map_err(|e| err(e.to_string()))?;
+                    // SAFETY: offset + len lies within the region, which
+                    // nothing else uses yet.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            bytes.as_ptr(),
+                            region.ptr.add(offset),
+                            bytes.len(),
+                        )
+                    };
+                }
+                at[i] = Some((reg.clone(), offset));
+            }
+            kept.push(Kept::Host(region));
+        }
+        for (i, j) in dups {
+            at[i] = at[j].clone();
+        }
+        // CUDA tensors: the GPU must have passed every write to them before
+        // a peer reads.
+        for g in gpus {
+            g.completion()
+                .map_err(|e| err(e.to_string()))?
+                .wait()
+                .await
+                .map_err(|e| err(e.to_string()))?;
+        }
+        let conn = agent.connection_md().map_err(|e| err(e.0))?;
+        let mut regions: Vec<RegionHandle> = Vec::new();
+        let mut index: HashMap<u64, u32> = HashMap::new();
+        let mut pieces = Vec::with_capacity(tensors.len());
+        for (t, a) in tensors.iter().zip(at) {
+            let (reg, offset) = a.expect("every tensor is placed above");
+            let r = *index.entry(reg.generation).or_insert_with(|| {
+                regions.push(reg.handle());
+                (regions.len() - 1) as u32
+            });
+            pieces.push(Piece {
+                region: r,
+                offset: offset as u64,
+                len: t.nbytes() as u64,
+            });
+        }
+        let handles = Handles {
+            agent: agent.name().to_string(),
+            conn,
+            key,
+            regions,
+            tensors: pieces,
+        };
+        self.exports.lock().entry(key).or_default().extend(kept);
+        Ok(Exported {
+            metas: tensors.iter().map(Tensor::meta).collect(),
+            handles: postcard::to_allocvec(&handles).map_err(|e| err(e.to_string()))?,
+            inline: Vec::new(),
+        })
+    }
+
+    async fn receive_inner(
+        &self,
+        from: &Peer,
+        cx: &TransferCtx,
+        exported: &Exported,
+    ) -> Result<Vec<Tensor>, TransportError> {
+        let err = |m: String| TransportError::with_peer(NAME, from, m);
+        let h: Handles = postcard::from_bytes(&exported.handles)
+            .map_err(|e| err(format!("malformed nixl handles: {e}")))?;
+        check_handles(&h, &exported.metas).map_err(err)?;
+        let agent = self.agent()?;
+        if h.agent == agent.name() {
+            return Err(err(
+                "the object's tensors are in this process already; nothing to read".into(),
+            ));
+        }
+        self.load_remote(&agent, &h).map_err(|e| err(e.0))?;
+        let metas = &exported.metas;
+        let (out, dests, keep) = self.destinations(&agent, metas, &h, &cx.target, from)?;
+        // Pair remote and local ranges, per pair of memory types.
+        let mut groups: HashMap<(Mem, Mem), Vec<Pair>> = HashMap::new();
+        for (i, p) in h.tensors.iter().enumerate() {
+            let Some(d) = &dests[i] else { continue };
+            let r = &h.regions[p.region as usize];
+            let remote = Desc {
+                mem: r.mem,
+                addr: (r.base + p.offset) as usize,
+                len: p.len as usize,
+                dev: r.dev,
+            };
+            groups.entry((d.desc.mem, r.mem)).or_default().push(Pair {
+                remote,
+                remote_reg: r.generation,
+                local: d.desc,
+                local_reg: d.local_reg,
+            });
+        }
+        let notif = h.key.to_le_bytes();
+        let poller = Poller::get(&agent);
+        let keep = Arc::new(keep);
+        let mut waits = Vec::new();
+        for (_, pairs) in groups {
+            let (local, remote) = coalesce(pairs);
+            let n = local.len() as u64;
+            let (req, _) = agent
+                .post_read(&local, &remote, &h.agent, &notif)
+                .map_err(|e| err(e.0))?;
+            bump(&COUNTERS.reads_posted, 1);
+            bump(&COUNTERS.descriptors_posted, n);
+            waits.push(poller.watch(req, Box::new(keep.clone())));
+        }
+        for w in waits {
+            match w.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(err(e)),
+                Err(_) => return Err(err("the NIXL poller stopped".into())),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The tensors a receive fills and where each one's bytes go (`None`
+    /// for empty tensors), plus what must live while the read runs.
+    #[allow(clippy::type_complexity)]
+    fn destinations(
+        &self,
+        agent: &Arc<Agent>,
+        metas: &[TensorMeta],
+        h: &Handles,
+        target: &Target,
+        from: &Peer,
+    ) -> Result<(Vec<Tensor>, Vec<Option<Dest>>, Vec<Kept>), TransportError> {
+        let err = |m: String| TransportError::with_peer(NAME, from, m);
+        let mut keep = Vec::new();
+        let mut dests: Vec<Option<Dest>> = Vec::with_capacity(metas.len());
+        match target {
+            Target::Tensors(ts) => {
+                check_received(NAME, metas, ts).map_err(|e| err(e.message))?;
+                // Plain host targets move into one registered region first
+                // (once: the next receive into them is in place).
+                let plain: Vec<&Tensor> = ts
+                    .iter()
+                    .filter(|t| {
+                        !t.is_cuda()
+                            && t.nbytes() > 0
+                            && !t.with_external(|e| {
+                                e.is_some_and(|e| e.as_any().is::<NixlHostMem>())
+                            })
+                    })
+                    .collect();
+                if !plain.is_empty() {
+                    let len = plain
+                        .iter()
+                        .fold(0usize, |a, t| (a + t.nbytes()).next_multiple_of(ALIGN));
+                    let region = HostRegion::new(agent, len).map_err(|e| err(e.0))?;
+                    let mut off = 0usize;
+                    for t in plain {
+                        let mem = Box::new(NixlHostMem {
+                            region: region.clone(),
+                            offset: off,
+                            len: t.nbytes(),
+                        });
+                        if !t.migrate_storage(mem).map_err(|e| err(e.to_string()))? {
+                            return Err(err(format!(
+                                "target tensor {:?} lives in memory of another transport; \
+                                 receive into rdt host tensors (Tensor::zeros) or tensors \
+                                 received over nixl",
+                                t.meta()
+                            )));
+                        }
+                        off = (off + t.nbytes()).next_multiple_of(ALIGN);
+                    }
+                }
+                for t in ts {
+                    dests.push(self.local_dest(agent, t, &mut keep).map_err(err)?);
+                }
+                Ok((ts.clone(), dests, keep))
+            }
+            Target::Any | Target::Device(_) => {
+                let want_gpu = |m: &TensorMeta| -> Option<usize> {
+                    match (&m.device, target) {
+                        (Device::Cpu, _) => None,
+                        (Device::Cuda { .. }, Target::Device(o)) => Some(*o),
+                        (Device::Cuda { uuid, .. }, _) => {
+                            Some(crate::cuda::ordinal_of(uuid).unwrap_or(0))
+                        }
+                    }
+                };
+                // Host tensors: one region laid out like the producer's, so
+                // neighbours stay neighbours (one descriptor).
+                let mut host_at: Vec<Option<usize>> = vec![None; metas.len()];
+                let mut order: Vec<usize> = (0..metas.len())
+                    .filter(|&i| want_gpu(&metas[i]).is_none() && metas[i].nbytes() > 0)
+                    .collect();
+                order.sort_by_key(|&i| (h.tensors[i].region, h.tensors[i].offset));
+                let mut len = 0usize;
+                let mut run: Option<(u32, u64, u64, usize)> = None; // region, start, end, local base
+                for &i in &order {
+                    let p = h.tensors[i];
+                    let end = p.offset + p.len;
+                    match &mut run {
+                        Some((r, start, rend, base))
+                            if *r == p.region && p.offset <= *rend + MERGE_GAP as u64 =>
+                        {
+                            host_at[i] = Some(*base + (p.offset - *start) as usize);
+                            *rend = (*rend).max(end);
+                            len = len.max(*base + (*rend - *start) as usize);
+                        }
+                        _ => {
+                            let base = len.next_multiple_of(ALIGN);
+                            host_at[i] = Some(base);
+                            run = Some((p.region, p.offset, end, base));
+                            len = base + p.len as usize;
+                        }
+                    }
+                }
+                let region = if order.is_empty() {
+                    None
+                } else {
+                    Some(HostRegion::new(agent, len).map_err(|e| err(e.0))?)
+                };
+                let mut out = Vec::with_capacity(metas.len());
+                for (i, m) in metas.iter().enumerate() {
+                    let t = match (want_gpu(m), &region, host_at[i]) {
+                        (Some(o), _, _) => Tensor::cuda_empty(m.dtype, &m.shape, o)
+                            .map_err(|e| err(format!("allocating a CUDA tensor on {o}: {e}")))?,
+                        (None, Some(region), Some(offset)) => Tensor::from_external(
+                            m.dtype,
+                            &m.shape,
+                            Device::Cpu,
+                            Box::new(NixlHostMem {
+                                region: region.clone(),
+                                offset,
+                                len: m.nbytes(),
+                            }),
+                        )
+                        .map_err(|e| err(e.to_string()))?,
+                        _ => Tensor::from_bytes(m.dtype, &m.shape, Vec::new())
+                            .map_err(|e| err(e.to_string()))?,
+                    };
+                    dests.push(self.local_dest(agent, &t, &mut keep).map_err(err)?);
+                    out.push(t);
+                }
+                Ok((out, dests, keep))
+            }
+        }
+    }
+
+    /// Where `t`'s bytes are in registered memory of this process.
+    fn local_dest(
+        &self,
+        agent: &Arc<Agent>,
+        t: &Tensor,
+        keep: &mut Vec<Kept>,
+    ) -> Result<Option<Dest>, String> {
+        if t.nbytes() == 0 {
+            return Ok(None);
+        }
+        keep.push(Kept::Tensor(t.clone()));
+        if t.is_cuda() {
+            let found = t
+                .with_device_buffer(|d| {
+                    d.as_any()
+                        .downcast_ref::<SlabRange>()
+                        .map(|r| (r.slab.clone(), r.offset, d.device_ptr()))
+                })
+                .map_err(|e| e.to_string())?;
+            let Some((slab, _, ptr)) = found else {
+                return Err(format!(
+                    "target tensor {:?} is not in memory rdt allocated on this GPU (a cuda_ipc \
+                     import?); receive into tensors made with Tensor::cuda_empty",
+                    t.meta()
+                ));
+            };
+            let reg = self.slab_registration(agent, &slab).map_err(|e| e.0)?;
+            let d = Desc {
+                mem: Mem::Vram,
+                addr: ptr as usize,
+                len: t.nbytes(),
+                dev: slab.gpu.ordinal() as u64,
+            };
+            let g = reg.generation;
+            keep.push(Kept::Slab(reg));
+            return Ok(Some(Dest {
+                desc: d,
+                local_reg: g,
+            }));
+        }
+        let found = t.with_external(|e| {
+            e.and_then(|e| e.as_any().downcast_ref::<NixlHostMem>())
+                .map(|m| (m.region.clone(), m.as_ptr() as usize))
+        });
+        let (region, addr) = found.ok_or_else(|| {
+            format!(
+                "tensor {:?} is not in registered memory (internal error)",
+                t.meta()
+            )
+        })?;
+        let g = region.reg.generation;
+        Ok(Some(Dest {
+            desc: Desc {
+                mem: Mem::Dram,
+                addr,
+                len: t.nbytes(),
+                dev: 0,
+            },
+            local_reg: g,
+        }))
+    }
+}
+
+/// The registration of a host region, as a shareable handle. The region
+/// owns its registration (deregistered when the region goes); exports name
+/// it through a second, non-owning record.
+fn region_registration(region: &Arc<HostRegion>) -> Arc<Registered> {
+    // A lightweight copy that never deregisters: the region does.
+    Arc::new(Registered {
+        agent: region.reg.agent.clone(),
+        generation: region.reg.generation,
+        desc: region.reg.desc,
+        md: region.reg.md.clone(),
+        done: std::sync::atomic::AtomicBool::new(true),
+    })
+}
+
+/// Checks the handles against the metadata (malformed input is an error,
+/// never a panic or an out-of-range read).
+fn check_handles(h: &Handles, metas: &[TensorMeta]) -> Result<(), String> {
+    if h.tensors.len() != metas.len() {
+        return Err(format!(
+            "the handles describe {} tensors, the metadata {}",
+            h.tensors.len(),
+            metas.len()
+        ));
+    }
+    for (i, (p, m)) in h.tensors.iter().zip(metas).enumerate() {
+        let r = h.regions.get(p.region as usize).ok_or_else(|| {
+            format!(
+                "tensor #{i} names registration {} of {}",
+                p.region,
+                h.regions.len()
+            )
+        })?;
+        if p.len as usize != m.nbytes() {
+            return Err(format!(
+                "tensor #{i}: {} B in the handles, {} B by its metadata",
+                p.len,
+                m.nbytes()
+            ));
+        }
+        if p.offset.checked_add(p.len).is_none_or(|e| e > r.len) {
+            return Err(format!(
+                "tensor #{i} reaches past its registration ({}+{} of {} B)",
+                p.offset, p.len, r.len
+            ));
+        }
+        let cuda = matches!(m.device, Device::Cuda { .. });
+        if cuda != (r.mem == Mem::Vram) {
+            return Err(format!(
+                "tensor #{i} is on {} but its registration is {:?} memory",
+                m.device, r.mem
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Orders the pairs by remote address and merges neighbours whose gap is
+/// the same on both sides, within one registration on each side (NX-3).
+/// Returns the local and remote lists.
+fn coalesce(mut pairs: Vec<Pair>) -> (Vec<Desc>, Vec<Desc>) {
+    pairs.sort_by_key(|p| (p.remote_reg, p.remote.addr));
+    let mut local: Vec<Desc> = Vec::with_capacity(pairs.len());
+    let mut remote: Vec<Desc> = Vec::with_capacity(pairs.len());
+    let mut last: Option<(u64, u64)> = None;
+    for Pair {
+        remote: r,
+        remote_reg: rg,
+        local: l,
+        local_reg: lg,
+    } in pairs
+    {
+        if let (Some(pl), Some(pr), Some((prg, plg))) = (local.last_mut(), remote.last_mut(), last)
+        {
+            let rend = pr.addr + pr.len;
+            let lend = pl.addr + pl.len;
+            let same = prg == rg && plg == lg && pr.dev == r.dev && pl.dev == l.dev;
+            if same && r.addr >= rend && l.addr >= lend {
+                let gap = r.addr - rend;
+                if gap == l.addr - lend && gap <= MERGE_GAP {
+                    pr.len += gap + r.len;
+                    pl.len += gap + l.len;
+                    continue;
+                }
+            }
+        }
+        local.push(l);
+        remote.push(r);
+        last = Some((rg, lg));
+    }
+    (local, remote)
+}
+
+fn rand_u32() -> u32 {
+    let mut b = [0u8; 4];
+    if getrandom::getrandom(&mut b).is_err() {
+        return std::process::id().rotate_left(16);
+    }
+    u32::from_le_bytes(b)
+}
+
+impl TensorTransport for NixlTransport {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn sidedness(&self) -> Sidedness {
+        Sidedness::OneSided
+    }
+
+    fn check_device(&self, _device: &Device) -> Result<(), TransportError> {
+        // CPU and CUDA alike; whether NIXL itself is installed shows at the
+        // first export, with how to install it.
+        Ok(())
+    }
+
+    fn export<'a>(
+        &'a self,
+        key: ObjectKey,
+        tensors: &'a [Tensor],
+    ) -> BoxFuture<'a, Result<Exported, TransportError>> {
+        Box::pin(self.export_inner(key, tensors))
+    }
+
+    fn receive<'a>(
+        &'a self,
+        from: &'a Peer,
+        cx: &'a TransferCtx,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
+        Box::pin(self.receive_inner(from, cx, exported))
+    }
+
+    fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
+        let kept = self.exports.lock().remove(&key);
+        drop(kept);
+        if let Some(Ok(a)) = STARTED_AGENT.get() {
+            drain_notifications(a);
+        }
+        Box::pin(async { Ok(()) })
+    }
+
+    fn peer_gone(&self, actor: u64) {
+        let prefix = format!("rdt-a{actor}-");
+        let Some(Ok(agent)) = STARTED_AGENT.get() else {
+            return;
+        };
+        let mut remotes = self.remotes.lock();
+        let gone: Vec<String> = remotes
+            .keys()
+            .filter(|n| n.starts_with(&prefix))
+            .cloned()
+            .collect();
+        for n in gone {
+            remotes.remove(&n);
+            if agent.forget_remote(&n).is_ok() {
+                bump(&COUNTERS.remote_forgets, 1);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn desc(addr: usize, len: usize) -> Desc {
+        Desc {
+            mem: Mem::Dram,
+            addr,
+            len,
+            dev: 0,
+        }
+    }
+
+    fn pair(r: usize, l: usize, len: usize) -> Pair {
+        Pair {
+            remote: desc(r, len),
+            remote_reg: 1,
+            local: desc(l, len),
+            local_reg: 2,
+        }
+    }
+
+    #[test]
+    fn neighbours_become_one_descriptor_and_others_stay_apart() {
+        // Three neighbours with the same 64-byte gap on both sides, given
+        // out of order; then one whose local gap differs.
+        let pairs = vec![
+            pair(1128, 5128, 1000),
+            pair(0, 4000, 1000),
+            pair(2192, 6192, 100),
+            pair(3000, 9000, 10),
+        ];
+        let (local, remote) = coalesce(pairs);
+        assert_eq!(remote, vec![desc(0, 2292), desc(3000, 10)]);
+        assert_eq!(local, vec![desc(4000, 2292), desc(9000, 10)]);
+    }
+
+    #[test]
+    fn descriptors_never_span_two_registrations() {
+        let mut b = pair(1000, 2000, 10);
+        b.remote_reg = 7;
+        let (_, remote) = coalesce(vec![pair(0, 1000, 1000), b]);
+        assert_eq!(remote.len(), 2);
+    }
+
+    #[test]
+    fn malformed_handles_are_errors() {
+        let meta = Tensor::zeros(crate::DType::F32, &[4]).meta();
+        let h = Handles {
+            agent: "a".into(),
+            conn: vec![1],
+            key: 1,
+            regions: vec![RegionHandle {
+                generation: 1,
+                mem: Mem::Dram,
+                base: 0,
+                len: 8,
+                dev: 0,
+                md: vec![],
+            }],
+            tensors: vec![Piece {
+                region: 0,
+                offset: 0,
+                len: 16,
+            }],
+        };
+        let e = check_handles(&h, std::slice::from_ref(&meta)).unwrap_err();
+        assert!(e.contains("reaches past its registration"), "{e}");
+        let mut bad = h.clone();
+        bad.tensors[0].region = 3;
+        assert!(check_handles(&bad, &[meta.clone()])
+            .unwrap_err()
+            .contains("names registration 3"));
+        assert!(check_handles(&h, &[])
+            .unwrap_err()
+            .contains("describe 1 tensors"));
+    }
+
+    /// Two agents of this process read each other's memory through UCX:
+    /// the binding, registration, metadata exchange, the READ, the poller
+    /// and the notification, for real (needs NIXL: scripts/install-nixl.sh).
+    #[test]
+    fn an_agent_reads_another_agents_memory() {
+        let a = Arc::new(Agent::new("rdt-unit-a").expect("NIXL is installed"));
+        let b = Arc::new(Agent::new("rdt-unit-b").unwrap());
+        let len = 1 << 20;
+        let src = HostRegion::new(&a, len).unwrap();
+        let dst = HostRegion::new(&b, len).unwrap();
+        for i in 0..len {
+            // SAFETY: within the region, which nothing else uses.
+            unsafe { *src.ptr.add(i) = (i % 251) as u8 };
+        }
+        assert_eq!(
+            b.load_remote(&a.connection_md().unwrap()).unwrap(),
+            "rdt-unit-a"
+        );
+        assert_eq!(b.load_remote(&src.reg.md).unwrap(), "rdt-unit-a");
+        let (req, _) = b
+            .post_read(
+                &[dst.reg.desc],
+                &[src.reg.desc],
+                "rdt-unit-a",
+                &42u64.to_le_bytes(),
+            )
+            .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let done = Poller::get(&b).watch(req, Box::new(()));
+        let r = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(20), done).await })
+            .expect("the read ends within 20 s")
+            .unwrap();
+        r.unwrap();
+        // SAFETY: the read is released; nothing writes the region.
+        let got = unsafe { std::slice::from_raw_parts(dst.ptr, len) };
+        assert!(got.iter().enumerate().all(|(i, &v)| v == (i % 251) as u8));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let n = a.take_notifications().unwrap();
+            if !n.is_empty() {
+                assert_eq!(
+                    n,
+                    vec![("rdt-unit-b".to_string(), 42u64.to_le_bytes().to_vec())]
+                );
+                break;
+            }
+            assert!(Instant::now() < deadline, "no notification within 20 s");
+            std::thread::yield_now();
+        }
+    }
+}
