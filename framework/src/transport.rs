@@ -33,9 +33,9 @@ impl Transport {
     pub const Tcp: Transport = Transport("tcp");
     /// CPU, one-sided, same-host shared memory.
     pub const Shm: Transport = Transport("shm");
-    /// CUDA, two-sided, NCCL in a collective group (not built yet).
+    /// CUDA, two-sided, NCCL in a collective group.
     pub const Nccl: Transport = Transport("nccl");
-    /// CPU or CUDA, one-sided, NIXL (not built yet).
+    /// CPU or CUDA, one-sided, NIXL reads (UCX), any hosts, the driver too.
     pub const Nixl: Transport = Transport("nixl");
     /// CUDA, one-sided, same host.
     pub const CudaIpc: Transport = Transport("cuda_ipc");

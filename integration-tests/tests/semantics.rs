@@ -372,3 +372,5 @@ common_suite!(tcp, rdt::Transport::Tcp);
 common_suite!(shm, rdt::Transport::Shm);
 direct_suite!(tcp_direct, rdt::Transport::Tcp);
 direct_suite!(shm_direct, rdt::Transport::Shm);
+common_suite!(nixl, rdt::Transport::Nixl);
+direct_suite!(nixl_direct, rdt::Transport::Nixl);
