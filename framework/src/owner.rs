@@ -92,6 +92,60 @@ pub(crate) struct Entry {
     passed_back: bool,
     sent_elsewhere: bool,
     warned: bool,
+    /// The tensors of an object the driver holds itself (`put_with`),
+    /// released with the entry.
+    pub held: Option<DriverHeld>,
+}
+
+/// Tensors the driver exported itself (`Runtime::put_with`): dropped, and
+/// the transport told to release them, when the entry is freed (OW-1).
+pub(crate) struct DriverHeld {
+    key: u64,
+    tensors: Vec<rdt_transport::Tensor>,
+    transport: std::sync::Arc<dyn rdt_transport::TensorTransport>,
+}
+
+impl DriverHeld {
+    pub fn new(
+        key: u64,
+        tensors: Vec<rdt_transport::Tensor>,
+        transport: std::sync::Arc<dyn rdt_transport::TensorTransport>,
+    ) -> DriverHeld {
+        DriverHeld {
+            key,
+            tensors,
+            transport,
+        }
+    }
+
+    pub fn tensors(&self) -> &[rdt_transport::Tensor] {
+        &self.tensors
+    }
+}
+
+impl Drop for DriverHeld {
+    fn drop(&mut self) {
+        use futures::FutureExt;
+        self.tensors.clear();
+        let (t, key) = (self.transport.clone(), self.key);
+        let mut release = Box::pin(async move { t.release(key).await });
+        match (&mut release).now_or_never() {
+            Some(Err(e)) => tracing::warn!("releasing object {key} held by the driver: {e}"),
+            Some(Ok(())) => {}
+            None => match tokio::runtime::Handle::try_current() {
+                Ok(h) => {
+                    h.spawn(async move {
+                        if let Err(e) = release.await {
+                            tracing::warn!("releasing object {key} held by the driver: {e}");
+                        }
+                    });
+                }
+                Err(_) => {
+                    let _ = futures::executor::block_on(release);
+                }
+            },
+        }
+    }
 }
 
 impl Entry {
@@ -109,6 +163,7 @@ impl Entry {
             passed_back: false,
             sent_elsewhere: false,
             warned: false,
+            held: None,
         }
     }
 
@@ -226,6 +281,14 @@ impl OwnerTable {
             id,
             Entry::new(producer, Transport::ObjectStore.name(), state),
         );
+    }
+
+    /// An object the driver holds itself over a direct transport
+    /// (`put_with`), ready at once.
+    pub fn insert_held(&mut self, id: u64, transport: &str, value: WireValue, held: DriverHeld) {
+        let mut e = Entry::new(None, transport, ObjState::Ready(value));
+        e.held = Some(held);
+        self.objects.insert(id, e);
     }
 
     /// A driver ref was cloned.

@@ -419,7 +419,85 @@ impl Runtime {
                 object: r.id,
                 transport: wv.transport.clone(),
             }),
-            Ok(rdt_transport::Sidedness::OneSided) => self.get_via_object_store(r).await,
+            Ok(rdt_transport::Sidedness::OneSided) => match driver_transport(&wv.transport) {
+                // NIXL: read straight into this process, no worker involved.
+                Some(inst) => self.get_direct(r.id, &wv, inst).await,
+                None => self.get_via_object_store(r).await,
+            },
+        }
+    }
+
+    /// Gets several objects: every one is waited for and every direct read
+    /// is started before any is awaited (Ray's `get` of a list; no
+    /// one-at-a-time fetches, ray#61453). Fails with the first error.
+    pub async fn get_all<T: DeserializeOwned>(&self, refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
+        futures::future::try_join_all(refs.iter().map(|r| self.get(r))).await
+    }
+
+    /// Reads object `id`, held by an actor or by this driver, over a
+    /// transport that serves the driver, within the transfer deadline.
+    async fn get_direct<T: DeserializeOwned>(
+        &self,
+        id: u64,
+        wv: &WireValue,
+        inst: Arc<dyn rdt_transport::TensorTransport>,
+    ) -> Result<T> {
+        let decode = |tensors: &[rdt_transport::Tensor]| {
+            value::decode(&wv.data.0, tensors).map_err(|e| Error::Decode {
+                what: format!("object {id} as {}", std::any::type_name::<T>()),
+                message: e.to_string(),
+            })
+        };
+        let (from, producer) = {
+            let st = self.inner.state.lock();
+            let e = st
+                .table
+                .objects
+                .get(&id)
+                .ok_or(Error::Freed { object: id })?;
+            if let Some(held) = &e.held {
+                // Put by this driver: its tensors are here already.
+                let tensors = held.tensors().to_vec();
+                drop(st);
+                return decode(&tensors);
+            }
+            let Some(p) = e.producer else {
+                return decode_wire(wv, id);
+            };
+            let a = st.actors.get(&p).ok_or(Error::Freed { object: id })?;
+            if let Some(d) = &a.dead {
+                return Err(Error::ActorDied {
+                    actor: a.name.clone(),
+                    detail: d.clone(),
+                });
+            }
+            (a.peer(p, &wv.transport), p)
+        };
+        let deadline = self.inner.config.transfer_timeout;
+        let cx = rdt_transport::TransferCtx::new(0);
+        let read = tokio::time::timeout(deadline, inst.receive(&from, &cx, &wv.exported)).await;
+        let dead = || {
+            let st = self.inner.state.lock();
+            st.actors.get(&producer).and_then(|a| {
+                a.dead.clone().map(|d| Error::ActorDied {
+                    actor: a.name.clone(),
+                    detail: format!(
+                        "{d} (while the driver read object {id} over {})",
+                        wv.transport
+                    ),
+                })
+            })
+        };
+        match read {
+            Ok(Ok(tensors)) => decode(&tensors),
+            Ok(Err(e)) => Err(dead().unwrap_or(Error::Transport(e))),
+            Err(_) => Err(dead().unwrap_or(Error::Timeout {
+                what: format!(
+                    "the driver's read of object {id} from {} over {} (RuntimeBuilder::transfer_timeout)",
+                    from.name, wv.transport
+                ),
+                after_ms: deadline.as_millis() as u64,
+            })),
         }
     }
 
@@ -477,7 +555,8 @@ impl Runtime {
     }
 
     /// Stores `value` in the driver (object-store path) and returns a ref to
-    /// it, to pass to any actor.
+    /// it, to pass to any actor. See [`Runtime::put_with`] for a direct
+    /// transport.
     pub fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
         let payload = value::encode(value).map_err(|e| Error::Decode {
             what: "the value given to put".into(),
@@ -514,6 +593,62 @@ impl Runtime {
             .lock()
             .table
             .insert_done(id, None, ObjState::Ready(wv));
+        Ok(ObjectRef::adopt(id, self.inner.clone()))
+    }
+
+    /// Stores `value` in the driver, its tensors over `transport`, and
+    /// returns a ref to pass to any actor. With [`Transport::ObjectStore`]
+    /// this is [`Runtime::put`]; with a one-sided transport that serves the
+    /// driver (`nixl`), the tensors stay in this process, registered, and
+    /// each consumer reads them directly. They live until the last ref and
+    /// call that needs them are gone.
+    pub async fn put_with<T: Serialize>(
+        &self,
+        value: &T,
+        transport: Transport,
+    ) -> Result<ObjectRef<T>> {
+        if transport == Transport::ObjectStore {
+            return self.put(value);
+        }
+        let refuse = || Error::TransportUnavailable {
+            name: transport.name().into(),
+            reason: "the driver cannot hold objects on it: put_with takes Transport::Nixl (a \
+                     one-sided transport that serves the driver) or Transport::ObjectStore"
+                .into(),
+        };
+        if transport.sidedness() != rdt_transport::Sidedness::OneSided {
+            return Err(refuse());
+        }
+        let inst = transport.instance()?;
+        if !inst.serves_driver() {
+            return Err(refuse());
+        }
+        let payload = value::encode(value).map_err(|e| Error::Decode {
+            what: "the value given to put_with".into(),
+            message: e.to_string(),
+        })?;
+        for t in &payload.tensors {
+            inst.check_device(t.device())?;
+        }
+        let id = self.inner.next_id();
+        let exported = match inst.export(id, &payload.tensors).await {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = inst.release(id).await;
+                return Err(e.into());
+            }
+        };
+        let wv = WireValue {
+            data: Blob(payload.data),
+            transport: transport.name().to_string(),
+            exported,
+        };
+        let held = crate::owner::DriverHeld::new(id, payload.tensors, inst);
+        self.inner
+            .state
+            .lock()
+            .table
+            .insert_held(id, transport.name(), wv, held);
         Ok(ObjectRef::adopt(id, self.inner.clone()))
     }
 
@@ -823,6 +958,14 @@ pub(crate) fn inline_value(p: Payload) -> Result<WireValue> {
         transport: Transport::ObjectStore.name().to_string(),
         exported,
     })
+}
+
+/// The driver's instance of the transport called `name`, if it reads and
+/// holds objects in the driver itself (`nixl`).
+fn driver_transport(name: &str) -> Option<Arc<dyn rdt_transport::TensorTransport>> {
+    let t: Transport = name.parse().ok()?;
+    let inst = t.instance().ok()?;
+    inst.serves_driver().then_some(inst)
 }
 
 fn send_to(actors: &Actors, to: u64, msg: &ToWorker) {
@@ -1521,6 +1664,12 @@ impl Inner {
         for (id, a) in st.actors.iter() {
             if *id != actor && a.dead.is_none() {
                 send_to(&st.actors, *id, &ToWorker::PeerGone { actor });
+            }
+        }
+        // And the driver's own (a NIXL agent forgets the dead one's).
+        for t in Transport::registered() {
+            if let Some(inst) = t.existing_instance() {
+                inst.peer_gone(actor);
             }
         }
         // A collective group cannot go on without a member (as in Ray):

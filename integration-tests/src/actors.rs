@@ -196,6 +196,27 @@ impl Producer {
         let mut pad = [0u8; 4096];
         down(depth, &mut pad)
     }
+
+    /// `n` tensors of `numel` f32, tensor `i` equal to `i`.
+    async fn make_many(&mut self, n: usize, numel: usize) -> Vec<Tensor> {
+        (0..n).map(|i| Tensor::full(i as f32, &[numel])).collect()
+    }
+
+    /// The kept tensor `i` again, in a new object (same storage).
+    async fn kept_again(&mut self, i: usize) -> Tensor {
+        self.kept[i].clone()
+    }
+
+    /// One tensor twice in one object (two clones of one storage).
+    async fn twice(&mut self, v: f32, n: usize) -> (Tensor, Tensor) {
+        let t = Tensor::full(v, &[n]);
+        (t.clone(), t)
+    }
+
+    /// This worker's NIXL counters (`rdt::data::nixl::stats`).
+    async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
+        rdt::data::nixl::stats()
+    }
 }
 
 /// Consumes tensors.
@@ -288,6 +309,33 @@ impl Consumer {
     /// This worker's hot window, in microseconds (`rdt::data::hot`).
     async fn hot_window_us(&mut self) -> u64 {
         rdt::data::hot::window().as_micros() as u64
+    }
+
+    /// Sums every tensor, checking tensor `i` holds only `i` (as
+    /// `Producer::make_many` makes them); returns the total.
+    async fn sum_many(&mut self, ts: Vec<Tensor>) -> Result<f64, String> {
+        let mut total = 0.0;
+        for (i, t) in ts.iter().enumerate() {
+            let s = t.sum().map_err(|e| e.to_string())?;
+            if s != i as f64 * t.numel() as f64 {
+                return Err(format!(
+                    "tensor {i} sums to {s}, not {}",
+                    i as f64 * t.numel() as f64
+                ));
+            }
+            total += s;
+        }
+        Ok(total)
+    }
+
+    /// Sums both tensors; tells whether they share storage.
+    async fn sum_pair(&mut self, p: (Tensor, Tensor)) -> rdt::Result<(f64, f64)> {
+        Ok((p.0.sum()?, p.1.sum()?))
+    }
+
+    /// This worker's NIXL counters (`rdt::data::nixl::stats`).
+    async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
+        rdt::data::nixl::stats()
     }
 }
 

@@ -376,6 +376,15 @@ pub trait TensorTransport: Send + Sync + 'static {
         None
     }
 
+    /// Can the driver read this transport's objects itself (`Runtime::get`
+    /// with no worker involved) and hold objects of its own
+    /// (`Runtime::put_with`)? One-sided transports whose receive needs no
+    /// actor (NIXL) say yes. The default: no; the driver's `get` takes the
+    /// object-store path.
+    fn serves_driver(&self) -> bool {
+        false
+    }
+
     /// Producer: the object was freed (contract point 3).
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
         let _ = key;

@@ -61,7 +61,7 @@ mod agent;
 pub mod api;
 mod poller;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -121,6 +121,10 @@ pub struct NixlStats {
     pub remote_loads: u64,
     /// Times a peer agent was forgotten (stale registration, death).
     pub remote_forgets: u64,
+    /// Host slabs alive (pooled or dedicated).
+    pub host_slabs: u64,
+    /// Host bytes handed out from them and not given back.
+    pub host_bytes_in_use: u64,
 }
 
 #[derive(Default)]
@@ -132,6 +136,8 @@ struct Counters {
     reads_served: AtomicU64,
     remote_loads: AtomicU64,
     remote_forgets: AtomicU64,
+    host_slabs: AtomicU64,
+    host_bytes_in_use: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -155,6 +161,8 @@ pub fn stats() -> NixlStats {
         reads_served: c.reads_served.load(Ordering::Relaxed),
         remote_loads: c.remote_loads.load(Ordering::Relaxed),
         remote_forgets: c.remote_forgets.load(Ordering::Relaxed),
+        host_slabs: c.host_slabs.load(Ordering::Relaxed),
+        host_bytes_in_use: c.host_bytes_in_use.load(Ordering::Relaxed),
     }
 }
 
@@ -222,23 +230,41 @@ impl Drop for Registered {
     }
 }
 
-/// Anonymous host memory registered with the agent.
-struct HostRegion {
+/// A slab of anonymous host memory, registered once with an agent (NX-3).
+struct HostSlab {
     // Declared first: dropped (deregistered) before the mapping goes (NX-2).
     reg: Registered,
     ptr: *mut u8,
+    len: usize,
+    /// Freed when its one range is given back (large requests), instead of
+    /// staying in the pool.
+    dedicated: bool,
+    /// Free ranges: offset -> length.
+    free: Mutex<BTreeMap<usize, usize>>,
     _map: MmapMut,
 }
 
-// SAFETY: the pointer is into `_map`, which the region owns; access goes
-// through `NixlHostMem` under the tensor storage's lock.
-unsafe impl Send for HostRegion {}
+// SAFETY: the pointer is into `_map`, which the slab owns; its bytes are
+// handed out as disjoint ranges, accessed through tensor storages.
+unsafe impl Send for HostSlab {}
 // SAFETY: as above.
-unsafe impl Sync for HostRegion {}
+unsafe impl Sync for HostSlab {}
 
-impl HostRegion {
-    fn new(agent: &Arc<Agent>, len: usize) -> Result<Arc<HostRegion>, NixlError> {
-        let mut map = MmapMut::map_anon(len.max(1))
+/// Size of a pooled host slab.
+const HOST_SLAB_BYTES: usize = 64 << 20;
+/// Requests above this get a slab of their own, freed with them.
+const DEDICATED_ABOVE: usize = HOST_SLAB_BYTES / 4;
+/// Dedicated slabs are rounded up to this.
+const DEDICATED_ROUND: usize = 2 << 20;
+
+/// Pooled host slabs, per agent (one agent per process, but unit tests
+/// make two).
+static HOST_POOLS: std::sync::LazyLock<Mutex<HashMap<String, Vec<Arc<HostSlab>>>>> =
+    std::sync::LazyLock::new(Default::default);
+
+impl HostSlab {
+    fn new(agent: &Arc<Agent>, len: usize, dedicated: bool) -> Result<HostSlab, NixlError> {
+        let mut map = MmapMut::map_anon(len)
             .map_err(|e| NixlError(format!("mapping {len} B of host memory: {e}")))?;
         let ptr = map.as_mut_ptr();
         let reg = Registered::new(
@@ -246,16 +272,138 @@ impl HostRegion {
             Desc {
                 mem: Mem::Dram,
                 addr: ptr as usize,
-                len: len.max(1),
+                len,
                 dev: 0,
             },
         )?;
-        Ok(Arc::new(HostRegion {
+        bump(&COUNTERS.host_slabs, 1);
+        Ok(HostSlab {
             reg,
             ptr,
+            len,
+            dedicated,
+            free: Mutex::new(BTreeMap::from([(0, len)])),
             _map: map,
+        })
+    }
+
+    fn take(&self, len: usize) -> Option<usize> {
+        let mut free = self.free.lock();
+        let (&off, &flen) = free.iter().find(|(_, &l)| l >= len)?;
+        free.remove(&off);
+        if flen > len {
+            free.insert(off + len, flen - len);
+        }
+        Some(off)
+    }
+
+    fn give(&self, off: usize, len: usize) {
+        let mut free = self.free.lock();
+        let (mut off, mut len) = (off, len);
+        if let Some((&p, &pl)) = free.range(..off).next_back() {
+            if p + pl == off {
+                free.remove(&p);
+                off = p;
+                len += pl;
+            }
+        }
+        if let Some(&nl) = free.get(&(off + len)) {
+            free.remove(&(off + len));
+            len += nl;
+        }
+        free.insert(off, len);
+    }
+}
+
+impl Drop for HostSlab {
+    fn drop(&mut self) {
+        COUNTERS.host_slabs.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A range of a host slab: the memory of one export's or one receive's
+/// host tensors. Given back to its slab on drop.
+struct HostRegion {
+    slab: Arc<HostSlab>,
+    /// Offset in the slab.
+    offset: usize,
+    /// Bytes reserved.
+    len: usize,
+}
+
+impl HostRegion {
+    /// `len` bytes from this agent's pool (or a slab of their own).
+    fn new(agent: &Arc<Agent>, len: usize) -> Result<Arc<HostRegion>, NixlError> {
+        let want = len.max(1).next_multiple_of(ALIGN);
+        let (slab, offset) = if want > DEDICATED_ABOVE {
+            let slab = HostSlab::new(agent, want.next_multiple_of(DEDICATED_ROUND), true)?;
+            let slab = Arc::new(slab);
+            let off = slab.take(want).expect("a fresh slab fits");
+            (slab, off)
+        } else {
+            let mut pools = HOST_POOLS.lock();
+            let pool = pools.entry(agent.name().to_string()).or_default();
+            match pool
+                .iter()
+                .find_map(|s| s.take(want).map(|o| (s.clone(), o)))
+            {
+                Some(found) => found,
+                None => {
+                    let slab = Arc::new(HostSlab::new(agent, HOST_SLAB_BYTES, false)?);
+                    pool.push(slab.clone());
+                    let off = slab.take(want).expect("a fresh slab fits");
+                    (slab, off)
+                }
+            }
+        };
+        COUNTERS
+            .host_bytes_in_use
+            .fetch_add(want as u64, Ordering::Relaxed);
+        Ok(Arc::new(HostRegion {
+            slab,
+            offset,
+            len: want,
         }))
     }
+
+    fn ptr(&self) -> *mut u8 {
+        // SAFETY: offset lies within the slab.
+        unsafe { self.slab.ptr.add(self.offset) }
+    }
+}
+
+impl Drop for HostRegion {
+    fn drop(&mut self) {
+        self.slab.give(self.offset, self.len);
+        COUNTERS
+            .host_bytes_in_use
+            .fetch_sub(self.len as u64, Ordering::Relaxed);
+        // A dedicated slab goes with its range (the last Arc is ours).
+        debug_assert!(!self.slab.dedicated || self.slab.len >= self.len);
+    }
+}
+
+/// Gives every pooled host slab with no range in use back to the system
+/// (deregistered, then unmapped). Consumers that read from them before
+/// notice the new generation of whatever is mapped there later (NX-1).
+pub fn trim() -> usize {
+    let mut pools = HOST_POOLS.lock();
+    let mut freed = 0;
+    for pool in pools.values_mut() {
+        pool.retain(|s| {
+            let unused = {
+                let free = s.free.lock();
+                free.len() == 1 && free.get(&0) == Some(&s.len)
+            };
+            if unused && Arc::strong_count(s) == 1 {
+                freed += s.len;
+                false
+            } else {
+                true
+            }
+        });
+    }
+    freed
 }
 
 /// A tensor's bytes in a [`HostRegion`].
@@ -268,15 +416,17 @@ struct NixlHostMem {
 impl ExternalMemory for NixlHostMem {
     fn as_ptr(&self) -> *mut u8 {
         // SAFETY: offset + len lies within the region (made so).
-        unsafe { self.region.ptr.add(self.offset) }
+        unsafe { self.region.ptr().add(self.offset) }
     }
     fn len(&self) -> usize {
         self.len
     }
     fn describe(&self) -> String {
         format!(
-            "nixl host region {} +{} ({} B)",
-            self.region.reg.generation, self.offset, self.len
+            "nixl host slab {} +{} ({} B)",
+            self.region.slab.reg.generation,
+            self.region.offset + self.offset,
+            self.len
         )
     }
     fn as_any(&self) -> &dyn std::any::Any {
@@ -525,7 +675,7 @@ impl NixlTransport {
             seen_storage.insert(t.storage_id(), i);
             let ours = t.with_external(|e| {
                 e.and_then(|e| e.as_any().downcast_ref::<NixlHostMem>())
-                    .map(|m| (m.region.clone(), m.offset))
+                    .map(|m| (m.region.clone(), m.region.offset + m.offset))
             });
             match ours {
                 Some((region, offset)) => {
@@ -562,12 +712,12 @@ impl NixlTransport {
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             bytes.as_ptr(),
-                            region.ptr.add(offset),
+                            region.ptr().add(offset),
                             bytes.len(),
                         )
                     };
                 }
-                at[i] = Some((reg.clone(), offset));
+                at[i] = Some((reg.clone(), region.offset + offset));
             }
             kept.push(Kept::Host(region));
         }
@@ -630,7 +780,15 @@ impl NixlTransport {
                 "the object's tensors are in this process already; nothing to read".into(),
             ));
         }
-        self.load_remote(&agent, &h).map_err(|e| err(e.0))?;
+        // NIXL's statuses say little; say what was being done, and to whom.
+        let reading = |e: String| {
+            err(format!(
+                "reading from {} (NIXL agent {}) failed: {e}; the producer may have died or \
+                 the link to it may be down",
+                from.name, h.agent
+            ))
+        };
+        self.load_remote(&agent, &h).map_err(|e| reading(e.0))?;
         let metas = &exported.metas;
         let (out, dests, keep) = self.destinations(&agent, metas, &h, &cx.target, from)?;
         // Pair remote and local ranges, per pair of memory types.
@@ -660,7 +818,7 @@ impl NixlTransport {
             let n = local.len() as u64;
             let (req, _) = agent
                 .post_read(&local, &remote, &h.agent, &notif)
-                .map_err(|e| err(e.0))?;
+                .map_err(|e| reading(e.0))?;
             bump(&COUNTERS.reads_posted, 1);
             bump(&COUNTERS.descriptors_posted, n);
             waits.push(poller.watch(req, Box::new(keep.clone())));
@@ -668,7 +826,7 @@ impl NixlTransport {
         for w in waits {
             match w.await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => return Err(err(e)),
+                Ok(Err(e)) => return Err(reading(e)),
                 Err(_) => return Err(err("the NIXL poller stopped".into())),
             }
         }
@@ -852,7 +1010,7 @@ impl NixlTransport {
                 t.meta()
             )
         })?;
-        let g = region.reg.generation;
+        let g = region.slab.reg.generation;
         Ok(Some(Dest {
             desc: Desc {
                 mem: Mem::Dram,
@@ -869,12 +1027,13 @@ impl NixlTransport {
 /// owns its registration (deregistered when the region goes); exports name
 /// it through a second, non-owning record.
 fn region_registration(region: &Arc<HostRegion>) -> Arc<Registered> {
-    // A lightweight copy that never deregisters: the region does.
+    // A lightweight copy that never deregisters: the slab does.
+    let reg = &region.slab.reg;
     Arc::new(Registered {
-        agent: region.reg.agent.clone(),
-        generation: region.reg.generation,
-        desc: region.reg.desc,
-        md: region.reg.md.clone(),
+        agent: reg.agent.clone(),
+        generation: reg.generation,
+        desc: reg.desc,
+        md: reg.md.clone(),
         done: std::sync::atomic::AtomicBool::new(true),
     })
 }
@@ -978,6 +1137,10 @@ impl TensorTransport for NixlTransport {
         // CPU and CUDA alike; whether NIXL itself is installed shows at the
         // first export, with how to install it.
         Ok(())
+    }
+
+    fn serves_driver(&self) -> bool {
+        true
     }
 
     fn export<'a>(
@@ -1097,7 +1260,7 @@ mod tests {
         assert!(e.contains("reaches past its registration"), "{e}");
         let mut bad = h.clone();
         bad.tensors[0].region = 3;
-        assert!(check_handles(&bad, &[meta.clone()])
+        assert!(check_handles(&bad, std::slice::from_ref(&meta))
             .unwrap_err()
             .contains("names registration 3"));
         assert!(check_handles(&h, &[])
@@ -1117,20 +1280,16 @@ mod tests {
         let dst = HostRegion::new(&b, len).unwrap();
         for i in 0..len {
             // SAFETY: within the region, which nothing else uses.
-            unsafe { *src.ptr.add(i) = (i % 251) as u8 };
+            unsafe { *src.ptr().add(i) = (i % 251) as u8 };
         }
         assert_eq!(
             b.load_remote(&a.connection_md().unwrap()).unwrap(),
             "rdt-unit-a"
         );
-        assert_eq!(b.load_remote(&src.reg.md).unwrap(), "rdt-unit-a");
+        assert_eq!(b.load_remote(&src.slab.reg.md).unwrap(), "rdt-unit-a");
+        let at = |r: &HostRegion| desc(r.ptr() as usize, len);
         let (req, _) = b
-            .post_read(
-                &[dst.reg.desc],
-                &[src.reg.desc],
-                "rdt-unit-a",
-                &42u64.to_le_bytes(),
-            )
+            .post_read(&[at(&dst)], &[at(&src)], "rdt-unit-a", &42u64.to_le_bytes())
             .unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -1143,7 +1302,7 @@ mod tests {
             .unwrap();
         r.unwrap();
         // SAFETY: the read is released; nothing writes the region.
-        let got = unsafe { std::slice::from_raw_parts(dst.ptr, len) };
+        let got = unsafe { std::slice::from_raw_parts(dst.ptr(), len) };
         assert!(got.iter().enumerate().all(|(i, &v)| v == (i % 251) as u8));
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {

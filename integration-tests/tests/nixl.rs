@@ -1,0 +1,321 @@
+//! The `nixl` transport beyond the semantic suite, on the CPU (DRAM over
+//! UCX, for real: `scripts/install-nixl.sh` puts NIXL where rdt finds it).
+//! Each test proves the NIXL path ran from the counters of the processes
+//! involved (`rdt::data::nixl::stats`): reads posted by the consumer,
+//! reads served (NIXL notifications) at the producer.
+
+use std::time::Duration;
+
+use rdt::data::nixl::{stats, NixlStats};
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+const DL: u64 = 120;
+
+/// Tests that read the driver's own counters (process-wide) run one at a
+/// time.
+static DRIVER_COUNTERS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn start() -> (Runtime, ProducerHandle, ConsumerHandle) {
+    rdt_integration_tests::logs();
+    let rt = Runtime::start().await.unwrap();
+    let p = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    (rt, p, c)
+}
+
+async fn of_producer(rt: &Runtime, p: &ProducerHandle) -> NixlStats {
+    rt.get(p.nixl_stats().remote()).await.unwrap()
+}
+
+async fn of_consumer(rt: &Runtime, c: &ConsumerHandle) -> NixlStats {
+    rt.get(c.nixl_stats().remote()).await.unwrap()
+}
+
+/// Waits until `f` holds, within 20 s (the counters follow frees, which
+/// cross the control plane).
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !f().await {
+        assert!(tokio::time::Instant::now() < end, "{what} within 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The producer learns of each finished read from NIXL's notification,
+/// which follows the read's completion by a moment.
+async fn producer_served(rt: &Runtime, p: &ProducerHandle, n: u64) {
+    eventually(&format!("{n} reads served at the producer"), || async {
+        of_producer(rt, p).await.reads_served == n
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn ten_thousand_tensors_are_one_registration_and_one_descriptor() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let (p0, c0) = (of_producer(&rt, &p).await, of_consumer(&rt, &c).await);
+        let n = 10_000;
+        let r = p.make_many(n, 1024).transport(Transport::Nixl).remote();
+        let total = rt.get(c.sum_many(&r).remote()).await.unwrap();
+        assert_eq!(total, 1024.0 * (n * (n - 1) / 2) as f64);
+        let (p1, c1) = (of_producer(&rt, &p).await, of_consumer(&rt, &c).await);
+        assert_eq!(p1.registrations - p0.registrations, 1, "one region");
+        assert_eq!(c1.reads_posted - c0.reads_posted, 1, "one READ");
+        assert_eq!(
+            c1.descriptors_posted - c0.descriptors_posted,
+            1,
+            "neighbours coalesced into one descriptor"
+        );
+        assert_eq!(p0.reads_served, 0);
+        producer_served(&rt, &p, 1).await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_agent_and_its_connection_are_reused_over_many_transfers() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        for i in 0..50 {
+            let r = p.make(i as f32, 256).transport(Transport::Nixl).remote();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64 * 256.0);
+        }
+        let s = of_consumer(&rt, &c).await;
+        assert_eq!(s.reads_posted, 50);
+        // One connection and one pooled slab, loaded once: the agent is
+        // never loaded twice, nor forgotten; no registration per object.
+        assert_eq!(s.remote_loads, 2, "{s:?}");
+        assert_eq!(s.remote_forgets, 0);
+        assert_eq!(s.registrations, 1, "the consumer's one pooled slab");
+        producer_served(&rt, &p, 50).await;
+        let ps = of_producer(&rt, &p).await;
+        assert_eq!(ps.registrations, 1, "the producer's one pooled slab");
+        // Every object was freed after its call: its memory went back to
+        // the pools on both sides.
+        eventually("the memory is back in the pools", || async {
+            of_producer(&rt, &p).await.host_bytes_in_use == 0
+                && of_consumer(&rt, &c).await.host_bytes_in_use == 0
+        })
+        .await;
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_same_tensor_in_two_objects_is_registered_once() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let a = p.make_kept(3.0, 4096).transport(Transport::Nixl).remote();
+        let b = p.kept_again(0).transport(Transport::Nixl).remote();
+        let p0 = of_producer(&rt, &p).await;
+        assert_eq!(rt.get(c.sum(&a).remote()).await.unwrap(), 3.0 * 4096.0);
+        assert_eq!(rt.get(c.sum(&b).remote()).await.unwrap(), 3.0 * 4096.0);
+        assert_eq!(
+            p0.host_bytes_in_use,
+            4 * 4096,
+            "the second export publishes the first's memory: no copy"
+        );
+        producer_served(&rt, &p, 2).await;
+        // Writes by the producer to its kept tensor show in a new pass.
+        rt.get(p.write_kept(0, 5.0).remote()).await.unwrap();
+        let b2 = p.kept_again(0).transport(Transport::Nixl).remote();
+        assert_eq!(rt.get(c.sum(&b2).remote()).await.unwrap(), 5.0 * 4096.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn two_clones_of_one_storage_in_one_object() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let r = p.twice(2.0, 1000).transport(Transport::Nixl).remote();
+        let (a, b) = rt.get(c.sum_pair(&r).remote()).await.unwrap();
+        assert_eq!((a, b), (2000.0, 2000.0));
+        let s = of_consumer(&rt, &c).await;
+        assert_eq!(s.reads_posted, 1);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_recycled_address_never_reads_through_an_old_registration() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        // Objects of shrinking sizes above the pool's slab share, each in
+        // a slab of its own, freed with it: the producer's next slab lands
+        // where the last one was (mmap reuses the hole), with another
+        // generation and size. The consumer must notice the overlap, forget
+        // the old registration, and read right.
+        let mut forgot = false;
+        for k in 0..24 {
+            let numel = (17 << 18) - k * (64 << 10);
+            let r = p
+                .make((k + 1) as f32, numel)
+                .transport(Transport::Nixl)
+                .remote();
+            let got = rt.get(c.sum(&r).remote()).await.unwrap();
+            assert_eq!(got, (k + 1) as f64 * numel as f64, "pass {k}");
+            drop(r);
+            rt.transfers_settled().await;
+            eventually("the object's slab is freed at the producer", || async {
+                let s = of_producer(&rt, &p).await;
+                s.registrations == s.deregistrations
+            })
+            .await;
+            if of_consumer(&rt, &c).await.remote_forgets > 0 {
+                forgot = true;
+                break;
+            }
+        }
+        assert!(
+            forgot,
+            "no region was ever reallocated over an old one in 24 passes"
+        );
+        // And it goes on working.
+        let r = p.make(9.0, 100).transport(Transport::Nixl).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 900.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_driver_gets_directly_and_several_refs_at_once() {
+    deadline(DL, async {
+        let _one = DRIVER_COUNTERS.lock().await;
+        let (rt, p, _c) = start().await;
+        let d0 = stats();
+        let r = p.make(1.5, 1 << 16).transport(Transport::Nixl).remote();
+        let t: Tensor = rt.get(&r).await.unwrap();
+        assert_eq!(t.sum().unwrap(), 1.5 * 65536.0);
+        let d1 = stats();
+        assert_eq!(
+            d1.reads_posted - d0.reads_posted,
+            1,
+            "read by the driver's agent"
+        );
+        let refs: Vec<ObjectRef<Tensor>> = (0..8)
+            .map(|i| p.make(i as f32, 1000).transport(Transport::Nixl).remote())
+            .collect();
+        let all = rt.get_all(&refs).await.unwrap();
+        for (i, t) in all.iter().enumerate() {
+            assert_eq!(t.sum().unwrap(), i as f64 * 1000.0);
+        }
+        assert_eq!(stats().reads_posted - d1.reads_posted, 8);
+        producer_served(&rt, &p, 9).await;
+        // The driver's copy is its own: dropping the refs frees the
+        // producer's memory, and the tensors read stay valid.
+        drop(refs);
+        drop(r);
+        eventually("the producer's memory is back in its pool", || async {
+            of_producer(&rt, &p).await.host_bytes_in_use == 0
+        })
+        .await;
+        assert_eq!(all[3].sum().unwrap(), 3000.0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_driver_puts_over_nixl_and_actors_read_it() {
+    deadline(DL, async {
+        let _one = DRIVER_COUNTERS.lock().await;
+        let (rt, _p, c) = start().await;
+        let d0 = stats();
+        let w = Tensor::full(0.25f32, &[1 << 18]);
+        let r = rt.put_with(&w, Transport::Nixl).await.unwrap();
+        let d1 = stats();
+        assert_eq!(d1.host_bytes_in_use - d0.host_bytes_in_use, 1 << 20);
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 0.25 * 262144.0);
+        assert_eq!(
+            rt.get(c.received("nixl".to_string()).remote())
+                .await
+                .unwrap(),
+            1
+        );
+        // The driver reads its own object without a transfer.
+        let back: Tensor = rt.get(&r).await.unwrap();
+        assert!(back.shares_storage(&w), "the driver's own tensor, no copy");
+        eventually("the driver was notified of the read", || async {
+            stats().reads_served - d0.reads_served == 1
+        })
+        .await;
+        // GC: the last ref and the tensors gone, the memory goes back to
+        // the driver's pool.
+        drop(r);
+        rt.transfers_settled().await;
+        assert_eq!(rt.live_objects(), 0);
+        assert_eq!(
+            stats().host_bytes_in_use,
+            d1.host_bytes_in_use,
+            "w still holds it"
+        );
+        drop((w, back));
+        assert_eq!(stats().host_bytes_in_use, d0.host_bytes_in_use);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn put_with_refuses_a_transport_the_driver_cannot_hold() {
+    deadline(DL, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let e = rt
+            .put_with(&Tensor::full(1.0f32, &[4]), Transport::Tcp)
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("put_with takes Transport::Nixl"),
+            "{e}"
+        );
+        assert_eq!(rt.live_objects(), 0);
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_producer_that_died_fails_the_read_and_leaves_the_consumer_usable() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let r = p.make(1.0, 1 << 20).transport(Transport::Nixl).remote();
+        rt.wait(&r).await.unwrap();
+        // The consumer has read from it before (its agent is loaded).
+        let warm = p.make(1.0, 10).transport(Transport::Nixl).remote();
+        assert_eq!(rt.get(c.sum(&warm).remote()).await.unwrap(), 10.0);
+        let pid = p.pid().expect("a local worker");
+        // SAFETY: killing a worker process of this test.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        // Read while the driver may or may not know yet: the call fails,
+        // with the death or with NIXL's failure to read from the peer.
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err().to_string();
+        assert!(
+            e.contains("died") || e.contains("reading from Producer"),
+            "{e}"
+        );
+        // Once the death is known, every use of its objects says so.
+        let e = rt.get(p.echo(1).remote()).await.unwrap_err();
+        assert!(matches!(e, Error::ActorDied { .. }), "{e}");
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(e.to_string().contains("died"), "{e}");
+        let e = rt.get(&r).await.unwrap_err();
+        assert!(e.to_string().contains("died"), "{e}");
+        // The consumer still reads from a new producer.
+        let p2 = rt.spawn::<Producer>(()).await.unwrap();
+        let r2 = p2.make(2.0, 1000).transport(Transport::Nixl).remote();
+        assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 2000.0);
+        assert_eq!(
+            rt.get(c.received("nixl".to_string()).remote())
+                .await
+                .unwrap(),
+            2
+        );
+    })
+    .await;
+}
