@@ -20,7 +20,9 @@
 //!   pass ref → consume → get).
 //! - `transports`: a full pass (produce → pass ref → consume → result) of
 //!   one tensor of 1 KiB, 1 MiB, 64 MiB and 256 MiB over every CPU
-//!   transport this build has, with the object-store path as the baseline.
+//!   transport this build has (`nixl` where NIXL is installed:
+//!   `scripts/install-nixl.sh`), with the object-store path as the
+//!   baseline.
 //! - `soak`: the long form of the soak test: `--passes N` (default
 //!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
 //!   the per-pass latency and checks at the end that the owner table is
@@ -226,15 +228,27 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
 }
 
 fn cpu_transports() -> Vec<Transport> {
-    [Transport::ObjectStore, Transport::Tcp, Transport::Shm]
-        .into_iter()
-        .filter(|t| {
-            if !t.is_implemented() {
-                eprintln!("skipping {t}: not implemented in this build");
+    [
+        Transport::ObjectStore,
+        Transport::Tcp,
+        Transport::Shm,
+        Transport::Nixl,
+    ]
+    .into_iter()
+    .filter(|t| {
+        if !t.is_implemented() {
+            eprintln!("skipping {t}: not implemented in this build");
+            return false;
+        }
+        if *t == Transport::Nixl {
+            if let Err(e) = rdt::data::nixl::available() {
+                eprintln!("skipping {t}: {e}");
+                return false;
             }
-            t.is_implemented()
-        })
-        .collect()
+        }
+        true
+    })
+    .collect()
 }
 
 async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the quickstart, the `gpu` integration tests and the CUDA benchmark in release mode
+# Builds the quickstart, the `gpu` integration tests and the CUDA, NCCL and NIXL benchmarks in release mode
 # into .gpu/ (self-contained: no Rust toolchain or network needed where it
 # runs), with .gpu/run.sh to run them all on a GPU host.
 #   scripts/gpu-bundle.sh            # build the bundle
@@ -27,12 +27,13 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])
 ' > "$out/tests.txt"
-cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example quickstart --example bench
+cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example bench_nixl --example quickstart --example bench
 # Cargo's target folder (CARGO_TARGET_DIR where it is set).
 tgt="${CARGO_TARGET_DIR:-target}"
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
 cp "$tgt/release/examples/bench_cuda" "$out/bin/bench_cuda"
 cp "$tgt/release/examples/bench_nccl" "$out/bin/bench_nccl"
+cp "$tgt/release/examples/bench_nixl" "$out/bin/bench_nixl"
 cp "$tgt/release/examples/quickstart" "$out/bin/quickstart"
 cp "$tgt/release/examples/bench" "$out/bin/bench"
 rm "$out/tests.txt"
@@ -44,6 +45,29 @@ echo "$commit" > "$out/COMMIT"
 # Unstripped copies stay here, to resolve addresses of a crash report.
 mkdir -p "$tgt/gpu-unstripped"
 cp "$out/bin/"* "$tgt/gpu-unstripped/"
+
+# NIXL (the nixl transport): what libnixl_capi.so, the UCX plugin and
+# UCX's transport modules load, out of the nixl-cu13 wheel, as a tar.zst
+# (about 20 MB), with this machine's zstd to unpack it (the GPU image has
+# none). run.sh unpacks it and points RDT_NIXL_DIR at it.
+nixl_src="$(scripts/install-nixl.sh | sed -n 's/^NIXL .* in //p; s/^NIXL .* installed in //p' | tail -n1)"
+stage="$(mktemp -d)"
+mkdir -p "$stage/nixl"
+(
+  cd "$nixl_src"
+  roots=(.nixl_cu13.mesonpy.libs/libnixl_capi.so .nixl_cu13.mesonpy.libs/plugins/libplugin_UCX.so)
+  for m in nixl_cu13.libs/ucx/lib*.so.0.0.0; do
+    case "$m" in *perftest*) ;; *) roots+=("$m");; esac
+  done
+  {
+    printf '%s\n' "${roots[@]}"
+    LD_LIBRARY_PATH= ldd "${roots[@]}" 2>/dev/null | awk '$3 ~ /^\// {print $3}' \
+      | while read -r f; do realpath --relative-to=. "$f"; done | grep -v '^\.\./'
+  } | sort -u | while read -r f; do cp --parents "$f" "$stage/nixl/"; done
+)
+tar -C "$stage" -cf - nixl | zstd -19 -T0 -q -o "$out/nixl.tar.zst"
+cp "$(command -v zstd)" "$out/zstd"
+rm -rf "$stage"
 
 cat > "$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -57,6 +81,11 @@ mkdir -p "$logs"
 export NCCL_NVLS_ENABLE=0
 export RUST_BACKTRACE=1
 export RDT_COMMIT="$(cat "$here/COMMIT" 2>/dev/null || echo unknown)"
+# NIXL's libraries travel packed (see gpu-bundle.sh).
+if [ -f "$here/nixl.tar.zst" ] && [ ! -d "$here/nixl" ]; then
+  "$here/zstd" -dc "$here/nixl.tar.zst" | tar -C "$here" -xf - || echo "== could not unpack NIXL"
+fi
+[ -d "$here/nixl" ] && export RDT_NIXL_DIR="$here/nixl"
 echo "== host: $(hostname)  date: $(date -u +%FT%TZ)  rdt commit: $RDT_COMMIT  RDT_EXPECT_GPUS=${RDT_EXPECT_GPUS:-}"
 # cuRAND and NVRTC (on-device random fill, sum and compare) and cuBLAS
 # (bench_nccl's overlap workload) ship with the CUDA toolkit and with
@@ -129,6 +158,10 @@ echo "== bench_nccl"
 "$here/bin/bench_nccl" --json "$logs/nccl.json" 2>&1 | tee "$logs/bench_nccl.log"
 n=${PIPESTATUS[0]}; [ "$n" = 0 ] || rc=$n
 echo "== bench_nccl exit: $n"
+echo "== bench_nixl"
+"$here/bin/bench_nixl" --json "$logs/nixl.json" 2>&1 | tee "$logs/bench_nixl.log"
+x=${PIPESTATUS[0]}; [ "$x" = 0 ] || rc=$x
+echo "== bench_nixl exit: $x"
 # The control plane on this host (CPU only): bare socket echo vs a tiny
 # actor call, the floor under every pass above.
 echo "== bench control"

@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
 use rdt_transport::object_store;
 use rdt_transport::value::{self, Payload};
-use rdt_transport::Blob;
+use rdt_transport::{Blob, Target};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::net::UnixListener;
@@ -421,9 +421,33 @@ impl Runtime {
             }),
             Ok(rdt_transport::Sidedness::OneSided) => match driver_transport(&wv.transport) {
                 // NIXL: read straight into this process, no worker involved.
-                Some(inst) => self.get_direct(r.id, &wv, inst).await,
+                Some(inst) => self.get_direct(r.id, &wv, inst, Target::Any).await,
                 None => self.get_via_object_store(r).await,
             },
+        }
+    }
+
+    /// Like [`Runtime::get`], with every tensor read straight into this
+    /// process's host memory, whatever device it is on at its producer
+    /// (a checkpoint, an evaluation on the CPU). For objects on a
+    /// transport that serves the driver (`nixl`); others fail with a
+    /// message that says to use [`Runtime::get`].
+    pub async fn get_on_host<T: DeserializeOwned>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+    ) -> Result<T> {
+        let r = r.borrow();
+        let wv = self.inner.wait_value(r.id).await?;
+        match driver_transport(&wv.transport) {
+            Some(inst) => self.get_direct(r.id, &wv, inst, Target::Host).await,
+            None => Err(Error::TransportUnavailable {
+                name: wv.transport.clone(),
+                reason: format!(
+                    "get_on_host reads an object directly into the driver, which {} cannot do; \
+                     use get (or return the tensors over nixl)",
+                    wv.transport
+                ),
+            }),
         }
     }
 
@@ -441,6 +465,7 @@ impl Runtime {
         id: u64,
         wv: &WireValue,
         inst: Arc<dyn rdt_transport::TensorTransport>,
+        target: Target,
     ) -> Result<T> {
         let decode = |tensors: &[rdt_transport::Tensor]| {
             value::decode(&wv.data.0, tensors).map_err(|e| Error::Decode {
@@ -459,6 +484,9 @@ impl Runtime {
                 // Put by this driver: its tensors are here already.
                 let tensors = held.tensors().to_vec();
                 drop(st);
+                let tensors = target
+                    .place(&wv.transport, &wv.exported.metas, tensors)
+                    .map_err(Error::Transport)?;
                 return decode(&tensors);
             }
             let Some(p) = e.producer else {
@@ -474,7 +502,10 @@ impl Runtime {
             (a.peer(p, &wv.transport), p)
         };
         let deadline = self.inner.config.transfer_timeout;
-        let cx = rdt_transport::TransferCtx::new(0);
+        let cx = rdt_transport::TransferCtx {
+            target,
+            ..rdt_transport::TransferCtx::new(0)
+        };
         let read = tokio::time::timeout(deadline, inst.receive(&from, &cx, &wv.exported)).await;
         let dead = || {
             let st = self.inner.state.lock();

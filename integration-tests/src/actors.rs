@@ -600,6 +600,15 @@ impl GpuProducer {
             .map(|i| Tensor::cuda_full(i as f32, &[len], 0).map_err(tensor_err))
             .collect()
     }
+
+    /// One CUDA tensor of `n` f32 equal to `v` and one CPU tensor of `n`
+    /// f32 equal to `2v`, in one object.
+    async fn mixed(&mut self, v: f32, n: usize) -> rdt::Result<(Tensor, Tensor)> {
+        Ok((
+            Tensor::cuda_full(v, &[n], 0).map_err(tensor_err)?,
+            Tensor::full(2.0 * v, &[n]),
+        ))
+    }
 }
 
 /// What [`GpuConsumer::fill_own_copy`] saw: (sum of the copy as taken,
@@ -804,5 +813,20 @@ impl GpuConsumer {
             Device::Cpu => "cpu".into(),
         };
         Ok((uuid, v))
+    }
+
+    /// This worker's NIXL counters (`rdt::data::nixl::stats`).
+    async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
+        rdt::data::nixl::stats()
+    }
+
+    /// Sums of a pair and whether each is a CUDA tensor.
+    async fn sum_mixed(&mut self, p: (Tensor, Tensor)) -> rdt::Result<(f64, bool, f64, bool)> {
+        Ok((
+            p.0.sum().map_err(tensor_err)?,
+            p.0.is_cuda(),
+            p.1.sum().map_err(tensor_err)?,
+            p.1.is_cuda(),
+        ))
     }
 }

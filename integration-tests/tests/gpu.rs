@@ -538,3 +538,6 @@ gpu_test!(a_dead_importer_keeps_no_memory, async {
 
 #[path = "gpu/nccl.rs"]
 mod nccl;
+
+#[path = "gpu/nixl.rs"]
+mod nixl;

@@ -154,6 +154,9 @@ pub enum Target {
     /// Onto this process's CUDA device (ordinal), whatever device the
     /// producer's tensors were on; CPU tensors stay on the CPU.
     Device(usize),
+    /// Into this process's host memory, whatever device the producer's
+    /// tensors were on.
+    Host,
 }
 
 impl Target {
@@ -169,6 +172,18 @@ impl Target {
     ) -> Result<Vec<Tensor>, TransportError> {
         match self {
             Target::Any => Ok(received),
+            Target::Host => received
+                .into_iter()
+                .map(|t| {
+                    if t.is_cuda() {
+                        t.to_cpu().map_err(|e| {
+                            TransportError::new(transport, format!("copy to the host: {e}"))
+                        })
+                    } else {
+                        Ok(t)
+                    }
+                })
+                .collect(),
             Target::Device(ordinal) => received
                 .into_iter()
                 .map(|t| {

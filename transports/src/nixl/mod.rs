@@ -890,10 +890,14 @@ impl NixlTransport {
                 }
                 Ok((ts.clone(), dests, keep))
             }
-            Target::Any | Target::Device(_) => {
+            Target::Any | Target::Device(_) | Target::Host => {
+                // CUDA tensors land on the same GPU where this process sees
+                // it, else on its first GPU; on the host if it has none.
+                let cuda_here = crate::cuda::available().is_ok();
                 let want_gpu = |m: &TensorMeta| -> Option<usize> {
                     match (&m.device, target) {
-                        (Device::Cpu, _) => None,
+                        (Device::Cpu, _) | (_, Target::Host) => None,
+                        (Device::Cuda { .. }, Target::Any) if !cuda_here => None,
                         (Device::Cuda { .. }, Target::Device(o)) => Some(*o),
                         (Device::Cuda { uuid, .. }, _) => {
                             Some(crate::cuda::ordinal_of(uuid).unwrap_or(0))
@@ -1185,6 +1189,104 @@ impl TensorTransport for NixlTransport {
             if agent.forget_remote(&n).is_ok() {
                 bump(&COUNTERS.remote_forgets, 1);
             }
+        }
+    }
+}
+
+/// NIXL through rdt's binding with nothing of rdt around it: an agent,
+/// registrations and one READ at a time, waited for by polling its status
+/// on the calling thread (as NIXL's own examples do). For baselines: the
+/// benchmarks measure rdt's `nixl` passes against this between two plain
+/// processes.
+pub mod raw {
+    use std::sync::Arc;
+
+    use super::agent::{self, Agent, Progress};
+    pub use super::api::NixlError;
+
+    /// Where memory is: the host, or a CUDA device (ordinal in this
+    /// process).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Memory {
+        /// Host memory.
+        Host,
+        /// CUDA device memory, by ordinal.
+        Cuda(u32),
+    }
+
+    fn desc(m: Memory, addr: u64, len: usize) -> agent::Desc {
+        match m {
+            Memory::Host => agent::Desc {
+                mem: agent::Mem::Dram,
+                addr: addr as usize,
+                len,
+                dev: 0,
+            },
+            Memory::Cuda(o) => agent::Desc {
+                mem: agent::Mem::Vram,
+                addr: addr as usize,
+                len,
+                dev: o as u64,
+            },
+        }
+    }
+
+    /// One NIXL agent with a UCX backend.
+    pub struct RawAgent(Arc<Agent>);
+
+    impl RawAgent {
+        /// Makes the agent `name`.
+        pub fn new(name: &str) -> Result<RawAgent, NixlError> {
+            Agent::new(name).map(|a| RawAgent(Arc::new(a)))
+        }
+
+        /// What a peer loads to connect.
+        pub fn connection_md(&self) -> Result<Vec<u8>, NixlError> {
+            self.0.connection_md()
+        }
+
+        /// Registers `len` bytes at `addr`; returns what a peer loads to
+        /// read them. Stays registered until [`deregister`](Self::deregister).
+        pub fn register(&self, m: Memory, addr: u64, len: usize) -> Result<Vec<u8>, NixlError> {
+            self.0.register(desc(m, addr, len))
+        }
+
+        /// Undoes [`register`](Self::register).
+        pub fn deregister(&self, m: Memory, addr: u64, len: usize) -> Result<(), NixlError> {
+            self.0.deregister(desc(m, addr, len))
+        }
+
+        /// Loads a peer's metadata; returns its agent name.
+        pub fn load_remote(&self, md: &[u8]) -> Result<String, NixlError> {
+            self.0.load_remote(md)
+        }
+
+        /// Reads `remote` ranges of `peer` into `local` ranges (pairwise,
+        /// same lengths) with one READ, and waits for it by polling.
+        pub fn read(
+            &self,
+            local: (Memory, &[(u64, usize)]),
+            remote: (Memory, &[(u64, usize)]),
+            peer: &str,
+        ) -> Result<(), NixlError> {
+            let l: Vec<_> = local.1.iter().map(|&(a, n)| desc(local.0, a, n)).collect();
+            let r: Vec<_> = remote
+                .1
+                .iter()
+                .map(|&(a, n)| desc(remote.0, a, n))
+                .collect();
+            let (req, _) = self.0.post_read(&l, &r, peer, &[])?;
+            let outcome = loop {
+                match self.0.progress(&req) {
+                    Progress::Running => std::hint::spin_loop(),
+                    Progress::Done => break Ok(()),
+                    Progress::Failed(e) => break Err(e),
+                }
+            };
+            if self.0.release(req).is_err() {
+                return Err(NixlError("NIXL would not release a finished READ".into()));
+            }
+            outcome
         }
     }
 }

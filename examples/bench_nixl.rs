@@ -1,0 +1,506 @@
+//! NIXL GPU benchmark: `cargo run --release --example bench_nixl -- [--json PATH] [--quick]`.
+//! Needs a GPU; the cross-GPU rows need two (with one, they are skipped
+//! and say so).
+//!
+//! In one run:
+//! * `raw`: NIXL READs between two plain processes through rdt's own
+//!   binding (`rdt::data::nixl::raw`): this process registers its buffers
+//!   on GPU 0, a child process (on GPU 1 for `cross`, on GPU 0 for `same`)
+//!   registers its own, loads this one's metadata and times one READ per
+//!   iteration (post, then poll until done). The first READ of the pair
+//!   (connection set-up included) is its own row. `many10000` is one READ
+//!   of 10 000 descriptors of 4 KiB (what Ray and vLLM post), `one40M` one
+//!   descriptor of 40 MiB.
+//! * `nixl`: rdt passes between actors: the producer (GPU 0) made the
+//!   tensor before; a pass is one consumer call (GPU 1 for `cross`, GPU 0
+//!   for `same`) on its ref: the driver hands the ref over, the consumer
+//!   reads it with NIXL and answers. `pass_first` is the first pass of a
+//!   new pair (the consumer's agent, connection and metadata loads).
+//!   `many10000` passes an object of 10 000 tensors of 4 KiB; `one40M`
+//!   one tensor of 40 MiB. `actor_call_rtt` is a tiny call (the 4 KiB
+//!   budget: raw + one call).
+//! * `driver_get`: the driver reads a 1 GiB object held on GPU 0 into its
+//!   host memory (`Runtime::get_on_host`) and onto its GPU 0
+//!   (`Runtime::get`), next to the object-store path of the same object
+//!   (`Runtime::get_via_object_store`).
+//!
+//! Rows use the harness schema (`suite` = `nixl`); every row copies its
+//! bytes, so `gbps` is `bytes` per median (1e9 B/s).
+
+use std::time::Instant;
+
+use rdt::data::nixl::raw::{Memory, RawAgent};
+use rdt::prelude::*;
+use rdt_examples::{Kind, Row};
+use serde::{Deserialize, Serialize};
+
+#[rdt::actor]
+pub struct NixlSource {
+    kept: std::collections::HashMap<usize, Tensor>,
+    many: Vec<Tensor>,
+}
+
+#[rdt::actor]
+impl NixlSource {
+    fn new() -> Self {
+        NixlSource {
+            kept: Default::default(),
+            many: Vec::new(),
+        }
+    }
+
+    /// Makes the tensor of `bytes` bytes now (finished on the GPU).
+    async fn prepare(&mut self, bytes: usize) -> rdt::Result<usize> {
+        let t = Tensor::cuda_full(1u8, &[bytes], 0)?;
+        t.cuda_ready().await?;
+        self.kept.insert(bytes, t);
+        Ok(bytes)
+    }
+
+    /// The kept tensor of `bytes` bytes.
+    async fn tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
+        self.kept
+            .get(&bytes)
+            .cloned()
+            .ok_or_else(|| Error::Protocol(format!("no tensor of {bytes} B prepared")))
+    }
+
+    /// Makes `n` tensors of `each` bytes.
+    async fn prepare_many(&mut self, n: usize, each: usize) -> rdt::Result<usize> {
+        self.many = (0..n)
+            .map(|_| Tensor::cuda_full(2u8, &[each], 0))
+            .collect::<std::result::Result<_, _>>()?;
+        if let Some(t) = self.many.last() {
+            t.cuda_ready().await?;
+        }
+        Ok(n)
+    }
+
+    /// The `n` tensors.
+    async fn many(&mut self) -> Vec<Tensor> {
+        self.many.clone()
+    }
+}
+
+#[rdt::actor]
+pub struct NixlSink {}
+
+#[rdt::actor]
+impl NixlSink {
+    fn new() -> Self {
+        NixlSink {}
+    }
+
+    /// The tensors are usable here once the read returned.
+    async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
+        t.cuda_ready().await?;
+        Ok(t.nbytes())
+    }
+
+    /// All of them.
+    async fn touch_all(&mut self, ts: Vec<Tensor>) -> rdt::Result<usize> {
+        if let Some(t) = ts.last() {
+            t.cuda_ready().await?;
+        }
+        Ok(ts.iter().map(Tensor::nbytes).sum())
+    }
+
+    /// A tiny call.
+    async fn ping(&mut self, x: u64) -> u64 {
+        x
+    }
+
+    /// Starts CUDA here (untimed).
+    async fn warm(&mut self) -> rdt::Result<usize> {
+        let t = Tensor::cuda_zeros(DType::U8, &[4096], 0)?;
+        t.cuda_ready().await?;
+        Ok(t.nbytes())
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> Error {
+    Error::Protocol(e.to_string())
+}
+
+fn us_since(t0: Instant) -> f64 {
+    t0.elapsed().as_secs_f64() * 1e6
+}
+
+struct Ctx {
+    device: String,
+    device_name: String,
+    commit: String,
+}
+
+fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<f64>) -> Row {
+    let r = Row {
+        device_name: Some(cx.device_name.clone()),
+        commit: Some(cx.commit.clone()),
+        ..Row::new("nixl", case, transport, &cx.device, kind, bytes as u64, us)
+    };
+    r.print();
+    r
+}
+
+fn iters_for(bytes: usize, quick: bool) -> usize {
+    match (quick, bytes) {
+        (true, _) => 10,
+        (_, b) if b >= 1 << 30 => 20,
+        (_, b) if b >= 64 << 20 => 50,
+        _ => 200,
+    }
+}
+
+/// One case of the raw baseline, as the holder publishes it.
+#[derive(Serialize, Deserialize)]
+struct RawCase {
+    case: String,
+    /// (address, length) of each buffer, on the holder's GPU 0.
+    ranges: Vec<(u64, usize)>,
+    /// The holder's registration metadata, one per buffer.
+    mds: Vec<Vec<u8>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RawPlan {
+    conn: Vec<u8>,
+    cases: Vec<RawCase>,
+    quick: bool,
+}
+
+/// What the reader measured: (case, bytes, µs per READ) and the first
+/// READ of the pair.
+type RawResult = (Vec<(String, usize, Vec<f64>)>, f64);
+
+/// The raw reader (a child process): reads every case from the holder.
+fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
+    let agent = RawAgent::new(&format!("raw-reader-{}", std::process::id())).map_err(|e| e.0)?;
+    let peer = agent.load_remote(&plan.conn).map_err(|e| e.0)?;
+    let mut out = Vec::new();
+    let mut first = f64::NAN;
+    for c in &plan.cases {
+        for md in &c.mds {
+            agent.load_remote(md).map_err(|e| e.0)?;
+        }
+        let total: usize = c.ranges.iter().map(|r| r.1).sum();
+        // Local buffers: one allocation, the ranges back to back.
+        let buf = Tensor::cuda_zeros(DType::U8, &[total], 0).map_err(|e| e.to_string())?;
+        let base = buf
+            .with_device_buffer(|d| d.device_ptr())
+            .map_err(|e| e.to_string())?;
+        agent
+            .register(Memory::Cuda(0), base, total)
+            .map_err(|e| e.0)?;
+        let mut local = Vec::with_capacity(c.ranges.len());
+        let mut off = 0u64;
+        for r in &c.ranges {
+            local.push((base + off, r.1));
+            off += r.1 as u64;
+        }
+        let iters = iters_for(total, plan.quick);
+        let mut us = Vec::new();
+        for i in 0..iters + 3 {
+            let t0 = Instant::now();
+            agent
+                .read(
+                    (Memory::Cuda(0), &local),
+                    (Memory::Cuda(0), &c.ranges),
+                    &peer,
+                )
+                .map_err(|e| e.0)?;
+            let t = us_since(t0);
+            if first.is_nan() {
+                first = t;
+            }
+            if i >= 3 {
+                us.push(t);
+            }
+        }
+        agent
+            .deregister(Memory::Cuda(0), base, total)
+            .map_err(|e| e.0)?;
+        out.push((c.case.clone(), total, us));
+    }
+    Ok((out, first))
+}
+
+/// The raw baseline: this process holds the buffers on its GPU 0, a child
+/// on `reader_gpu` reads them.
+async fn raw_baseline(
+    cx: &Ctx,
+    label: &str,
+    reader_gpu: &str,
+    sizes: &[usize],
+    quick: bool,
+) -> rdt::Result<Vec<Row>> {
+    let agent =
+        RawAgent::new(&format!("raw-holder-{label}-{}", std::process::id())).map_err(err)?;
+    let mut held = Vec::new();
+    let mut cases = Vec::new();
+    let mut shapes: Vec<(String, usize, usize)> =
+        sizes.iter().map(|&b| ("pass".into(), 1, b)).collect();
+    shapes.push(("many10000".into(), 10_000, 4 << 10));
+    shapes.push(("one40M".into(), 1, 40 << 20));
+    let mut regs = Vec::new();
+    for (case, n, each) in shapes {
+        // One allocation per case, registered once; the buffers are
+        // ranges of it (as rdt's slabs are).
+        let t = Tensor::cuda_full(3u8, &[n * each], 0)?;
+        t.cuda_ready().await?;
+        let base = t.with_device_buffer(|d| d.device_ptr())?;
+        let md = agent
+            .register(Memory::Cuda(0), base, n * each)
+            .map_err(err)?;
+        regs.push((base, n * each));
+        let ranges: Vec<(u64, usize)> = (0..n).map(|i| (base + (i * each) as u64, each)).collect();
+        cases.push(RawCase {
+            case,
+            ranges,
+            mds: vec![md],
+        });
+        held.push(t);
+    }
+    let plan = RawPlan {
+        conn: agent.connection_md().map_err(err)?,
+        cases,
+        quick,
+    };
+    let exe = std::env::current_exe()?;
+    let mut child = tokio::process::Command::new(exe)
+        .arg("--raw-reader")
+        .env("CUDA_VISIBLE_DEVICES", reader_gpu)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut stdin = child.stdin.take().expect("piped");
+    let line = serde_json::to_string(&plan).map_err(err)? + "\n";
+    tokio::io::AsyncWriteExt::write_all(&mut stdin, line.as_bytes()).await?;
+    drop(stdin);
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut text = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut text).await?;
+    let status = child.wait().await?;
+    for (base, len) in regs {
+        agent.deregister(Memory::Cuda(0), base, len).map_err(err)?;
+    }
+    drop(held);
+    if !status.success() {
+        return Err(err(format!("the raw NIXL reader failed: {status}: {text}")));
+    }
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("RAW "))
+        .ok_or_else(|| err(format!("the raw NIXL reader said: {text}")))?;
+    let (cases, first): RawResult = serde_json::from_str(line).map_err(err)?;
+    let mut rows = vec![row(
+        cx,
+        &format!("first_read_{label}"),
+        "raw",
+        Kind::Latency,
+        4 << 10,
+        vec![first],
+    )];
+    for (case, bytes, us) in cases {
+        rows.push(row(
+            cx,
+            &format!("{case}_{label}"),
+            "raw",
+            Kind::Bandwidth,
+            bytes,
+            us,
+        ));
+    }
+    Ok(rows)
+}
+
+/// rdt passes from `p` to `c`.
+async fn rdt_passes(
+    cx: &Ctx,
+    rt: &Runtime,
+    label: &str,
+    p: &NixlSourceHandle,
+    c: &NixlSinkHandle,
+    sizes: &[usize],
+    quick: bool,
+) -> rdt::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let mut first = true;
+    let mut all: Vec<usize> = sizes.to_vec();
+    all.push(40 << 20);
+    for b in all {
+        let r = p.tensor(b).transport(Transport::Nixl).remote();
+        rt.wait(&r).await?;
+        if first {
+            let t0 = Instant::now();
+            rt.get(c.touch(&r).remote()).await?;
+            rows.push(row(
+                cx,
+                &format!("pass_first_{label}"),
+                "nixl",
+                Kind::Latency,
+                b,
+                vec![us_since(t0)],
+            ));
+            first = false;
+        }
+        let iters = iters_for(b, quick);
+        let mut us = Vec::new();
+        for i in 0..iters + 3 {
+            let t0 = Instant::now();
+            let n = rt.get(c.touch(&r).remote()).await?;
+            assert_eq!(n, b);
+            if i >= 3 {
+                us.push(us_since(t0));
+            }
+        }
+        let case = if b == 40 << 20 { "one40M" } else { "pass" };
+        rows.push(row(
+            cx,
+            &format!("{case}_{label}"),
+            "nixl",
+            Kind::Bandwidth,
+            b,
+            us,
+        ));
+    }
+    let r = p.many().transport(Transport::Nixl).remote();
+    rt.wait(&r).await?;
+    let mut us = Vec::new();
+    for i in 0..iters_for(40 << 20, quick) + 3 {
+        let t0 = Instant::now();
+        let n = rt.get(c.touch_all(&r).remote()).await?;
+        assert_eq!(n, 10_000 * 4096);
+        if i >= 3 {
+            us.push(us_since(t0));
+        }
+    }
+    rows.push(row(
+        cx,
+        &format!("many10000_{label}"),
+        "nixl",
+        Kind::Bandwidth,
+        10_000 * 4096,
+        us,
+    ));
+    Ok(rows)
+}
+
+fn sizes(quick: bool) -> Vec<usize> {
+    if quick {
+        vec![4 << 10, 1 << 20]
+    } else {
+        vec![4 << 10, 1 << 20, 64 << 20, 1 << 30]
+    }
+}
+
+#[rdt::main]
+async fn main() -> rdt::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    if args.iter().any(|a| a == "--raw-reader") {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)?;
+        let plan: RawPlan = serde_json::from_str(&line).map_err(err)?;
+        let r = raw_reader(plan).map_err(err)?;
+        println!("RAW {}", serde_json::to_string(&r).map_err(err)?);
+        return Ok(());
+    }
+    let json = args
+        .iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1).cloned());
+    rdt::data::cuda::available().map_err(err)?;
+    rdt::data::nixl::available().map_err(err)?;
+    let n_gpus = rdt::data::cuda::device_count();
+    let commit = std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into());
+    println!("== bench_nixl  commit {commit}  {n_gpus} GPU(s)");
+    let g0 = rdt::data::cuda::gpu(0).map_err(err)?;
+    let cx = Ctx {
+        device: format!("cuda ({})", g0.uuid()),
+        device_name: g0.name(),
+        commit,
+    };
+    let visible: Vec<String> = match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) if !v.is_empty() => v.split(',').map(str::to_string).collect(),
+        _ => (0..n_gpus).map(|i| i.to_string()).collect(),
+    };
+    let sizes = sizes(quick);
+    let mut rows = Vec::new();
+    rows.extend(raw_baseline(&cx, "same", &visible[0], &sizes, quick).await?);
+    if n_gpus >= 2 {
+        rows.extend(raw_baseline(&cx, "cross", &visible[1], &sizes, quick).await?);
+    } else {
+        println!("== cross-GPU rows: need two GPUs, {n_gpus} visible: skipped");
+    }
+
+    let rt = Runtime::builder()
+        .max_frame_bytes((1usize << 30) + (64 << 20))
+        .start()
+        .await?;
+    let p = rt.spawn::<NixlSource>(()).on_gpus([0]).await?;
+    let c0 = rt.spawn::<NixlSink>(()).on_gpus([0]).await?;
+    rt.get(c0.warm().remote()).await?;
+    for i in 0..200 {
+        rt.get(c0.ping(i).remote()).await?;
+    }
+    let mut us = Vec::new();
+    for i in 0..200 {
+        let t0 = Instant::now();
+        rt.get(c0.ping(i).remote()).await?;
+        us.push(us_since(t0));
+    }
+    rows.push(row(&cx, "actor_call_rtt", "none", Kind::Latency, 0, us));
+    for &b in sizes.iter().chain([40usize << 20].iter()) {
+        rt.get(p.prepare(b).remote()).await?;
+    }
+    rt.get(p.prepare_many(10_000, 4096).remote()).await?;
+    rows.extend(rdt_passes(&cx, &rt, "same", &p, &c0, &sizes, quick).await?);
+    if n_gpus >= 2 {
+        let c1 = rt.spawn::<NixlSink>(()).on_gpus([1]).await?;
+        rt.get(c1.warm().remote()).await?;
+        rows.extend(rdt_passes(&cx, &rt, "cross", &p, &c1, &sizes, quick).await?);
+    }
+    // The driver reads a 1 GiB GPU object.
+    let big = *sizes.last().expect("sizes");
+    let r = p.tensor(big).transport(Transport::Nixl).remote();
+    rt.wait(&r).await?;
+    let iters = if quick { 3 } else { 10 };
+    for (case, host) in [("driver_get_host", true), ("driver_get_gpu", false)] {
+        let mut us = Vec::new();
+        for i in 0..iters + 1 {
+            let t0 = Instant::now();
+            let t: Tensor = if host {
+                rt.get_on_host(&r).await?
+            } else {
+                rt.get(&r).await?
+            };
+            assert_eq!(t.nbytes(), big);
+            assert_eq!(t.is_cuda(), !host);
+            if i >= 1 {
+                us.push(us_since(t0));
+            }
+        }
+        rows.push(row(&cx, case, "nixl", Kind::Bandwidth, big, us));
+    }
+    let mut us = Vec::new();
+    for _ in 0..if quick { 1 } else { 3 } {
+        let t0 = Instant::now();
+        let t: Tensor = rt.get_via_object_store(&r).await?;
+        assert_eq!(t.nbytes(), big);
+        us.push(us_since(t0));
+    }
+    rows.push(row(
+        &cx,
+        "driver_get",
+        "object_store",
+        Kind::Bandwidth,
+        big,
+        us,
+    ));
+    if let Some(path) = json {
+        std::fs::write(&path, serde_json::to_string_pretty(&rows).map_err(err)?)?;
+        println!("== wrote {path}");
+    }
+    rt.shutdown().await;
+    Ok(())
+}
