@@ -362,6 +362,54 @@ pub fn slab_bytes() -> HashMap<usize, usize> {
     out
 }
 
+/// Part of a [`SlabRange`]: tensors received together share one range
+/// (one allocation), each over its own slice. The range goes back to the
+/// allocator when the last slice is dropped.
+pub struct SlabSlice {
+    range: Arc<SlabRange>,
+    offset: usize,
+    len: usize,
+}
+
+impl SlabSlice {
+    /// `len` bytes at `offset` of `range` (which must hold them).
+    pub(crate) fn new(range: Arc<SlabRange>, offset: usize, len: usize) -> SlabSlice {
+        assert!(offset + len <= range.len, "a slice within its range");
+        SlabSlice { range, offset, len }
+    }
+
+    pub(crate) fn range(&self) -> &SlabRange {
+        &self.range
+    }
+
+    pub(crate) fn offset(&self) -> usize {
+        self.offset
+    }
+}
+
+impl DeviceBuffer for SlabSlice {
+    fn device_ptr(&self) -> u64 {
+        self.range.device_ptr() + self.offset as u64
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn gpu(&self) -> &Arc<Gpu> {
+        &self.range.slab.gpu
+    }
+    fn describe(&self) -> String {
+        format!(
+            "slice +{} ({} B) of {}",
+            self.offset,
+            self.len,
+            self.range.describe()
+        )
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// A range of a slab: the memory of CUDA tensors made in this process.
 pub struct SlabRange {
     pub(crate) slab: Arc<Slab>,

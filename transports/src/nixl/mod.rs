@@ -526,6 +526,17 @@ impl NixlTransport {
             Some(a) => format!("rdt-a{a}-{}-{nonce:08x}", std::process::id()),
             None => format!("rdt-driver-{}-{nonce:08x}", std::process::id()),
         };
+        let name2 = name.clone();
+        // On a GPU host, making the agent (UCX with its CUDA transports)
+        // takes about a second: a worker starts it in the background at
+        // boot, so that its first transfer does not pay it.
+        if cx.actor.is_some() && crate::cuda::available().is_ok() {
+            let _ = std::thread::Builder::new()
+                .name("rdt-nixl-start".into())
+                .spawn(move || {
+                    let _ = STARTED_AGENT.get_or_init(|| Agent::new(&name2).map(Arc::new));
+                });
+        }
         NixlTransport {
             name,
             exports: Default::default(),
@@ -551,6 +562,9 @@ impl NixlTransport {
         if let Some(r) = slabs.get(&slab.id) {
             return Ok(r.clone());
         }
+        // UCX tells device memory from host memory by asking CUDA in the
+        // calling thread: the slab's context must be current.
+        slab.gpu.bind().map_err(|e| NixlError(e.to_string()))?;
         let reg = Arc::new(Registered::new(
             agent,
             Desc {
@@ -637,9 +651,7 @@ impl NixlTransport {
                         if !gpus.iter().any(|g| Arc::ptr_eq(g, d.gpu())) {
                             gpus.push(d.gpu().clone());
                         }
-                        d.as_any()
-                            .downcast_ref::<SlabRange>()
-                            .map(|r| (r.slab.clone(), r.offset))
+                        slab_of(d)
                     })
                     .map_err(|e| err(e.to_string()))?;
                 let (slab, offset, owner) = match found {
@@ -649,11 +661,7 @@ impl NixlTransport {
                         // into a slab of this process.
                         let copy = t.deep_copy().map_err(|e| err(e.to_string()))?;
                         let (s, o) = copy
-                            .with_device_buffer(|d| {
-                                d.as_any()
-                                    .downcast_ref::<SlabRange>()
-                                    .map(|r| (r.slab.clone(), r.offset))
-                            })
+                            .with_device_buffer(slab_of)
                             .map_err(|e| err(e.to_string()))?
                             .ok_or_else(|| err("a CUDA copy is not in an rdt slab".into()))?;
                         (s, o, Some(copy))
@@ -813,6 +821,20 @@ impl NixlTransport {
         let poller = Poller::get(&agent);
         let keep = Arc::new(keep);
         let mut waits = Vec::new();
+        // UCX's CUDA transports work in the calling thread's context: bind
+        // the GPU the read lands on (or, reading device memory into the
+        // host, this process's first GPU).
+        let vram_local = dests
+            .iter()
+            .flatten()
+            .find(|d| d.desc.mem == Mem::Vram)
+            .map(|d| d.desc.dev as usize);
+        let vram_remote = h.regions.iter().any(|r| r.mem == Mem::Vram);
+        if let Some(o) = vram_local.or(vram_remote.then_some(0)) {
+            if let Ok(g) = crate::cuda::gpu(o) {
+                let _ = g.bind();
+            }
+        }
         for (_, pairs) in groups {
             let (local, remote) = coalesce(pairs);
             let n = local.len() as u64;
@@ -937,11 +959,47 @@ impl NixlTransport {
                 } else {
                     Some(HostRegion::new(agent, len).map_err(|e| err(e.0))?)
                 };
+                // CUDA tensors: one range per GPU for the whole object, laid
+                // out back to back (one allocation, and neighbours for the
+                // coalescer), each tensor a slice of it.
+                let mut ranges: HashMap<usize, (Arc<SlabRange>, usize)> = HashMap::new();
+                let mut cuda_at: Vec<Option<(usize, usize)>> = vec![None; metas.len()];
+                {
+                    let mut need: HashMap<usize, usize> = HashMap::new();
+                    for (i, m) in metas.iter().enumerate() {
+                        if let Some(o) = want_gpu(m) {
+                            let off = need.entry(o).or_default();
+                            cuda_at[i] = Some((o, *off));
+                            *off = (*off + m.nbytes()).next_multiple_of(crate::cuda::alloc::ALIGN);
+                        }
+                    }
+                    for (o, len) in need {
+                        let gpu = crate::cuda::gpu(o)
+                            .map_err(|e| err(format!("CUDA device {o}: {e}")))?;
+                        let r = crate::cuda::alloc::alloc(&gpu, len.max(1)).map_err(|e| {
+                            err(format!("allocating {len} B on CUDA device {o}: {e}"))
+                        })?;
+                        ranges.insert(o, (Arc::new(r), 0));
+                    }
+                }
                 let mut out = Vec::with_capacity(metas.len());
                 for (i, m) in metas.iter().enumerate() {
-                    let t = match (want_gpu(m), &region, host_at[i]) {
-                        (Some(o), _, _) => Tensor::cuda_empty(m.dtype, &m.shape, o)
-                            .map_err(|e| err(format!("allocating a CUDA tensor on {o}: {e}")))?,
+                    let t = match (cuda_at[i], &region, host_at[i]) {
+                        (Some((o, offset)), _, _) => {
+                            let range = ranges[&o].0.clone();
+                            let device = range.slab.gpu.device();
+                            Tensor::from_device_buffer(
+                                m.dtype,
+                                &m.shape,
+                                device,
+                                Box::new(crate::cuda::alloc::SlabSlice::new(
+                                    range,
+                                    offset,
+                                    m.nbytes(),
+                                )),
+                            )
+                            .map_err(|e| err(e.to_string()))?
+                        }
                         (None, Some(region), Some(offset)) => Tensor::from_external(
                             m.dtype,
                             &m.shape,
@@ -977,11 +1035,7 @@ impl NixlTransport {
         keep.push(Kept::Tensor(t.clone()));
         if t.is_cuda() {
             let found = t
-                .with_device_buffer(|d| {
-                    d.as_any()
-                        .downcast_ref::<SlabRange>()
-                        .map(|r| (r.slab.clone(), r.offset, d.device_ptr()))
-                })
+                .with_device_buffer(|d| slab_of(d).map(|(s, o)| (s, o, d.device_ptr())))
                 .map_err(|e| e.to_string())?;
             let Some((slab, _, ptr)) = found else {
                 return Err(format!(
@@ -1025,6 +1079,17 @@ impl NixlTransport {
             local_reg: g,
         }))
     }
+}
+
+/// The rdt slab device memory lies in, and its offset there (a range made
+/// by rdt's allocator, or a slice of one).
+fn slab_of(d: &dyn crate::cuda::DeviceBuffer) -> Option<(Arc<Slab>, usize)> {
+    let any = d.as_any();
+    if let Some(r) = any.downcast_ref::<SlabRange>() {
+        return Some((r.slab.clone(), r.offset));
+    }
+    any.downcast_ref::<crate::cuda::alloc::SlabSlice>()
+        .map(|s| (s.range().slab.clone(), s.range().offset + s.offset()))
 }
 
 /// The registration of a host region, as a shareable handle. The region
@@ -1214,6 +1279,16 @@ pub mod raw {
         Cuda(u32),
     }
 
+    /// UCX's CUDA transports work in the calling thread's context.
+    fn bind(m: Memory) -> Result<(), NixlError> {
+        if let Memory::Cuda(o) = m {
+            crate::cuda::gpu(o as usize)
+                .and_then(|g| g.bind())
+                .map_err(|e| NixlError(e.to_string()))?;
+        }
+        Ok(())
+    }
+
     fn desc(m: Memory, addr: u64, len: usize) -> agent::Desc {
         match m {
             Memory::Host => agent::Desc {
@@ -1248,6 +1323,7 @@ pub mod raw {
         /// Registers `len` bytes at `addr`; returns what a peer loads to
         /// read them. Stays registered until [`deregister`](Self::deregister).
         pub fn register(&self, m: Memory, addr: u64, len: usize) -> Result<Vec<u8>, NixlError> {
+            bind(m)?;
             self.0.register(desc(m, addr, len))
         }
 
@@ -1269,6 +1345,8 @@ pub mod raw {
             remote: (Memory, &[(u64, usize)]),
             peer: &str,
         ) -> Result<(), NixlError> {
+            bind(remote.0)?;
+            bind(local.0)?;
             let l: Vec<_> = local.1.iter().map(|&(a, n)| desc(local.0, a, n)).collect();
             let r: Vec<_> = remote
                 .1

@@ -79,6 +79,13 @@ impl Poller {
 }
 
 fn run(agent: Arc<Agent>, rx: Receiver<Watched>) {
+    // Asking NIXL for a READ's status progresses UCX, whose CUDA
+    // transports work in the calling thread's context.
+    if crate::cuda::available().is_ok() {
+        if let Ok(g) = crate::cuda::gpu(0) {
+            let _ = g.bind();
+        }
+    }
     let mut live: Vec<Watched> = Vec::new();
     let mut abandoned: Vec<Abandoned> = Vec::new();
     let mut idle_since = Instant::now();
