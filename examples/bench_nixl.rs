@@ -4,9 +4,10 @@
 //!
 //! In one run:
 //! * `raw`: NIXL READs between two plain processes through rdt's own
-//!   binding (`rdt::data::nixl::raw`): this process registers its buffers
-//!   on GPU 0, a child process (on GPU 1 for `cross`, on GPU 0 for `same`)
-//!   registers its own, loads this one's metadata and times one READ per
+//!   binding (`rdt::data::nixl::raw`): a holder process registers its
+//!   buffers on GPU 0, a reader process (on GPU 1 for `cross`, on GPU 0
+//!   for `same`; each sees only its own GPU, as rdt's workers do)
+//!   registers its own, loads the holder's metadata and times one READ per
 //!   iteration (post, then poll until done). The first READ of the pair
 //!   (connection set-up included) is its own row. `many10000` is one READ
 //!   of 10 000 descriptors of 4 KiB (what Ray and vLLM post), `one40M` one
@@ -224,17 +225,12 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
     Ok((out, first))
 }
 
-/// The raw baseline: this process holds the buffers on its GPU 0, a child
-/// on `reader_gpu` reads them.
-async fn raw_baseline(
-    cx: &Ctx,
-    label: &str,
-    reader_gpu: &str,
-    sizes: &[usize],
-    quick: bool,
-) -> rdt::Result<Vec<Row>> {
-    let agent =
-        RawAgent::new(&format!("raw-holder-{label}-{}", std::process::id())).map_err(err)?;
+/// The raw holder (a child process, on the same GPU as rdt's producer and
+/// with the same single-GPU view as an rdt worker): registers one buffer
+/// per case on its GPU 0, prints the plan, and keeps everything until its
+/// stdin closes.
+async fn raw_holder(sizes: &[usize], quick: bool) -> rdt::Result<()> {
+    let agent = RawAgent::new(&format!("raw-holder-{}", std::process::id())).map_err(err)?;
     let mut held = Vec::new();
     let mut cases = Vec::new();
     let mut shapes: Vec<(String, usize, usize)> =
@@ -265,25 +261,70 @@ async fn raw_baseline(
         cases,
         quick,
     };
-    let exe = std::env::current_exe()?;
-    let mut child = tokio::process::Command::new(exe)
-        .arg("--raw-reader")
-        .env("CUDA_VISIBLE_DEVICES", reader_gpu)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()?;
-    let mut stdin = child.stdin.take().expect("piped");
-    let line = serde_json::to_string(&plan).map_err(err)? + "\n";
-    tokio::io::AsyncWriteExt::write_all(&mut stdin, line.as_bytes()).await?;
-    drop(stdin);
-    let mut stdout = child.stdout.take().expect("piped");
-    let mut text = String::new();
-    tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut text).await?;
-    let status = child.wait().await?;
+    println!("PLAN {}", serde_json::to_string(&plan).map_err(err)?);
+    // Until the parent says the reader is done.
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
     for (base, len) in regs {
         agent.deregister(Memory::Cuda(0), base, len).map_err(err)?;
     }
     drop(held);
+    Ok(())
+}
+
+/// The raw baseline between two plain child processes: a holder on
+/// `holder_gpu`, a reader on `reader_gpu` (each seeing only its own GPU,
+/// as rdt's workers do).
+async fn raw_baseline(
+    cx: &Ctx,
+    label: &str,
+    holder_gpu: &str,
+    reader_gpu: &str,
+    quick: bool,
+) -> rdt::Result<Vec<Row>> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let exe = std::env::current_exe()?;
+    let mut holder = tokio::process::Command::new(&exe)
+        .arg("--raw-holder")
+        .args(if quick { vec!["--quick"] } else { vec![] })
+        .env("CUDA_VISIBLE_DEVICES", holder_gpu)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let holder_in = holder.stdin.take().expect("piped");
+    let mut holder_out = tokio::io::BufReader::new(holder.stdout.take().expect("piped"));
+    let mut plan = String::new();
+    loop {
+        plan.clear();
+        if holder_out.read_line(&mut plan).await? == 0 {
+            return Err(err("the raw NIXL holder exited without a plan"));
+        }
+        if let Some(p) = plan.strip_prefix("PLAN ") {
+            plan = p.to_string();
+            break;
+        }
+    }
+    let mut reader = tokio::process::Command::new(&exe)
+        .arg("--raw-reader")
+        .env("CUDA_VISIBLE_DEVICES", reader_gpu)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()?;
+    let mut stdin = reader.stdin.take().expect("piped");
+    stdin.write_all(plan.as_bytes()).await?;
+    drop(stdin);
+    let mut text = String::new();
+    reader
+        .stdout
+        .take()
+        .expect("piped")
+        .read_to_string(&mut text)
+        .await?;
+    let status = reader.wait().await?;
+    drop(holder_in);
+    let _ = holder.wait().await;
     if !status.success() {
         return Err(err(format!("the raw NIXL reader failed: {status}: {text}")));
     }
@@ -397,6 +438,9 @@ fn sizes(quick: bool) -> Vec<usize> {
 async fn main() -> rdt::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    if args.iter().any(|a| a == "--raw-holder") {
+        return raw_holder(&sizes(quick), quick).await;
+    }
     if args.iter().any(|a| a == "--raw-reader") {
         let mut line = String::new();
         std::io::stdin().read_line(&mut line)?;
@@ -426,9 +470,9 @@ async fn main() -> rdt::Result<()> {
     };
     let sizes = sizes(quick);
     let mut rows = Vec::new();
-    rows.extend(raw_baseline(&cx, "same", &visible[0], &sizes, quick).await?);
+    rows.extend(raw_baseline(&cx, "same", &visible[0], &visible[0], quick).await?);
     if n_gpus >= 2 {
-        rows.extend(raw_baseline(&cx, "cross", &visible[1], &sizes, quick).await?);
+        rows.extend(raw_baseline(&cx, "cross", &visible[0], &visible[1], quick).await?);
     } else {
         println!("== cross-GPU rows: need two GPUs, {n_gpus} visible: skipped");
     }
