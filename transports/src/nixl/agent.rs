@@ -72,6 +72,16 @@ impl Agent {
     /// Makes the agent `name` with a UCX backend.
     pub fn new(name: &str) -> Result<Agent, NixlError> {
         let api = api()?;
+        // UCX sets up its CUDA transports (CUDA IPC among them) when the
+        // agent's worker is made, from the calling thread's context: with
+        // none current it leaves them out, and device memory then moves
+        // through a host bounce (0.5 GB/s measured on H200, against
+        // ~290 GB/s over CUDA IPC). Bind this process's first GPU first.
+        if crate::cuda::available().is_ok() {
+            if let Ok(g) = crate::cuda::gpu(0) {
+                let _ = g.bind();
+            }
+        }
         let cname = c_string(name)?;
         let mut agent: api::Agent = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointer.

@@ -779,22 +779,6 @@ impl NixlTransport {
         exported: &Exported,
     ) -> Result<Vec<Tensor>, TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
-        if matches!(cx.target, Target::Host)
-            && crate::cuda::available().is_ok()
-            && exported.metas.iter().any(|m| !m.device.is_cpu())
-        {
-            // Device memory into host memory: UCX reads it across processes
-            // through a host bounce (~0.5 GB/s measured on H200) when the two
-            // processes see different GPU sets; a read onto this process's
-            // GPU (CUDA IPC, hundreds of GB/s) and one copy to the host is
-            // far faster.
-            let on_gpu = TransferCtx {
-                target: Target::Any,
-                ..cx.clone()
-            };
-            let tensors = Box::pin(self.receive_inner(from, &on_gpu, exported)).await?;
-            return Target::Host.place(NAME, &exported.metas, tensors);
-        }
         let h: Handles = postcard::from_bytes(&exported.handles)
             .map_err(|e| err(format!("malformed nixl handles: {e}")))?;
         check_handles(&h, &exported.metas).map_err(err)?;
