@@ -72,16 +72,23 @@ impl Agent {
     /// Makes the agent `name` with a UCX backend.
     pub fn new(name: &str) -> Result<Agent, NixlError> {
         let api = api()?;
-        // UCX sets up its CUDA transports (CUDA IPC among them) when the
-        // agent's worker is made, from the calling thread's context: with
-        // none current it leaves them out, and device memory then moves
-        // through a host bounce (0.5 GB/s measured on H200, against
-        // ~290 GB/s over CUDA IPC). Bind this process's first GPU first.
-        if crate::cuda::available().is_ok() {
-            if let Ok(g) = crate::cuda::gpu(0) {
-                let _ = g.bind();
-            }
-        }
+        // Measured on H200 (book: NIXL chapter): UCX picks CUDA IPC for
+        // device memory when the agent is made after CUDA is initialized in
+        // the process but from a thread with no CUDA context current;
+        // made before cuInit, or with a context current, device memory went
+        // through a 0.5 GB/s host bounce. So: initialize CUDA where there is
+        // one, and make the agent on a fresh thread.
+        let _ = crate::cuda::available();
+        let name = name.to_string();
+        std::thread::Builder::new()
+            .name("rdt-nixl-agent".into())
+            .spawn(move || Agent::make(api, &name))
+            .map_err(|e| NixlError(format!("starting a thread to make the agent: {e}")))?
+            .join()
+            .map_err(|_| NixlError("making the NIXL agent panicked".into()))?
+    }
+
+    fn make(api: &'static Api, name: &str) -> Result<Agent, NixlError> {
         let cname = c_string(name)?;
         let mut agent: api::Agent = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointer.
