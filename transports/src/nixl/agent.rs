@@ -72,12 +72,13 @@ impl Agent {
     /// Makes the agent `name` with a UCX backend.
     pub fn new(name: &str) -> Result<Agent, NixlError> {
         let api = api()?;
-        // Measured on H200 (book: NIXL chapter): UCX picks CUDA IPC for
-        // device memory when the agent is made after CUDA is initialized in
-        // the process but from a thread with no CUDA context current;
-        // made before cuInit, or with a context current, device memory went
-        // through a 0.5 GB/s host bounce. So: initialize CUDA where there is
-        // one, and make the agent on a fresh thread.
+        // On the 2xH200 host, agents made this way (after CUDA is
+        // initialized in the process, from a thread with no context
+        // current: a worker's background start) read device memory over
+        // CUDA IPC at ~290 GB/s across GPUs, while the raw baseline's
+        // agents, made before any CUDA call, fell back to a 0.5 GB/s host
+        // bounce. Why UCX chooses so is not established yet (book: NIXL
+        // chapter, "Open"); every agent is made the way that was fast.
         let _ = crate::cuda::available();
         let name = name.to_string();
         std::thread::Builder::new()
