@@ -11,6 +11,9 @@ pub mod auth;
 pub mod cuda;
 mod device;
 mod dtype;
+#[cfg(any(feature = "nccl", feature = "nixl"))]
+mod dynlib;
+mod free_list;
 pub mod hot;
 #[cfg(feature = "nccl")]
 pub mod nccl;

@@ -35,7 +35,7 @@
 //!    reused, so an importer's cached mapping can never be mistaken for a
 //!    later slab at the same address.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
@@ -46,6 +46,7 @@ use memmap2::MmapRaw;
 use parking_lot::Mutex;
 
 use super::{CudaError, DeviceBuffer, Gpu};
+use crate::free_list::FreeList;
 
 /// Size of a shared slab; larger tensors get a slab of their own.
 pub const SLAB_BYTES: usize = 64 << 20;
@@ -77,8 +78,8 @@ pub(crate) struct Slab {
     pub(crate) len: usize,
     /// IPC handle and shared slab record, made on first export.
     handle: OnceLock<Result<([u8; 64], u32), CudaError>>,
-    /// Free ranges: offset -> length.
-    free: Mutex<BTreeMap<usize, usize>>,
+    /// Free ranges.
+    free: FreeList,
     /// Run just before the slab is freed: what other parts of rdt made of
     /// its memory (a NIXL registration) is undone while it still exists.
     before_free: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
@@ -124,40 +125,21 @@ impl Slab {
 
     /// Is every byte of the slab free (no range in use or pending)?
     fn unused(&self) -> bool {
-        let free = self.free.lock();
-        free.len() == 1 && free.get(&0) == Some(&self.len)
+        self.free.all_free()
     }
 
     fn take(&self, len: usize) -> Option<usize> {
-        let mut free = self.free.lock();
-        let (&off, &flen) = free.iter().find(|(_, &l)| l >= len)?;
-        free.remove(&off);
-        if flen > len {
-            free.insert(off + len, flen - len);
-        }
-        Some(off)
+        self.free.take(len)
     }
 
     fn give(&self, off: usize, len: usize) {
-        let mut free = self.free.lock();
-        let (mut off, mut len) = (off, len);
-        if let Some((&p, &pl)) = free.range(..off).next_back() {
-            if p + pl == off {
-                free.remove(&p);
-                off = p;
-                len += pl;
-            }
-        }
-        if let Some(&nl) = free.get(&(off + len)) {
-            free.remove(&(off + len));
-            len += nl;
-        }
-        free.insert(off, len);
+        self.free.give(off, len)
     }
 }
 
 impl Slab {
     /// Runs `f` just before the slab's memory is freed.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
     pub(crate) fn before_free(&self, f: Box<dyn FnOnce() + Send>) {
         self.before_free.lock().push(f);
     }
@@ -341,7 +323,7 @@ pub(crate) fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<SlabRange, CudaError> 
         base,
         len: slab_len,
         handle: OnceLock::new(),
-        free: Mutex::new(BTreeMap::from([(0, slab_len)])),
+        free: FreeList::new(slab_len),
         before_free: Mutex::new(Vec::new()),
     });
     let off = slab.take(want).expect("a fresh slab fits");
@@ -371,6 +353,8 @@ pub struct SlabSlice {
     len: usize,
 }
 
+// Slices are made by the nixl transport's receive.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
 impl SlabSlice {
     /// `len` bytes at `offset` of `range` (which must hold them).
     pub(crate) fn new(range: Arc<SlabRange>, offset: usize, len: usize) -> SlabSlice {

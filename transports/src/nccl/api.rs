@@ -101,27 +101,15 @@ pub(crate) fn api() -> Result<&'static Api, NcclError> {
 
 fn load() -> Result<Api, NcclError> {
     let tried = candidates();
-    let mut errors = Vec::new();
-    let (lib, path) = tried
-        .iter()
-        .find_map(|name| {
-            // SAFETY: loading NCCL runs its (well-behaved) initializers.
-            match unsafe { libloading::Library::new(name) } {
-                Ok(l) => Some((l, name.clone())),
-                Err(e) => {
-                    errors.push(format!("{name}: {e}"));
-                    None
-                }
-            }
-        })
-        .ok_or_else(|| {
-            NcclError(format!(
-                "the NCCL library was not found (tried {}); install NCCL 2.18 or newer \
+    // SAFETY: loading NCCL runs its (well-behaved) initializers.
+    let (lib, path) = unsafe { crate::dynlib::open_first(&tried) }.map_err(|_| {
+        NcclError(format!(
+            "the NCCL library was not found (tried {}); install NCCL 2.18 or newer \
                  (the libnccl2 package, or `pip install nvidia-nccl-cu13`) and put it on \
                  the loader path, or set {LIBRARY_VAR} to the file's path",
-                tried.join(", ")
-            ))
-        })?;
+            tried.join(", ")
+        ))
+    })?;
     macro_rules! sym {
         ($name:literal) => {
             // SAFETY: the declared type is the function's C signature

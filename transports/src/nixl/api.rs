@@ -185,34 +185,16 @@ pub(crate) fn api() -> Result<&'static Api, NixlError> {
 
 fn load() -> Result<Api, NixlError> {
     let tried = candidates();
-    let mut errors = Vec::new();
-    let (lib, path) = tried
-        .iter()
-        .find_map(|name| {
-            // A relative name goes to the loader; a path that does not exist
-            // is skipped quietly (the message lists it anyway).
-            if name.contains('/') && !std::path::Path::new(name).exists() {
-                errors.push(format!("{name}: no such file"));
-                return None;
-            }
-            // SAFETY: loading NIXL runs its (well-behaved) initializers.
-            match unsafe { libloading::Library::new(name) } {
-                Ok(l) => Some((l, name.clone())),
-                Err(e) => {
-                    errors.push(format!("{name}: {e}"));
-                    None
-                }
-            }
-        })
-        .ok_or_else(|| {
-            NixlError(format!(
-                "libnixl_capi.so was not found ({}). Install NIXL with \
+    // SAFETY: loading NIXL runs its (well-behaved) initializers.
+    let (lib, path) = unsafe { crate::dynlib::open_first(&tried) }.map_err(|errors| {
+        NixlError(format!(
+            "libnixl_capi.so was not found ({}). Install NIXL with \
                  `scripts/install-nixl.sh` (it runs `pip install --no-deps --target DIR \
                  nixl-cu13=={PINNED_RELEASE}`), or point {DIR_VAR} at such a folder, or \
                  {LIBRARY_VAR} at the library itself",
-                errors.join("; ")
-            ))
-        })?;
+            errors.join("; ")
+        ))
+    })?;
     macro_rules! sym {
         ($name:literal) => {{
             // SAFETY: the symbol is declared with the signature of NIXL 1.5's

@@ -61,7 +61,7 @@ mod agent;
 pub mod api;
 mod poller;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -71,6 +71,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::cuda::alloc::{Slab, SlabRange};
+use crate::free_list::FreeList;
 use crate::registry::ProcessContext;
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, Target, TensorTransport, TransferCtx,
@@ -232,15 +233,15 @@ impl Drop for Registered {
 
 /// A slab of anonymous host memory, registered once with an agent (NX-3).
 struct HostSlab {
-    // Declared first: dropped (deregistered) before the mapping goes (NX-2).
-    reg: Registered,
+    /// Shared with the exports that name it; deregistered when the slab is
+    /// dropped, before the mapping goes (NX-2).
+    reg: Arc<Registered>,
     ptr: *mut u8,
     len: usize,
     /// Freed when its one range is given back (large requests), instead of
     /// staying in the pool.
     dedicated: bool,
-    /// Free ranges: offset -> length.
-    free: Mutex<BTreeMap<usize, usize>>,
+    free: FreeList,
     _map: MmapMut,
 }
 
@@ -278,45 +279,20 @@ impl HostSlab {
         )?;
         bump(&COUNTERS.host_slabs, 1);
         Ok(HostSlab {
-            reg,
+            reg: Arc::new(reg),
             ptr,
             len,
             dedicated,
-            free: Mutex::new(BTreeMap::from([(0, len)])),
+            free: FreeList::new(len),
             _map: map,
         })
-    }
-
-    fn take(&self, len: usize) -> Option<usize> {
-        let mut free = self.free.lock();
-        let (&off, &flen) = free.iter().find(|(_, &l)| l >= len)?;
-        free.remove(&off);
-        if flen > len {
-            free.insert(off + len, flen - len);
-        }
-        Some(off)
-    }
-
-    fn give(&self, off: usize, len: usize) {
-        let mut free = self.free.lock();
-        let (mut off, mut len) = (off, len);
-        if let Some((&p, &pl)) = free.range(..off).next_back() {
-            if p + pl == off {
-                free.remove(&p);
-                off = p;
-                len += pl;
-            }
-        }
-        if let Some(&nl) = free.get(&(off + len)) {
-            free.remove(&(off + len));
-            len += nl;
-        }
-        free.insert(off, len);
     }
 }
 
 impl Drop for HostSlab {
     fn drop(&mut self) {
+        // NX-2: while the mapping (dropped after this body) still exists.
+        self.reg.deregister();
         COUNTERS.host_slabs.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -338,20 +314,20 @@ impl HostRegion {
         let (slab, offset) = if want > DEDICATED_ABOVE {
             let slab = HostSlab::new(agent, want.next_multiple_of(DEDICATED_ROUND), true)?;
             let slab = Arc::new(slab);
-            let off = slab.take(want).expect("a fresh slab fits");
+            let off = slab.free.take(want).expect("a fresh slab fits");
             (slab, off)
         } else {
             let mut pools = HOST_POOLS.lock();
             let pool = pools.entry(agent.name().to_string()).or_default();
             match pool
                 .iter()
-                .find_map(|s| s.take(want).map(|o| (s.clone(), o)))
+                .find_map(|s| s.free.take(want).map(|o| (s.clone(), o)))
             {
                 Some(found) => found,
                 None => {
                     let slab = Arc::new(HostSlab::new(agent, HOST_SLAB_BYTES, false)?);
                     pool.push(slab.clone());
-                    let off = slab.take(want).expect("a fresh slab fits");
+                    let off = slab.free.take(want).expect("a fresh slab fits");
                     (slab, off)
                 }
             }
@@ -374,7 +350,7 @@ impl HostRegion {
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
-        self.slab.give(self.offset, self.len);
+        self.slab.free.give(self.offset, self.len);
         COUNTERS
             .host_bytes_in_use
             .fetch_sub(self.len as u64, Ordering::Relaxed);
@@ -391,11 +367,7 @@ pub fn trim() -> usize {
     let mut freed = 0;
     for pool in pools.values_mut() {
         pool.retain(|s| {
-            let unused = {
-                let free = s.free.lock();
-                free.len() == 1 && free.get(&0) == Some(&s.len)
-            };
-            if unused && Arc::strong_count(s) == 1 {
+            if s.free.all_free() && Arc::strong_count(s) == 1 {
                 freed += s.len;
                 false
             } else {
@@ -689,7 +661,7 @@ impl NixlTransport {
                 Some((region, offset)) => {
                     // Registered already (exported or received before): no
                     // copy, no registration.
-                    at[i] = Some((region_registration(&region), offset));
+                    at[i] = Some((region.slab.reg.clone(), offset));
                     kept.push(Kept::Host(region));
                 }
                 None => to_place.push(i),
@@ -704,7 +676,7 @@ impl NixlTransport {
                 len = (len + tensors[i].nbytes()).next_multiple_of(ALIGN);
             }
             let region = HostRegion::new(&agent, len).map_err(|e| err(e.0))?;
-            let reg = region_registration(&region);
+            let reg = region.slab.reg.clone();
             for (&i, &offset) in to_place.iter().zip(&offsets) {
                 let t = &tensors[i];
                 let mem = Box::new(NixlHostMem {
@@ -1090,21 +1062,6 @@ fn slab_of(d: &dyn crate::cuda::DeviceBuffer) -> Option<(Arc<Slab>, usize)> {
     }
     any.downcast_ref::<crate::cuda::alloc::SlabSlice>()
         .map(|s| (s.range().slab.clone(), s.range().offset + s.offset()))
-}
-
-/// The registration of a host region, as a shareable handle. The region
-/// owns its registration (deregistered when the region goes); exports name
-/// it through a second, non-owning record.
-fn region_registration(region: &Arc<HostRegion>) -> Arc<Registered> {
-    // A lightweight copy that never deregisters: the slab does.
-    let reg = &region.slab.reg;
-    Arc::new(Registered {
-        agent: reg.agent.clone(),
-        generation: reg.generation,
-        desc: reg.desc,
-        md: reg.md.clone(),
-        done: std::sync::atomic::AtomicBool::new(true),
-    })
 }
 
 /// Checks the handles against the metadata (malformed input is an error,
