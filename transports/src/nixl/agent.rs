@@ -65,6 +65,8 @@ pub(crate) enum Progress {
 pub(crate) struct Agent {
     api: &'static Api,
     name: String,
+    /// What a peer loads to connect: fixed once the backend exists.
+    connection: Vec<u8>,
     raw: Mutex<Raw>,
 }
 
@@ -121,7 +123,18 @@ impl Agent {
             check("nixl_capi_create_notif_map", unsafe {
                 (api.create_notif_map)(&mut notifs)
             })?;
-            Ok((backend, notifs))
+            // The connection alone: partial metadata of no memory (NIXL
+            // then includes every backend's connection). The full metadata
+            // would also carry every registration, and change with them.
+            let none = RegList::empty(api, Mem::Dram)?;
+            let mut data: *mut c_void = std::ptr::null_mut();
+            let mut len = 0usize;
+            // SAFETY: live agent and list, valid out-pointers; the blob is
+            // malloc'd and ours to free.
+            check("nixl_capi_get_local_partial_md", unsafe {
+                (api.get_local_partial_md)(agent, none.0, &mut data, &mut len, std::ptr::null_mut())
+            })?;
+            Ok((backend, notifs, take_blob(data, len)))
         })();
         // SAFETY: made above (or null, which the C API refuses harmlessly).
         unsafe {
@@ -133,9 +146,10 @@ impl Agent {
             }
         }
         match made {
-            Ok((backend, notifs)) => Ok(Agent {
+            Ok((backend, notifs, connection)) => Ok(Agent {
                 api,
                 name: name.to_string(),
+                connection,
                 raw: Mutex::new(Raw {
                     agent,
                     backend,
@@ -157,16 +171,8 @@ impl Agent {
 
     /// The metadata a peer needs to connect to this agent (name and UCX
     /// address; no memory).
-    pub fn connection_md(&self) -> Result<Vec<u8>, NixlError> {
-        let raw = self.raw.lock();
-        let mut data: *mut c_void = std::ptr::null_mut();
-        let mut len = 0usize;
-        // SAFETY: live agent, valid out-pointers; the blob is malloc'd and
-        // ours to free.
-        check("nixl_capi_get_local_md", unsafe {
-            (self.api.get_local_md)(raw.agent, &mut data, &mut len)
-        })?;
-        Ok(take_blob(data, len))
+    pub fn connection_md(&self) -> &[u8] {
+        &self.connection
     }
 
     /// Registers `desc` for remote access; returns the metadata a peer
@@ -419,13 +425,17 @@ fn take_blob(data: *mut c_void, len: usize) -> Vec<u8> {
 struct RegList(api::RegDlist, &'static Api);
 
 impl RegList {
-    fn new(api: &'static Api, d: Desc) -> Result<RegList, NixlError> {
+    fn empty(api: &'static Api, mem: Mem) -> Result<RegList, NixlError> {
         let mut list: api::RegDlist = std::ptr::null_mut();
         // SAFETY: valid out-pointer.
         check("nixl_capi_create_reg_dlist", unsafe {
-            (api.create_reg_dlist)(d.mem.code(), &mut list)
+            (api.create_reg_dlist)(mem.code(), &mut list)
         })?;
-        let list = RegList(list, api);
+        Ok(RegList(list, api))
+    }
+
+    fn new(api: &'static Api, d: Desc) -> Result<RegList, NixlError> {
+        let list = RegList::empty(api, d.mem)?;
         // SAFETY: live list; no per-descriptor metadata.
         check("nixl_capi_reg_dlist_add_desc", unsafe {
             (api.reg_dlist_add_desc)(list.0, d.addr, d.len, d.dev, std::ptr::null(), 0)

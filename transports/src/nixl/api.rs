@@ -86,7 +86,6 @@ pub(crate) struct Api {
     pub destroy_params: unsafe extern "C" fn(Params) -> St,
     pub create_backend: unsafe extern "C" fn(Agent, *const c_char, Params, *mut Backend) -> St,
     pub destroy_backend: unsafe extern "C" fn(Backend) -> St,
-    pub get_local_md: unsafe extern "C" fn(Agent, *mut *mut c_void, *mut usize) -> St,
     pub get_local_partial_md:
         unsafe extern "C" fn(Agent, RegDlist, *mut *mut c_void, *mut usize, OptArgs) -> St,
     pub load_remote_md: unsafe extern "C" fn(Agent, *const c_void, usize, *mut *mut c_char) -> St,
@@ -216,7 +215,6 @@ fn load() -> Result<Api, NixlError> {
         destroy_params: sym!("nixl_capi_destroy_params"),
         create_backend: sym!("nixl_capi_create_backend"),
         destroy_backend: sym!("nixl_capi_destroy_backend"),
-        get_local_md: sym!("nixl_capi_get_local_md"),
         get_local_partial_md: sym!("nixl_capi_get_local_partial_md"),
         load_remote_md: sym!("nixl_capi_load_remote_md"),
         invalidate_remote_md: sym!("nixl_capi_invalidate_remote_md"),

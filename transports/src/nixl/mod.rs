@@ -713,7 +713,7 @@ impl NixlTransport {
                 .await
                 .map_err(|e| err(e.to_string()))?;
         }
-        let conn = agent.connection_md().map_err(|e| err(e.0))?;
+        let conn = agent.connection_md().to_vec();
         let mut regions: Vec<RegionHandle> = Vec::new();
         let mut index: HashMap<u64, u32> = HashMap::new();
         let mut pieces = Vec::with_capacity(tensors.len());
@@ -1274,7 +1274,7 @@ pub mod raw {
 
         /// What a peer loads to connect.
         pub fn connection_md(&self) -> Result<Vec<u8>, NixlError> {
-            self.0.connection_md()
+            Ok(self.0.connection_md().to_vec())
         }
 
         /// Registers `len` bytes at `addr`; returns what a peer loads to
@@ -1419,10 +1419,7 @@ mod tests {
             // SAFETY: within the region, which nothing else uses.
             unsafe { *src.ptr().add(i) = (i % 251) as u8 };
         }
-        assert_eq!(
-            b.load_remote(&a.connection_md().unwrap()).unwrap(),
-            "rdt-unit-a"
-        );
+        assert_eq!(b.load_remote(a.connection_md()).unwrap(), "rdt-unit-a");
         assert_eq!(b.load_remote(&src.slab.reg.md).unwrap(), "rdt-unit-a");
         let at = |r: &HostRegion| desc(r.ptr() as usize, len);
         let (req, _) = b
