@@ -117,6 +117,11 @@ impl NixlSink {
         t.cuda_ready().await?;
         Ok(t.nbytes())
     }
+
+    /// This worker's NIXL counters.
+    async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
+        rdt::data::nixl::stats()
+    }
 }
 
 fn err(e: impl std::fmt::Display) -> Error {
@@ -175,6 +180,10 @@ type RawResult = (Vec<(String, usize, Vec<f64>)>, f64);
 
 /// The raw reader (a child process): reads every case from the holder.
 fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
+    // As in an rdt worker: the process's CUDA context exists before the
+    // agent is made.
+    let warm = Tensor::cuda_zeros(DType::U8, &[4096], 0).map_err(|e| e.to_string())?;
+    drop(warm);
     let agent = RawAgent::new(&format!("raw-reader-{}", std::process::id())).map_err(|e| e.0)?;
     let peer = agent.load_remote(&plan.conn).map_err(|e| e.0)?;
     let mut out = Vec::new();
@@ -230,6 +239,11 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
 /// per case on its GPU 0, prints the plan, and keeps everything until its
 /// stdin closes.
 async fn raw_holder(sizes: &[usize], quick: bool) -> rdt::Result<()> {
+    // As in an rdt worker: the process's CUDA context exists before the
+    // agent is made.
+    Tensor::cuda_zeros(DType::U8, &[4096], 0)?
+        .cuda_ready()
+        .await?;
     let agent = RawAgent::new(&format!("raw-holder-{}", std::process::id())).map_err(err)?;
     let mut held = Vec::new();
     let mut cases = Vec::new();
@@ -308,6 +322,9 @@ async fn raw_baseline(
     let mut reader = tokio::process::Command::new(&exe)
         .arg("--raw-reader")
         .env("CUDA_VISIBLE_DEVICES", reader_gpu)
+        // UCX prints the protocols it picks (to stderr, into the log): how
+        // device memory moves between the two processes.
+        .env("UCX_PROTO_INFO", "y")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
@@ -386,13 +403,48 @@ async fn rdt_passes(
         }
         let iters = iters_for(b, quick);
         let mut us = Vec::new();
+        let mut before = None;
         for i in 0..iters + 3 {
+            if i == 3 {
+                before = Some(rt.get(c.nixl_stats().remote()).await?);
+            }
             let t0 = Instant::now();
             let n = rt.get(c.touch(&r).remote()).await?;
             assert_eq!(n, b);
             if i >= 3 {
                 us.push(us_since(t0));
             }
+        }
+        if b == 4 << 10 {
+            // Where a small pass's time goes in the consumer: posting, and
+            // the READ (post to end), per pass; and how many READs ended
+            // without the poller thread.
+            let (s0, s1) = (before.expect("set"), rt.get(c.nixl_stats().remote()).await?);
+            let n = (s1.reads_posted - s0.reads_posted).max(1) as f64;
+            let post = (s1.post_nanos - s0.post_nanos) as f64 / n / 1e3;
+            let read = (s1.read_nanos - s0.read_nanos) as f64 / n / 1e3;
+            println!(
+                "   4 KiB pass {label}: post {post:.1} us, read (post to end) {read:.1} us, \
+                 {} of {} READs ended inline",
+                s1.reads_done_inline - s0.reads_done_inline,
+                s1.reads_posted - s0.reads_posted
+            );
+            rows.push(row(
+                cx,
+                &format!("pass_post_{label}"),
+                "nixl",
+                Kind::Latency,
+                b,
+                vec![post],
+            ));
+            rows.push(row(
+                cx,
+                &format!("pass_read_{label}"),
+                "nixl",
+                Kind::Latency,
+                b,
+                vec![read],
+            ));
         }
         let case = if b == 40 << 20 { "one40M" } else { "pass" };
         rows.push(row(

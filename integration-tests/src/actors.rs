@@ -217,6 +217,12 @@ impl Producer {
     async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
         rdt::data::nixl::stats()
     }
+
+    /// Frees this worker's idle NIXL host slabs (`rdt::data::nixl::trim`);
+    /// returns the bytes freed.
+    async fn nixl_trim(&mut self) -> usize {
+        rdt::data::nixl::trim()
+    }
 }
 
 /// Consumes tensors.

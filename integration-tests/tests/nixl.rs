@@ -149,9 +149,9 @@ async fn a_recycled_address_never_reads_through_an_old_registration() {
     deadline(DL, async {
         let (rt, p, c) = start().await;
         // Objects of shrinking sizes above the pool's slab share, each in
-        // a slab of its own, freed with it: the producer's next slab lands
-        // where the last one was (mmap reuses the hole), with another
-        // generation and size. The consumer must notice the overlap, forget
+        // a slab of its own, freed (trimmed) after it: the producer's next
+        // slab lands where the last one was (mmap reuses the hole), with
+        // another generation and size. The consumer must notice the overlap, forget
         // the old registration, and read right.
         let mut forgot = false;
         for k in 0..24 {
@@ -165,6 +165,8 @@ async fn a_recycled_address_never_reads_through_an_old_registration() {
             drop(r);
             rt.transfers_settled().await;
             eventually("the object's slab is freed at the producer", || async {
+                // An idle large slab is kept for reuse until trimmed.
+                rt.get(p.nixl_trim().remote()).await.unwrap();
                 let s = of_producer(&rt, &p).await;
                 s.registrations == s.deregistrations
             })

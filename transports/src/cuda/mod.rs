@@ -163,6 +163,8 @@ const SYMBOLS: &[&str] = &[
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemcpyHtoDAsync_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyDtoDAsync_v2",
     "cuMemcpyPeerAsync",
@@ -178,6 +180,31 @@ const SYMBOLS: &[&str] = &[
     "cuGetErrorName",
     "cuGetErrorString",
 ];
+
+/// Page-locks `len` bytes of host memory at `ptr` for every context of
+/// the process (`CU_MEMHOSTREGISTER_PORTABLE`): device copies to and from
+/// it run at copy-engine speed, where pageable memory is staged by the
+/// driver. Undo with [`unpin_host`] before the memory is unmapped.
+///
+/// # Safety
+/// `ptr..ptr+len` is mapped host memory that stays mapped until
+/// [`unpin_host`] is called on `ptr`.
+pub unsafe fn pin_host(ptr: *mut u8, len: usize) -> Result<(), CudaError> {
+    available()?;
+    // SAFETY: the caller's promise; PORTABLE needs no current context.
+    unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, 0x01) }
+        .result()
+        .map_err(|e| CudaError::call(&format!("cuMemHostRegister of {len} B"), e))
+}
+
+/// Undoes [`pin_host`].
+///
+/// # Safety
+/// `ptr` was pinned with [`pin_host`] and is still mapped.
+pub unsafe fn unpin_host(ptr: *mut u8) {
+    // SAFETY: the caller's promise.
+    let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+}
 
 /// Is CUDA usable here? Checks, once per process, that `libcuda` loads, that
 /// it has every symbol rdt uses, that `cuInit` succeeds and that a device is
@@ -722,6 +749,29 @@ impl Gpu {
         unsafe { cu::memcpy_dtoh_async(dst, src, self.stream.0) }
             .map_err(|e| CudaError::call("cuMemcpyDtoHAsync", e))?;
         self.synchronize()
+    }
+
+    /// Enqueues a copy of `len` device bytes at `src` to host memory at
+    /// `dst`; [`synchronize`](Self::synchronize) waits for it. Pinned `dst`
+    /// ([`pin_host`]) runs at copy-engine speed.
+    ///
+    /// # Safety
+    /// `dst` is valid for `len` bytes of writes, and nothing else touches
+    /// them until the copy is waited for.
+    pub(crate) unsafe fn enqueue_dtoh(
+        &self,
+        dst: *mut u8,
+        src: u64,
+        len: usize,
+    ) -> Result<(), CudaError> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the caller's promise for `dst`; `src` holds `len` bytes.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, self.stream.0) }
+            .result()
+            .map_err(|e| CudaError::call("cuMemcpyDtoHAsync", e))
     }
 
     /// Enqueues a device-to-device copy (any devices this context can reach

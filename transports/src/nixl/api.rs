@@ -73,12 +73,28 @@ pub(crate) type NotifMap = *mut c_void;
 
 type St = c_int;
 
+/// `nixl_capi_agent_config_t` of NIXL 1.5 (`listen_port` became an `int`
+/// in May 2026, before 1.5.0; `num_workers` is not read by the C API).
+#[repr(C)]
+pub(crate) struct AgentConfig {
+    pub enable_prog_thread: bool,
+    pub enable_listen_thread: bool,
+    pub listen_port: c_int,
+    /// `nixl_capi_thread_sync_t`: 0 is none (rdt serializes its calls).
+    pub thread_sync: c_int,
+    pub num_workers: std::ffi::c_uint,
+    pub pthr_delay_us: u64,
+    pub lthr_delay_us: u64,
+    pub capture_telemetry: bool,
+}
+
 /// The NIXL functions rdt calls.
 pub(crate) struct Api {
     _lib: libloading::Library,
     /// Where the library was found (for logs and errors).
     pub path: String,
-    pub create_agent: unsafe extern "C" fn(*const c_char, *mut Agent) -> St,
+    pub create_configured_agent:
+        unsafe extern "C" fn(*const c_char, *const AgentConfig, *mut Agent) -> St,
     pub destroy_agent: unsafe extern "C" fn(Agent) -> St,
     pub get_plugin_params:
         unsafe extern "C" fn(Agent, *const c_char, *mut MemList, *mut Params) -> St,
@@ -208,7 +224,7 @@ fn load() -> Result<Api, NixlError> {
         }};
     }
     Ok(Api {
-        create_agent: sym!("nixl_capi_create_agent"),
+        create_configured_agent: sym!("nixl_capi_create_configured_agent"),
         destroy_agent: sym!("nixl_capi_destroy_agent"),
         get_plugin_params: sym!("nixl_capi_get_plugin_params"),
         destroy_mem_list: sym!("nixl_capi_destroy_mem_list"),

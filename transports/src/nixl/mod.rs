@@ -126,6 +126,13 @@ pub struct NixlStats {
     pub host_slabs: u64,
     /// Host bytes handed out from them and not given back.
     pub host_bytes_in_use: u64,
+    /// Nanoseconds spent posting READs (descriptor lists, request, post).
+    pub post_nanos: u64,
+    /// Nanoseconds from a receive's first post to its last READ's end.
+    pub read_nanos: u64,
+    /// READs that ended on the receiving task itself (at post, or polled
+    /// within the hot window), without the poller thread.
+    pub reads_done_inline: u64,
 }
 
 #[derive(Default)]
@@ -139,6 +146,9 @@ struct Counters {
     remote_forgets: AtomicU64,
     host_slabs: AtomicU64,
     host_bytes_in_use: AtomicU64,
+    post_nanos: AtomicU64,
+    read_nanos: AtomicU64,
+    reads_done_inline: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -164,6 +174,9 @@ pub fn stats() -> NixlStats {
         remote_forgets: c.remote_forgets.load(Ordering::Relaxed),
         host_slabs: c.host_slabs.load(Ordering::Relaxed),
         host_bytes_in_use: c.host_bytes_in_use.load(Ordering::Relaxed),
+        post_nanos: c.post_nanos.load(Ordering::Relaxed),
+        read_nanos: c.read_nanos.load(Ordering::Relaxed),
+        reads_done_inline: c.reads_done_inline.load(Ordering::Relaxed),
     }
 }
 
@@ -231,7 +244,9 @@ impl Drop for Registered {
     }
 }
 
-/// A slab of anonymous host memory, registered once with an agent (NX-3).
+/// A slab of anonymous host memory, registered once with an agent (NX-3),
+/// and page-locked where CUDA is present (so device copies to and from it
+/// run at copy-engine speed).
 struct HostSlab {
     /// Shared with the exports that name it; deregistered when the slab is
     /// dropped, before the mapping goes (NX-2).
@@ -242,6 +257,7 @@ struct HostSlab {
     /// staying in the pool.
     dedicated: bool,
     free: FreeList,
+    pinned: bool,
     _map: MmapMut,
 }
 
@@ -253,21 +269,41 @@ unsafe impl Sync for HostSlab {}
 
 /// Size of a pooled host slab.
 const HOST_SLAB_BYTES: usize = 64 << 20;
-/// Requests above this get a slab of their own, freed with them.
+/// Requests above this get a slab of their own (kept for a later request
+/// of about the same size, see [`LARGE_IDLE_CAP`]).
 const DEDICATED_ABOVE: usize = HOST_SLAB_BYTES / 4;
 /// Dedicated slabs are rounded up to this.
 const DEDICATED_ROUND: usize = 2 << 20;
+/// Idle dedicated slabs kept per agent, in bytes: making a large slab
+/// costs far more than its transfer (mapping, page-locking and
+/// registering 1 GiB takes hundreds of milliseconds), and repeated large
+/// receives of one size are the common case (weight sync). Beyond this,
+/// idle ones are freed when a new one is made; [`trim`] frees them all.
+const LARGE_IDLE_CAP: usize = 2 << 30;
 
+type Pools = std::sync::LazyLock<Mutex<HashMap<String, Vec<Arc<HostSlab>>>>>;
 /// Pooled host slabs, per agent (one agent per process, but unit tests
 /// make two).
-static HOST_POOLS: std::sync::LazyLock<Mutex<HashMap<String, Vec<Arc<HostSlab>>>>> =
-    std::sync::LazyLock::new(Default::default);
+static HOST_POOLS: Pools = std::sync::LazyLock::new(Default::default);
+/// Dedicated (large) host slabs, per agent, in use or idle.
+static LARGE_POOLS: Pools = std::sync::LazyLock::new(Default::default);
+
+/// A slab in a pool that nothing uses.
+fn idle(s: &Arc<HostSlab>) -> bool {
+    s.free.all_free() && Arc::strong_count(s) == 1
+}
 
 impl HostSlab {
     fn new(agent: &Arc<Agent>, len: usize, dedicated: bool) -> Result<HostSlab, NixlError> {
         let mut map = MmapMut::map_anon(len)
             .map_err(|e| NixlError(format!("mapping {len} B of host memory: {e}")))?;
         let ptr = map.as_mut_ptr();
+        // SAFETY: the mapping lives in the slab, which unpins before it
+        // drops the mapping.
+        let pinned = crate::cuda::available().is_ok()
+            && unsafe { crate::cuda::pin_host(ptr, len) }
+                .map_err(|e| tracing::warn!("nixl host slab left pageable: {e}"))
+                .is_ok();
         let reg = Registered::new(
             agent,
             Desc {
@@ -276,7 +312,17 @@ impl HostSlab {
                 len,
                 dev: 0,
             },
-        )?;
+        );
+        let reg = match reg {
+            Ok(r) => r,
+            Err(e) => {
+                if pinned {
+                    // SAFETY: pinned above, still mapped.
+                    unsafe { crate::cuda::unpin_host(ptr) };
+                }
+                return Err(e);
+            }
+        };
         bump(&COUNTERS.host_slabs, 1);
         Ok(HostSlab {
             reg: Arc::new(reg),
@@ -284,6 +330,7 @@ impl HostSlab {
             len,
             dedicated,
             free: FreeList::new(len),
+            pinned,
             _map: map,
         })
     }
@@ -293,6 +340,10 @@ impl Drop for HostSlab {
     fn drop(&mut self) {
         // NX-2: while the mapping (dropped after this body) still exists.
         self.reg.deregister();
+        if self.pinned {
+            // SAFETY: pinned when made; the mapping goes after this body.
+            unsafe { crate::cuda::unpin_host(self.ptr) };
+        }
         COUNTERS.host_slabs.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -312,10 +363,33 @@ impl HostRegion {
     fn new(agent: &Arc<Agent>, len: usize) -> Result<Arc<HostRegion>, NixlError> {
         let want = len.max(1).next_multiple_of(ALIGN);
         let (slab, offset) = if want > DEDICATED_ABOVE {
-            let slab = HostSlab::new(agent, want.next_multiple_of(DEDICATED_ROUND), true)?;
-            let slab = Arc::new(slab);
-            let off = slab.free.take(want).expect("a fresh slab fits");
-            (slab, off)
+            let mut pools = LARGE_POOLS.lock();
+            let pool = pools.entry(agent.name().to_string()).or_default();
+            // An idle one of about this size (at most twice as large).
+            let found = pool
+                .iter()
+                .filter(|s| idle(s) && s.len >= want && s.len / 2 <= want)
+                .find_map(|s| s.free.take(want).map(|o| (s.clone(), o)));
+            match found {
+                Some(found) => found,
+                None => {
+                    let mut idle_bytes: usize =
+                        pool.iter().filter(|s| idle(s)).map(|s| s.len).sum();
+                    pool.retain(|s| {
+                        if idle_bytes > LARGE_IDLE_CAP && idle(s) {
+                            idle_bytes -= s.len;
+                            false
+                        } else {
+                            true
+                        }
+                    });
+                    let len = want.next_multiple_of(DEDICATED_ROUND);
+                    let slab = Arc::new(HostSlab::new(agent, len, true)?);
+                    pool.push(slab.clone());
+                    let off = slab.free.take(want).expect("a fresh slab fits");
+                    (slab, off)
+                }
+            }
         } else {
             let mut pools = HOST_POOLS.lock();
             let pool = pools.entry(agent.name().to_string()).or_default();
@@ -354,7 +428,8 @@ impl Drop for HostRegion {
         COUNTERS
             .host_bytes_in_use
             .fetch_sub(self.len as u64, Ordering::Relaxed);
-        // A dedicated slab goes with its range (the last Arc is ours).
+        // A dedicated slab stays in its pool, idle, for a later request of
+        // about its size (LARGE_IDLE_CAP).
         debug_assert!(!self.slab.dedicated || self.slab.len >= self.len);
     }
 }
@@ -363,17 +438,18 @@ impl Drop for HostRegion {
 /// (deregistered, then unmapped). Consumers that read from them before
 /// notice the new generation of whatever is mapped there later (NX-1).
 pub fn trim() -> usize {
-    let mut pools = HOST_POOLS.lock();
     let mut freed = 0;
-    for pool in pools.values_mut() {
-        pool.retain(|s| {
-            if s.free.all_free() && Arc::strong_count(s) == 1 {
-                freed += s.len;
-                false
-            } else {
-                true
-            }
-        });
+    for pools in [&HOST_POOLS, &LARGE_POOLS] {
+        for pool in pools.lock().values_mut() {
+            pool.retain(|s| {
+                if idle(s) {
+                    freed += s.len;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
     }
     freed
 }
@@ -792,7 +868,6 @@ impl NixlTransport {
         let notif = h.key.to_le_bytes();
         let poller = Poller::get(&agent);
         let keep = Arc::new(keep);
-        let mut waits = Vec::new();
         // UCX's CUDA transports work in the calling thread's context: bind
         // the GPU the read lands on (or, reading device memory into the
         // host, this process's first GPU).
@@ -807,16 +882,38 @@ impl NixlTransport {
                 let _ = g.bind();
             }
         }
+        let started = std::time::Instant::now();
+        let mut posted = Posted {
+            agent: &agent,
+            poller,
+            reqs: Vec::new(),
+            keep: keep.clone(),
+        };
         for (_, pairs) in groups {
             let (local, remote) = coalesce(pairs);
             let n = local.len() as u64;
-            let (req, _) = agent
+            let t0 = std::time::Instant::now();
+            let (req, done) = agent
                 .post_read(&local, &remote, &h.agent, &notif)
                 .map_err(|e| reading(e.0))?;
+            bump(&COUNTERS.post_nanos, t0.elapsed().as_nanos() as u64);
             bump(&COUNTERS.reads_posted, 1);
             bump(&COUNTERS.descriptors_posted, n);
-            waits.push(poller.watch(req, Box::new(keep.clone())));
+            posted.reqs.push((req, done));
         }
+        // Small reads end within microseconds of their post: ask for them
+        // here, within the hot window (yielding to the executor between
+        // asks), and hand the rest to the poller. Waking the poller and
+        // being woken by it cost more than such a read on a busy host.
+        let window = crate::hot::window();
+        loop {
+            posted.settle().map_err(|e| reading(e.0))?;
+            if posted.reqs.is_empty() || started.elapsed() >= window {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let waits = posted.to_poller();
         for w in waits {
             match w.await {
                 Ok(Ok(())) => {}
@@ -824,6 +921,98 @@ impl NixlTransport {
                 Err(_) => return Err(err("the NIXL poller stopped".into())),
             }
         }
+        bump(&COUNTERS.read_nanos, started.elapsed().as_nanos() as u64);
+        Ok(out)
+    }
+
+    /// Another process's device memory into this process's host memory.
+    /// UCX moves that through a host bounce (0.5 GB/s measured on H200);
+    /// a read onto this process's GPU (CUDA IPC) and one copy into
+    /// page-locked host memory (the nixl host slabs are pinned where CUDA
+    /// is present) run at NVLink and copy-engine speed.
+    async fn receive_to_host_through_gpu(
+        &self,
+        from: &Peer,
+        cx: &TransferCtx,
+        exported: &Exported,
+    ) -> Result<Vec<Tensor>, TransportError> {
+        let err = |m: String| TransportError::with_peer(NAME, from, m);
+        let on_gpu = TransferCtx {
+            target: Target::Any,
+            ..cx.clone()
+        };
+        let received = self.receive_inner(from, &on_gpu, exported).await?;
+        let agent = self.agent()?;
+        let len = received
+            .iter()
+            .filter(|t| t.is_cuda())
+            .fold(0usize, |a, t| (a + t.nbytes()).next_multiple_of(ALIGN));
+        let region = HostRegion::new(&agent, len).map_err(|e| err(e.0))?;
+        // (GPU ordinal, device address, offset in the region, bytes)
+        let mut copies: Vec<(usize, u64, usize, usize)> = Vec::new();
+        let mut out = Vec::with_capacity(received.len());
+        let mut off = 0usize;
+        for t in &received {
+            let Device::Cuda { uuid, .. } = t.device() else {
+                out.push(t.clone());
+                continue;
+            };
+            let n = t.nbytes();
+            let gpu = crate::cuda::ordinal_of(uuid).unwrap_or(0);
+            let src = t
+                .with_device_buffer(|d| d.device_ptr())
+                .map_err(|e| err(e.to_string()))?;
+            copies.push((gpu, src, off, n));
+            out.push(
+                Tensor::from_external(
+                    t.dtype(),
+                    t.shape(),
+                    Device::Cpu,
+                    Box::new(NixlHostMem {
+                        region: region.clone(),
+                        offset: off,
+                        len: n,
+                    }),
+                )
+                .map_err(|e| err(e.to_string()))?,
+            );
+            off = (off + n).next_multiple_of(ALIGN);
+        }
+        // The copies block on the GPU: off the executor.
+        tokio::task::spawn_blocking(move || -> Result<(), String> {
+            let mut gpus: Vec<Arc<crate::cuda::Gpu>> = Vec::new();
+            let mut outcome = Ok(());
+            for (o, src, off, n) in copies {
+                let gpu = match crate::cuda::gpu(o) {
+                    Ok(g) => g,
+                    Err(e) => {
+                        outcome = Err(e.to_string());
+                        break;
+                    }
+                };
+                if !gpus.iter().any(|g| g.ordinal() == o) {
+                    gpus.push(gpu.clone());
+                }
+                // SAFETY: `off + n` lies within the region, which this
+                // closure holds until the copies are waited for below, as
+                // `received` holds the device memory.
+                if let Err(e) = unsafe { gpu.enqueue_dtoh(region.ptr().add(off), src, n) } {
+                    outcome = Err(e.to_string());
+                    break;
+                }
+            }
+            // Every enqueued copy ends before its memory can go.
+            for g in gpus {
+                if let Err(e) = g.synchronize() {
+                    outcome = outcome.and(Err(e.to_string()));
+                }
+            }
+            drop((received, region));
+            outcome
+        })
+        .await
+        .map_err(|e| err(format!("the copy to the host panicked: {e}")))?
+        .map_err(|e| err(format!("copying to the host: {e}")))?;
         Ok(out)
     }
 
@@ -1053,6 +1242,62 @@ impl NixlTransport {
     }
 }
 
+/// READs a receive posted and still drives itself (before handing them to
+/// the poller). Dropped with some left (its task was cancelled, or one
+/// failed), it gives them to the poller, which cancels and releases them
+/// while it holds their memory (PL-1, PL-2).
+struct Posted<'a> {
+    agent: &'a Agent,
+    poller: &'static Poller,
+    /// Each request, and whether it has already ended.
+    reqs: Vec<(agent::Request, bool)>,
+    keep: Arc<Vec<Kept>>,
+}
+
+impl Posted<'_> {
+    /// Asks each READ once; releases those that ended. An error is the
+    /// first READ that failed (the others go to the poller on drop).
+    fn settle(&mut self) -> Result<(), NixlError> {
+        let mut i = 0;
+        while i < self.reqs.len() {
+            let done = self.reqs[i].1
+                || match self.agent.progress(&self.reqs[i].0) {
+                    agent::Progress::Running => false,
+                    agent::Progress::Done => true,
+                    agent::Progress::Failed(e) => return Err(e),
+                };
+            if !done {
+                i += 1;
+                continue;
+            }
+            let (req, _) = self.reqs.swap_remove(i);
+            match self.agent.release(req) {
+                Ok(()) => bump(&COUNTERS.reads_done_inline, 1),
+                // Ended but not releasable now: the poller tries again.
+                Err(req) => self.reqs.push((req, false)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands what is left to the poller.
+    fn to_poller(mut self) -> Vec<tokio::sync::oneshot::Receiver<Result<(), String>>> {
+        let reqs = std::mem::take(&mut self.reqs);
+        reqs.into_iter()
+            .map(|(r, _)| self.poller.watch(r, Box::new(self.keep.clone())))
+            .collect()
+    }
+}
+
+impl Drop for Posted<'_> {
+    fn drop(&mut self) {
+        for (r, _) in self.reqs.drain(..) {
+            // Nobody waits: the poller cancels and releases it (PL-2).
+            drop(self.poller.watch(r, Box::new(self.keep.clone())));
+        }
+    }
+}
+
 /// The rdt slab device memory lies in, and its offset there (a range made
 /// by rdt's allocator, or a slice of one).
 fn slab_of(d: &dyn crate::cuda::DeviceBuffer) -> Option<(Arc<Slab>, usize)> {
@@ -1183,7 +1428,14 @@ impl TensorTransport for NixlTransport {
         cx: &'a TransferCtx,
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
-        Box::pin(self.receive_inner(from, cx, exported))
+        let device_to_host = matches!(cx.target, Target::Host)
+            && crate::cuda::available().is_ok()
+            && exported.metas.iter().any(|m| !m.device.is_cpu());
+        if device_to_host {
+            Box::pin(self.receive_to_host_through_gpu(from, cx, exported))
+        } else {
+            Box::pin(self.receive_inner(from, cx, exported))
+        }
     }
 
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
