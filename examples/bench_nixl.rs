@@ -300,6 +300,8 @@ async fn raw_baseline(
     let exe = std::env::current_exe()?;
     let mut holder = tokio::process::Command::new(&exe)
         .arg("--raw-holder")
+        // UCX's diagnostics (stderr, into the log): what it could register.
+        .env("UCX_LOG_LEVEL", std::env::var("RDT_RAW_UCX_LOG").unwrap_or("warn".into()))
         .args(if quick { vec!["--quick"] } else { vec![] })
         .env("CUDA_VISIBLE_DEVICES", holder_gpu)
         .stdin(std::process::Stdio::piped())
@@ -325,6 +327,7 @@ async fn raw_baseline(
         // UCX prints the protocols it picks (to stderr, into the log): how
         // device memory moves between the two processes.
         .env("UCX_PROTO_INFO", "y")
+        .env("UCX_LOG_LEVEL", std::env::var("RDT_RAW_UCX_LOG").unwrap_or("warn".into()))
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)
@@ -347,7 +350,9 @@ async fn raw_baseline(
     }
     let line = text
         .lines()
-        .find_map(|l| l.strip_prefix("RAW "))
+        // (UCX's protocol tables share the reader's stdout, and may end
+        // without a newline before this line.)
+        .find_map(|l| l.find("RAW [").map(|i| &l[i + 4..]))
         .ok_or_else(|| err(format!("the raw NIXL reader said: {text}")))?;
     let (cases, first): RawResult = serde_json::from_str(line).map_err(err)?;
     let mut rows = vec![row(
@@ -546,7 +551,9 @@ async fn main() -> rdt::Result<()> {
         us.push(us_since(t0));
     }
     rows.push(row(&cx, "actor_call_rtt", "none", Kind::Latency, 0, us));
-    for &b in sizes.iter().chain([40usize << 20].iter()) {
+    // The driver's reads are of 1 GiB, also with --quick.
+    let big = 1usize << 30;
+    for &b in sizes.iter().chain([40usize << 20, big].iter()) {
         rt.get(p.prepare(b).remote()).await?;
     }
     rt.get(p.prepare_many(10_000, 4096).remote()).await?;
@@ -557,7 +564,6 @@ async fn main() -> rdt::Result<()> {
         rows.extend(rdt_passes(&cx, &rt, "cross", &p, &c1, &sizes, quick).await?);
     }
     // The driver reads a 1 GiB GPU object.
-    let big = *sizes.last().expect("sizes");
     let r = p.tensor(big).transport(Transport::Nixl).remote();
     rt.wait(&r).await?;
     let iters = if quick { 3 } else { 10 };
