@@ -301,7 +301,10 @@ async fn raw_baseline(
     let mut holder = tokio::process::Command::new(&exe)
         .arg("--raw-holder")
         // UCX's diagnostics (stderr, into the log): what it could register.
-        .env("UCX_LOG_LEVEL", std::env::var("RDT_RAW_UCX_LOG").unwrap_or("warn".into()))
+        .env(
+            "UCX_LOG_LEVEL",
+            std::env::var("RDT_RAW_UCX_LOG").unwrap_or("warn".into()),
+        )
         .args(if quick { vec!["--quick"] } else { vec![] })
         .env("CUDA_VISIBLE_DEVICES", holder_gpu)
         .stdin(std::process::Stdio::piped())
@@ -324,10 +327,14 @@ async fn raw_baseline(
     let mut reader = tokio::process::Command::new(&exe)
         .arg("--raw-reader")
         .env("CUDA_VISIBLE_DEVICES", reader_gpu)
-        // UCX prints the protocols it picks (to stderr, into the log): how
-        // device memory moves between the two processes.
+        // UCX prints the protocols it picks on the reader's stdout (the
+        // error below shows them if the result line is missing): how device
+        // memory moves between the two processes.
         .env("UCX_PROTO_INFO", "y")
-        .env("UCX_LOG_LEVEL", std::env::var("RDT_RAW_UCX_LOG").unwrap_or("warn".into()))
+        .env(
+            "UCX_LOG_LEVEL",
+            std::env::var("RDT_RAW_UCX_LOG").unwrap_or("warn".into()),
+        )
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true)

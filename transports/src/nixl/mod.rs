@@ -913,7 +913,7 @@ impl NixlTransport {
             }
             tokio::task::yield_now().await;
         }
-        let waits = posted.to_poller();
+        let waits = posted.hand_to_poller();
         for w in waits {
             match w.await {
                 Ok(Ok(())) => {}
@@ -1281,7 +1281,7 @@ impl Posted<'_> {
     }
 
     /// Hands what is left to the poller.
-    fn to_poller(mut self) -> Vec<tokio::sync::oneshot::Receiver<Result<(), String>>> {
+    fn hand_to_poller(mut self) -> Vec<tokio::sync::oneshot::Receiver<Result<(), String>>> {
         let reqs = std::mem::take(&mut self.reqs);
         reqs.into_iter()
             .map(|(r, _)| self.poller.watch(r, Box::new(self.keep.clone())))
