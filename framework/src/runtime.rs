@@ -326,6 +326,9 @@ pub(crate) struct State {
     timers: HashMap<u64, tokio::task::AbortHandle>,
     /// Group creates and destroys waiting for acknowledgements.
     group_ops: HashMap<u64, GroupOp>,
+    /// `shutdown` asked every worker to stop: their exits are expected,
+    /// not deaths to warn about.
+    shutting_down: bool,
 }
 
 /// A collective group: actors that may move objects of its backend between
@@ -942,7 +945,8 @@ impl Runtime {
     /// the rest.
     pub async fn shutdown(&self) {
         let exits: Vec<watch::Receiver<Option<String>>> = {
-            let st = self.inner.state.lock();
+            let mut st = self.inner.state.lock();
+            st.shutting_down = true;
             for (id, a) in &st.actors {
                 if a.dead.is_none() {
                     send_to(&st.actors, *id, &ToWorker::Shutdown);
@@ -1648,7 +1652,12 @@ impl Inner {
             actor: info.name.clone(),
             detail,
         };
-        tracing::warn!("{err}");
+        if st.shutting_down {
+            // Stopped by `shutdown`, as asked: not news.
+            tracing::debug!("{err}");
+        } else {
+            tracing::warn!("{err}");
+        }
         if let Some(tx) = st.spawning.remove(&actor) {
             let _ = tx.send(Err(err.clone()));
         }

@@ -263,3 +263,47 @@ async fn kills_tcp() {
 async fn kills_shm() {
     deadline(60, kills_per_transport(Transport::Shm)).await;
 }
+
+/// A killed actor is reported as dead (a WARN naming it); a clean
+/// `shutdown` reports nobody: the workers it stops did not die.
+#[tokio::test(flavor = "current_thread")]
+async fn a_clean_shutdown_reports_no_deaths() {
+    deadline(60, async {
+        let (captured, guard) = rdt_integration_tests::capture::warnings_on_this_thread();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).name("doomed").await.unwrap();
+        let c = rt.spawn::<Consumer>(()).name("survivor").await.unwrap();
+        p.kill();
+        assert_eq!(p.raw().exited().await.unwrap(), "was killed by signal 9");
+        // The death of a killed actor is reported (so the capture sees the
+        // driver's warnings).
+        let died = |name: &str| {
+            captured
+                .messages()
+                .iter()
+                .filter(|m| m.contains(name) && m.contains("died"))
+                .count()
+        };
+        let end = Instant::now() + Duration::from_secs(20);
+        while died("doomed") == 0 {
+            assert!(Instant::now() < end, "{:?}", captured.messages());
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[3])).remote())
+                .await
+                .unwrap(),
+            3.0
+        );
+        // Returns once every worker exited (or its grace ran out).
+        rt.shutdown().await;
+        drop(guard);
+        assert_eq!(
+            died("survivor"),
+            0,
+            "a clean shutdown reported a death: {:?}",
+            captured.messages()
+        );
+    })
+    .await;
+}
