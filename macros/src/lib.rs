@@ -221,6 +221,11 @@ fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<TokenStream2> {
     Ok(transport)
 }
 
+/// Methods the generated handle has (see `actor_struct`): a remote method
+/// of the same name would be a duplicate definition (E0592) with no hint.
+const HANDLE_METHODS: &[&str] = &["id", "name", "kill", "pid", "raw"];
+const HANDLE_METHODS_DOC: &str = "`id`, `name`, `kill`, `pid` and `raw` are taken";
+
 fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
     if imp.trait_.is_some() {
         return Err(syn::Error::new(
@@ -272,6 +277,17 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
                 ctor = Some((f.sig.asyncness.is_some(), arg, is_result));
             }
             continue;
+        }
+        if HANDLE_METHODS.iter().any(|m| f.sig.ident == m) {
+            let m = &f.sig.ident;
+            return Err(syn::Error::new(
+                m.span(),
+                format!(
+                    "a remote method cannot be named `{m}`: every rdt actor handle has its own \
+                     `{handle}::{m}` ({}), and the two would clash; rename this method",
+                    HANDLE_METHODS_DOC
+                ),
+            ));
         }
         if let Some(FnArg::Receiver(r)) = f.sig.inputs.first() {
             if r.reference.is_none() {
