@@ -82,9 +82,10 @@ impl Agent {
         // initialized in the process, from a thread with no context
         // current: a worker's background start) read device memory over
         // CUDA IPC at ~290 GB/s across GPUs, while the raw baseline's
-        // agents, made before any CUDA call, fell back to a 0.5 GB/s host
-        // bounce. Why UCX chooses so is not established yet (book: NIXL
-        // chapter, "Open"); every agent is made the way that was fast.
+        // agents read it at 0.5 GB/s (on the one-GPU hosts UCX emulates
+        // such reads over TCP, for every agent). Why UCX chose differently
+        // there is not established (book: NIXL chapter, "Measured"); every
+        // agent is made the way that was fast.
         let _ = crate::cuda::available();
         let name = name.to_string();
         std::thread::Builder::new()
@@ -100,12 +101,13 @@ impl Agent {
         let mut agent: api::Agent = std::ptr::null_mut();
         // The C API's default agent runs UCX's progress thread with a
         // poll timeout of 0: it spins a core in every process (measured on
-        // the 2-core machine: 79 % of all CPU, and a 4 KiB pass 10x
-        // slower). The thread is needed (a producer's notifications, and
+        // the 2-core machine: 79 % of all CPU; a 40 MiB pass took twice as
+        // long). The thread is needed (a producer's notifications, and
         // reads emulated over TCP, progress only there), so it stays, but
         // sleeps on UCX's event descriptors, waking at least every
         // millisecond (NIXL's workaround for a UCX wake-up bug). Readers
-        // progress their own requests from the poller and do not wait on it.
+        // progress their own requests (on the receiving task, then the
+        // poller) and do not wait on it.
         let config = api::AgentConfig {
             enable_prog_thread: true,
             enable_listen_thread: false,

@@ -926,8 +926,9 @@ impl NixlTransport {
     }
 
     /// Another process's device memory into this process's host memory.
-    /// UCX moves that through a host bounce (0.5 GB/s measured on H200);
-    /// a read onto this process's GPU (CUDA IPC) and one copy into
+    /// UCX read that at 0.5 GB/s on the 2xH200 host (no CUDA IPC into host
+    /// memory), while a read onto this process's GPU (CUDA IPC) and one
+    /// copy into
     /// page-locked host memory (the nixl host slabs are pinned where CUDA
     /// is present) run at NVLink and copy-engine speed.
     async fn receive_to_host_through_gpu(
@@ -1258,13 +1259,19 @@ impl Posted<'_> {
     /// Asks each READ once; releases those that ended. An error is the
     /// first READ that failed (the others go to the poller on drop).
     fn settle(&mut self) -> Result<(), NixlError> {
+        // Ended but not releasable now: kept for a later round (or the
+        // poller), and not asked again in this one.
+        let mut unreleased = Vec::new();
         let mut i = 0;
-        while i < self.reqs.len() {
+        let outcome = loop {
+            if i == self.reqs.len() {
+                break Ok(());
+            }
             let done = self.reqs[i].1
                 || match self.agent.progress(&self.reqs[i].0) {
                     agent::Progress::Running => false,
                     agent::Progress::Done => true,
-                    agent::Progress::Failed(e) => return Err(e),
+                    agent::Progress::Failed(e) => break Err(e),
                 };
             if !done {
                 i += 1;
@@ -1273,11 +1280,11 @@ impl Posted<'_> {
             let (req, _) = self.reqs.swap_remove(i);
             match self.agent.release(req) {
                 Ok(()) => bump(&COUNTERS.reads_done_inline, 1),
-                // Ended but not releasable now: the poller tries again.
-                Err(req) => self.reqs.push((req, false)),
+                Err(req) => unreleased.push((req, false)),
             }
-        }
-        Ok(())
+        };
+        self.reqs.extend(unreleased);
+        outcome
     }
 
     /// Hands what is left to the poller.
