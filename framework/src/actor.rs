@@ -27,10 +27,44 @@ pub trait Actor: Sized + 'static {
     fn __construct(args: Self::Args) -> LocalBoxFuture<'static, std::result::Result<Self, String>>;
 
     #[doc(hidden)]
+    const __CONCURRENCY: Concurrency;
+
+    /// Runs any method (`&mut self` or `&self`).
+    #[doc(hidden)]
     fn __dispatch(&mut self, method: u32, args: CallArgs) -> LocalBoxFuture<'_, Result<Payload>>;
 
+    /// Runs a `&self` method (the worker's schedule lets several run at
+    /// once on a concurrent actor).
     #[doc(hidden)]
-    fn __method_name(method: u32) -> &'static str;
+    fn __dispatch_shared(&self, method: u32, args: CallArgs)
+        -> LocalBoxFuture<'_, Result<Payload>>;
+
+    #[doc(hidden)]
+    fn __method_info(method: u32) -> Option<MethodInfo>;
+}
+
+/// An actor's concurrency options (`#[rdt::actor(max_concurrency = N,
+/// concurrency_groups(name = N, ..))]`).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct Concurrency {
+    /// How many `&self` calls of the default group may run at once.
+    pub max: u32,
+    /// Named groups and their limits; a method's group index is its
+    /// position here plus one.
+    pub groups: &'static [(&'static str, u32)],
+}
+
+/// What the worker's schedule needs to know of a method.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct MethodInfo {
+    /// Its name.
+    pub name: &'static str,
+    /// Takes `&mut self`: runs alone.
+    pub exclusive: bool,
+    /// Its concurrency group (0: the default group).
+    pub group: u32,
 }
 
 /// Registration of an actor type, collected at link time.

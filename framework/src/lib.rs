@@ -60,7 +60,9 @@ pub mod __fuzz {
 /// Used by generated code; not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::actor::{encode_return, ActorRegistration, CallArgs, ACTOR_TYPES};
+    pub use crate::actor::{
+        encode_return, ActorRegistration, CallArgs, Concurrency, MethodInfo, ACTOR_TYPES,
+    };
     pub use crate::object_ref::{Call, RawHandle};
     pub use crate::worker::{boot_before_main, run_worker, RDT_MAIN};
     #[cfg(feature = "failpoints")]

@@ -1,6 +1,8 @@
 //! Test actors.
 
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use rdt::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -363,6 +365,139 @@ impl Picky {
     /// The value.
     async fn value(&mut self) -> u32 {
         self.v
+    }
+}
+
+/// A concurrent actor (`max_concurrency = 10`, group `io` of 2): counts
+/// how many of its calls run at once, and has gates that one call waits
+/// on and another opens.
+#[rdt::actor]
+pub struct Juggler {
+    running: Cell<u32>,
+    peak: Cell<u32>,
+    io_running: Cell<u32>,
+    io_peak: Cell<u32>,
+    finished: RefCell<Vec<u32>>,
+    gates: RefCell<HashMap<u32, Rc<tokio::sync::Notify>>>,
+}
+
+impl Juggler {
+    fn gate(&self, g: u32) -> Rc<tokio::sync::Notify> {
+        self.gates.borrow_mut().entry(g).or_default().clone()
+    }
+}
+
+#[rdt::actor(max_concurrency = 10, concurrency_groups(io = 2))]
+impl Juggler {
+    fn new() -> Self {
+        Juggler {
+            running: Cell::new(0),
+            peak: Cell::new(0),
+            io_running: Cell::new(0),
+            io_peak: Cell::new(0),
+            finished: RefCell::new(Vec::new()),
+            gates: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// Sleeps `ms` (without blocking the thread), then logs `tag` as
+    /// finished.
+    async fn nap(&self, ms: u64, tag: u32) -> u32 {
+        self.running.set(self.running.get() + 1);
+        self.peak.set(self.peak.get().max(self.running.get()));
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        self.running.set(self.running.get() - 1);
+        self.finished.borrow_mut().push(tag);
+        tag
+    }
+
+    /// Like `nap`, in the `io` group.
+    #[rdt::method(concurrency_group = "io")]
+    async fn io_nap(&self, ms: u64) -> u32 {
+        self.io_running.set(self.io_running.get() + 1);
+        self.io_peak
+            .set(self.io_peak.get().max(self.io_running.get()));
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        self.io_running.set(self.io_running.get() - 1);
+        self.io_peak.get()
+    }
+
+    /// Waits until `open_gate(g)` (before or after this call).
+    async fn wait_gate(&self, g: u32) -> u32 {
+        self.gate(g).notified().await;
+        g
+    }
+
+    /// Opens gate `g` for one waiter.
+    async fn open_gate(&self, g: u32) {
+        self.gate(g).notify_one();
+    }
+
+    /// A tensor of `n` f32 equal to `v`, once gate `g` opens.
+    async fn tensor_after_gate(&self, g: u32, v: f32, n: usize) -> Tensor {
+        self.gate(g).notified().await;
+        Tensor::full(v, &[n])
+    }
+
+    /// Like `tensor_after_gate`, over shm.
+    #[rdt::method(tensor_transport = "shm")]
+    async fn shm_tensor_after_gate(&self, g: u32, v: f32, n: usize) -> Tensor {
+        self.gate(g).notified().await;
+        Tensor::full(v, &[n])
+    }
+
+    /// (default-group peak, io-group peak).
+    async fn peaks(&self) -> (u32, u32) {
+        (self.peak.get(), self.io_peak.get())
+    }
+
+    /// Tags in the order their naps finished.
+    async fn finished(&self) -> Vec<u32> {
+        self.finished.borrow().clone()
+    }
+
+    /// Exclusive: how many other calls ran when it started; resets the
+    /// counters.
+    async fn reset(&mut self) -> u32 {
+        let others = self.running.get() + self.io_running.get();
+        self.peak.set(0);
+        self.io_peak.set(0);
+        self.finished.borrow_mut().clear();
+        others
+    }
+}
+
+/// A serial actor that logs which calls ran, in order.
+#[rdt::actor]
+pub struct Recorder {
+    log: Vec<u32>,
+}
+
+#[rdt::actor]
+impl Recorder {
+    fn new() -> Self {
+        Recorder { log: Vec::new() }
+    }
+
+    /// Logs `tag`; returns the tensor's sum.
+    async fn take(&mut self, t: Tensor, tag: u32) -> rdt::Result<f64> {
+        self.log.push(tag);
+        Ok(t.to_vec::<f32>()
+            .map_err(tensor_err)?
+            .iter()
+            .map(|x| *x as f64)
+            .sum())
+    }
+
+    /// Logs `tag`.
+    async fn note(&mut self, tag: u32) -> u32 {
+        self.log.push(tag);
+        tag
+    }
+
+    /// The log.
+    async fn log(&mut self) -> Vec<u32> {
+        self.log.clone()
     }
 }
 

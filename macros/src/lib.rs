@@ -21,23 +21,84 @@ use syn::{
 /// In the `impl` block, `fn new(args: A) -> Self` (or `-> Result<Self, E>`,
 /// async or not, with zero or one argument) is the constructor run in the
 /// worker; every method with a `self` receiver becomes a remote method.
+///
+/// Concurrency (on the impl block only): by default one call runs at a
+/// time. `#[rdt::actor(max_concurrency = N)]` lets up to `N` calls of
+/// `&self` methods interleave; `concurrency_groups(io = 2, compute = 4)`
+/// declares groups with limits of their own, which a `&self` method joins
+/// with `#[rdt::method(concurrency_group = "io")]`. A `&mut self` method
+/// always runs alone.
 #[proc_macro_attribute]
 pub fn actor(attr: TokenStream, item: TokenStream) -> TokenStream {
-    if !attr.is_empty() {
-        return syn::Error::new(Span::call_site(), "#[rdt::actor] takes no arguments")
-            .to_compile_error()
-            .into();
-    }
     let item = parse_macro_input!(item as Item);
     let out = match item {
-        Item::Struct(s) => actor_struct(s),
-        Item::Impl(i) => actor_impl(i),
+        Item::Struct(s) if attr.is_empty() => actor_struct(s),
+        Item::Struct(_) => Err(syn::Error::new(
+            TokenStream2::from(attr).span(),
+            "#[rdt::actor] on the struct takes no options; put `max_concurrency` and \
+             `concurrency_groups` on the impl block's #[rdt::actor(...)]",
+        )),
+        Item::Impl(i) => {
+            let mut opts = ActorOptions::default();
+            let parser = syn::meta::parser(|meta| opts.parse(meta));
+            match syn::parse::Parser::parse(parser, attr) {
+                Ok(()) => actor_impl(i, opts),
+                Err(e) => Err(e),
+            }
+        }
         other => Err(syn::Error::new(
             other.span(),
             "#[rdt::actor] goes on an actor's struct and on its impl block",
         )),
     };
     out.unwrap_or_else(|e| e.to_compile_error()).into()
+}
+
+/// `#[rdt::actor(max_concurrency = N, concurrency_groups(name = N, ..))]`
+/// on the impl block.
+#[derive(Default)]
+struct ActorOptions {
+    max_concurrency: Option<u32>,
+    groups: Vec<(syn::Ident, u32)>,
+}
+
+fn parse_limit(lit: &syn::LitInt, what: &str) -> syn::Result<u32> {
+    let n: u32 = lit.base10_parse()?;
+    if n == 0 {
+        return Err(syn::Error::new(
+            lit.span(),
+            format!("{what} must be at least 1 (1 runs one call at a time)"),
+        ));
+    }
+    Ok(n)
+}
+
+impl ActorOptions {
+    fn parse(&mut self, meta: syn::meta::ParseNestedMeta) -> syn::Result<()> {
+        if meta.path.is_ident("max_concurrency") {
+            let lit: syn::LitInt = meta.value()?.parse()?;
+            self.max_concurrency = Some(parse_limit(&lit, "max_concurrency")?);
+            Ok(())
+        } else if meta.path.is_ident("concurrency_groups") {
+            meta.parse_nested_meta(|g| {
+                let name = g.path.get_ident().cloned().ok_or_else(|| {
+                    g.error("a concurrency group is named by a plain identifier: `io = 2`")
+                })?;
+                if self.groups.iter().any(|(n, _)| *n == name) {
+                    return Err(g.error(format!("concurrency group `{name}` is declared twice")));
+                }
+                let lit: syn::LitInt = g.value()?.parse()?;
+                let n = parse_limit(&lit, "a concurrency group's limit")?;
+                self.groups.push((name, n));
+                Ok(())
+            })
+        } else {
+            Err(meta.error(
+                "unknown option of #[rdt::actor]; the options are max_concurrency = N and \
+                 concurrency_groups(name = N, ..)",
+            ))
+        }
+    }
 }
 
 /// Options of a remote method, inside an `#[rdt::actor]` impl block:
@@ -47,6 +108,8 @@ pub fn actor(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// while compiling: object_store, tcp, shm, nccl, nixl, cuda_ipc); a path
 /// names the `rdt::Transport` constant of a transport the program
 /// registers itself (`tensor_transport = MY_TRANSPORT`).
+/// `concurrency_group = "io"` runs a `&self` method in a group declared
+/// with `#[rdt::actor(concurrency_groups(io = N))]`.
 #[proc_macro_attribute]
 pub fn method(_attr: TokenStream, item: TokenStream) -> TokenStream {
     let item2: TokenStream2 = item.into();
@@ -155,6 +218,10 @@ struct Method {
     ident: syn::Ident,
     index: u32,
     asyncness: bool,
+    /// Takes `&mut self`.
+    exclusive: bool,
+    /// Concurrency group index (0: default).
+    group: u32,
     args: Vec<(String, Type)>,
     value_ty: Type,
     is_result: bool,
@@ -186,13 +253,21 @@ fn is_method_attr(a: &syn::Attribute) -> bool {
         .unwrap_or(false)
 }
 
-/// The `rdt::Transport` expression of a method's `tensor_transport`: a
-/// string names a built-in transport, checked while compiling by a const
-/// evaluation against the framework's own table (the macro keeps no list);
-/// a path is a program's own transport constant, checked by the type
-/// system.
-fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<TokenStream2> {
+/// The options of one `#[rdt::method(...)]`.
+struct MethodOptions {
+    /// The `rdt::Transport` expression of `tensor_transport`: a string
+    /// names a built-in transport, checked while compiling by a const
+    /// evaluation against the framework's own table (the macro keeps no
+    /// list); a path is a program's own transport constant, checked by the
+    /// type system.
+    transport: TokenStream2,
+    /// `concurrency_group = "name"`.
+    group: Option<LitStr>,
+}
+
+fn parse_method_options(attrs: &[syn::Attribute]) -> syn::Result<MethodOptions> {
     let mut transport = quote!(::rdt::Transport::ObjectStore);
+    let mut group = None;
     for a in attrs.iter().filter(|a| is_method_attr(a)) {
         if matches!(a.meta, syn::Meta::Path(_)) {
             continue;
@@ -213,12 +288,15 @@ fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<TokenStream2> {
                     transport = quote_spanned!(path.span()=> #path);
                 }
                 Ok(())
+            } else if meta.path.is_ident("concurrency_group") {
+                group = Some(meta.value()?.parse::<LitStr>()?);
+                Ok(())
             } else {
-                Err(meta.error("unknown option of #[rdt::method]; the only option is tensor_transport = \"...\" (or = MY_TRANSPORT)"))
+                Err(meta.error("unknown option of #[rdt::method]; the options are tensor_transport = \"...\" (or = MY_TRANSPORT) and concurrency_group = \"name\""))
             }
         })?;
     }
-    Ok(transport)
+    Ok(MethodOptions { transport, group })
 }
 
 /// Methods the generated handle has (see `actor_struct`): a remote method
@@ -226,7 +304,7 @@ fn parse_transport(attrs: &[syn::Attribute]) -> syn::Result<TokenStream2> {
 const HANDLE_METHODS: &[&str] = &["id", "name", "kill", "pid", "raw"];
 const HANDLE_METHODS_DOC: &str = "`id`, `name`, `kill`, `pid` and `raw` are taken";
 
-fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
+fn actor_impl(mut imp: ItemImpl, opts: ActorOptions) -> syn::Result<TokenStream2> {
     if imp.trait_.is_some() {
         return Err(syn::Error::new(
             imp.span(),
@@ -251,7 +329,7 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
     let mut methods = Vec::new();
     for item in &mut imp.items {
         let ImplItem::Fn(f) = item else { continue };
-        let transport = parse_transport(&f.attrs)?;
+        let MethodOptions { transport, group } = parse_method_options(&f.attrs)?;
         f.attrs.retain(|a| !is_method_attr(a));
         let has_self = matches!(f.sig.inputs.first(), Some(FnArg::Receiver(_)));
         if !has_self {
@@ -289,6 +367,7 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
                 ),
             ));
         }
+        let mut exclusive = true;
         if let Some(FnArg::Receiver(r)) = f.sig.inputs.first() {
             if r.reference.is_none() {
                 return Err(syn::Error::new(
@@ -296,7 +375,39 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
                     "remote methods take `&mut self` or `&self`",
                 ));
             }
+            exclusive = r.mutability.is_some();
         }
+        let group_index = match &group {
+            None => 0u32,
+            Some(_) if exclusive => {
+                return Err(syn::Error::new(
+                    group.span(),
+                    "a `&mut self` method always runs alone, so it belongs to no concurrency \
+                     group; take `&self` to run it in one",
+                ))
+            }
+            Some(g) => match opts.groups.iter().position(|(n, _)| *n == g.value()) {
+                Some(i) => i as u32 + 1,
+                None => {
+                    let declared: Vec<String> =
+                        opts.groups.iter().map(|(n, _)| n.to_string()).collect();
+                    return Err(syn::Error::new(
+                        g.span(),
+                        format!(
+                            "concurrency group {:?} is not declared; declare it on the impl \
+                             block: #[rdt::actor(concurrency_groups({} = N))] (declared: {})",
+                            g.value(),
+                            g.value(),
+                            if declared.is_empty() {
+                                "none".to_string()
+                            } else {
+                                declared.join(", ")
+                            }
+                        ),
+                    ));
+                }
+            },
+        };
         if !f.sig.generics.params.is_empty() {
             return Err(syn::Error::new(
                 f.sig.generics.span(),
@@ -331,6 +442,8 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
             ident: f.sig.ident.clone(),
             index: methods.len() as u32,
             asyncness: f.sig.asyncness.is_some(),
+            exclusive,
+            group: group_index,
             args,
             value_ty,
             is_result,
@@ -367,7 +480,8 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
     };
 
     let mut arms = Vec::new();
-    let mut names = Vec::new();
+    let mut shared_arms = Vec::new();
+    let mut infos = Vec::new();
     let mut handle_fns = Vec::new();
     // Item-level constants: evaluated while compiling even if no handle
     // method is ever called (the handle methods are generic).
@@ -380,6 +494,8 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
             ident,
             index,
             asyncness,
+            exclusive,
+            group,
             args,
             value_ty,
             is_result,
@@ -401,7 +517,7 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
         } else {
             quote!()
         };
-        arms.push(quote! {
+        let arm = quote! {
             #index => {
                 __args.expect_len(#n)?;
                 #(#decodes)*
@@ -409,9 +525,19 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
                 #unwrap
                 ::rdt::__private::encode_return(&__ret, &__args)
             }
-        });
+        };
+        if !exclusive {
+            shared_arms.push(arm.clone());
+        }
+        arms.push(arm);
         let name_str = ident.to_string();
-        names.push(quote!(#index => #name_str,));
+        infos.push(
+            quote!(#index => ::core::option::Option::Some(::rdt::__private::MethodInfo {
+            name: #name_str,
+            exclusive: #exclusive,
+            group: #group,
+        }),),
+        );
         let params = args.iter().enumerate().map(|(i, (_, ty))| {
             let l = &locals[i];
             quote!(#l: impl ::core::convert::Into<::rdt::Arg<#ty>>)
@@ -428,6 +554,9 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
         });
     }
     let reg = format_ident!("__RDT_REGISTRATION_{}", ty_ident);
+    let max_concurrency = opts.max_concurrency.unwrap_or(1);
+    let group_names: Vec<String> = opts.groups.iter().map(|(n, _)| n.to_string()).collect();
+    let group_limits: Vec<u32> = opts.groups.iter().map(|(_, l)| *l).collect();
 
     Ok(quote! {
         #imp
@@ -436,6 +565,10 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
             type Args = #args_ty;
             type Handle = #handle;
             const NAME: &'static str = ::core::concat!(::core::module_path!(), "::", ::core::stringify!(#ty_ident));
+            const __CONCURRENCY: ::rdt::__private::Concurrency = ::rdt::__private::Concurrency {
+                max: #max_concurrency,
+                groups: &[#((#group_names, #group_limits)),*],
+            };
 
             fn __construct(args: Self::Args) -> ::rdt::__private::LocalBoxFuture<'static, ::core::result::Result<Self, ::std::string::String>> {
                 ::std::boxed::Box::pin(async move { #construct_body })
@@ -451,10 +584,20 @@ fn actor_impl(mut imp: ItemImpl) -> syn::Result<TokenStream2> {
                 })
             }
 
-            fn __method_name(method: u32) -> &'static str {
+            #[allow(unused_variables, unreachable_code)]
+            fn __dispatch_shared(&self, method: u32, __args: ::rdt::__private::CallArgs) -> ::rdt::__private::LocalBoxFuture<'_, ::rdt::Result<::rdt::__private::Payload>> {
+                ::std::boxed::Box::pin(async move {
+                    match method {
+                        #(#shared_arms)*
+                        other => ::core::result::Result::Err(::rdt::Error::Protocol(::std::format!("{} has no `&self` method #{}", <Self as ::rdt::Actor>::NAME, other))),
+                    }
+                })
+            }
+
+            fn __method_info(method: u32) -> ::core::option::Option<::rdt::__private::MethodInfo> {
                 match method {
-                    #(#names)*
-                    _ => "<unknown method>",
+                    #(#infos)*
+                    _ => ::core::option::Option::None,
                 }
             }
         }

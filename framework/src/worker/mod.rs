@@ -6,14 +6,12 @@
 //!    environment. It becomes a worker before `main` (a constructor emitted
 //!    by `#[rdt::actor]`) or at `rdt::init()`, whichever comes first, and
 //!    never returns to user code.
-//! 2. Calls run one at a time, in arrival order: each is an actix message
-//!    whose handler is an `AtomicResponse`, and argument resolution happens
-//!    inside it, so a call waiting for an argument holds back the calls
-//!    behind it (Ray's actor ordering).
+//! 2. Calls reach the actor as actix messages; when each runs (arguments
+//!    first, then its turn, one at a time or concurrently) is `host`'s
+//!    business (HO-1 … HO-5).
 //! 3. The control loop never waits for a method: deliveries, sends, frees
 //!    and fetches are served while a method runs.
-//! 4. A method's panic is caught and becomes the call's error; the actor
-//!    keeps the state it had at the panic.
+//! 4. A method's panic is caught and becomes the call's error (HO-5).
 //! 5. The worker exits when the driver's connection ends (and the kernel
 //!    kills it if the driver dies first).
 
@@ -27,16 +25,19 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
-use rdt_transport::{object_store, Blob, Peer, Sidedness, Tensor};
+use rdt_transport::{object_store, Peer, Sidedness, Tensor};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};
 use tracing::Instrument;
 
-use crate::actor::{Actor as RdtActor, CallArgs, ACTOR_TYPES};
+use crate::actor::{Actor as RdtActor, ACTOR_TYPES};
+
+mod host;
 use crate::error::{Error, Result};
-use crate::protocol::{self, CallMsg, Delivery, ToDriver, ToWorker, WireArg, WireValue};
+use crate::protocol::{self, Delivery, ToDriver, ToWorker};
 use crate::runtime::inline_value;
 use crate::transport::Transport;
+use host::{Host, Invoke};
 
 /// Names of the environment variables a local worker is started with.
 pub(crate) mod env {
@@ -678,11 +679,8 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         // The mailbox is sized before the actor starts: calls may arrive
         // before `started` would run (invariant 2).
         let mut ctx = actix::Context::new();
-        ctx.set_mailbox_capacity(MAILBOX);
-        let addr = ctx.run(Host::<A> {
-            state: Some(Box::new(actor)),
-            shared: shared.clone(),
-        });
+        ctx.set_mailbox_capacity(host::MAILBOX);
+        let addr = ctx.run(Host::<A>::new(actor, shared.clone()));
         let _ = tx.send(&ToDriver::Spawned(Ok(endpoints)));
         // CUDA IPC upkeep: close mappings of slabs their producer retired,
         // free retired slabs nobody maps any more. Only when there is
@@ -1174,186 +1172,4 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
     } else {
         "non-string panic payload".into()
     }
-}
-
-struct Host<A: RdtActor> {
-    // Boxed: actix needs the actor `Unpin`, user types need not be.
-    state: Option<Box<A>>,
-    shared: Arc<WorkerShared>,
-}
-
-/// Calls that may queue at one actor; beyond, a call fails at once with
-/// a clear error rather than waiting unboundedly.
-const MAILBOX: usize = 1 << 20;
-
-impl<A: RdtActor> actix::Actor for Host<A> {
-    type Context = actix::Context<Self>;
-}
-
-struct Invoke(CallMsg);
-
-impl actix::Message for Invoke {
-    type Result = ();
-}
-
-impl<A: RdtActor> Handler<Invoke> for Host<A> {
-    type Result = AtomicResponse<Self, ()>;
-
-    fn handle(&mut self, Invoke(msg): Invoke, _ctx: &mut Self::Context) -> Self::Result {
-        let mut state = self
-            .state
-            .take()
-            .expect("an atomic handler always puts the state back");
-        let shared = self.shared.clone();
-        // One span per call: call id, actor, method (logs and tests see
-        // what ran where, and for how long).
-        let span = tracing::debug_span!(
-            "call",
-            call = msg.call,
-            actor = %shared.name,
-            method = A::__method_name(msg.method),
-        );
-        let fut = async move {
-            let call = msg.call;
-            let t0 = std::time::Instant::now();
-            rdt_transport::cuda::timeline("call start", call);
-            let result = run_call::<A>(&mut state, &shared, msg).await;
-            rdt_transport::cuda::timeline("call done", call);
-            let sent = std::time::Instant::now();
-            tracing::debug!(
-                micros = t0.elapsed().as_micros() as u64,
-                ok = result.is_ok(),
-                "call done"
-            );
-            if let Err(e) = shared.tx.send(&ToDriver::CallDone { call, result }) {
-                // Too large for a frame: the call fails instead.
-                let _ = shared.tx.send(&ToDriver::CallDone {
-                    call,
-                    result: Err(e),
-                });
-            }
-            rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
-            // Keep this thread awake for the hot window, or until the next
-            // call arrives: a call that finds it asleep pays the wake-up.
-            if !hot::window().is_zero() {
-                // Made here, not in the task: a call arriving before the
-                // task first runs still ends it.
-                let next = shared.call_arrived.clone().notified_owned();
-                actix::spawn(async move {
-                    hot(next).await;
-                });
-            }
-            state
-        }
-        .instrument(span);
-        AtomicResponse::new(Box::pin(fut.into_actor(self).map(|state, this, _| {
-            this.state = Some(state);
-        })))
-    }
-}
-
-async fn run_call<A: RdtActor>(
-    state: &mut A,
-    shared: &WorkerShared,
-    msg: CallMsg,
-) -> Result<WireValue> {
-    let method = A::__method_name(msg.method);
-    let mut values = Vec::with_capacity(msg.args.len());
-    let mut ref_args = Vec::new();
-    for a in msg.args {
-        match a {
-            WireArg::Value(v) => {
-                values.push((v.data.0.clone(), object_store::unpack(&v.exported)?))
-            }
-            WireArg::Ref(id) => {
-                ref_args.push(id);
-                match shared.store.wait_for(id).await {
-                    Slot::Ready(v) => values.push((v.data, v.tensors)),
-                    Slot::Failed(e) => {
-                        return Err(Error::Dependency {
-                            object: id,
-                            cause: Box::new(e),
-                        })
-                    }
-                }
-            }
-        }
-    }
-    // WK-5: arguments whose bytes are still landing; the method runs now
-    // (its kernels wait on the GPU), its result waits for the landing.
-    let landing: Vec<(u64, Landing)> = {
-        let l = shared.landing.lock();
-        ref_args
-            .iter()
-            .filter_map(|id| l.get(id).map(|f| (*id, f.clone())))
-            .collect()
-    };
-    let args = CallArgs {
-        actor: shared.name.clone(),
-        method,
-        values,
-    };
-    let payload = match AssertUnwindSafe(state.__dispatch(msg.method, args))
-        .catch_unwind()
-        .await
-    {
-        Ok(r) => r,
-        Err(p) => {
-            return Err(Error::Panic {
-                actor: shared.name.to_string(),
-                method: method.to_string(),
-                message: panic_message(&p),
-            })
-        }
-    };
-    for (object, landed) in landing {
-        if let Err(e) = landed.await {
-            return Err(Error::Dependency {
-                object,
-                cause: Box::new(e.into()),
-            });
-        }
-    }
-    let payload = payload?;
-    if payload.tensors.is_empty() {
-        return Ok(WireValue {
-            data: Blob(payload.data),
-            transport: Transport::ObjectStore.name().into(),
-            exported: Default::default(),
-        });
-    }
-    let transport: Transport = msg.transport.parse()?;
-    let inst = transport.instance()?;
-    for (i, t) in payload.tensors.iter().enumerate() {
-        if let Err(e) = inst.check_device(t.device()) {
-            return Err(Error::Transport(rdt_transport::TransportError {
-                message: format!(
-                    "tensor #{i} ({} {:?}, on {}) of the value {}.{method} returned: {}",
-                    t.dtype(),
-                    t.shape(),
-                    t.device(),
-                    shared.name,
-                    e.message
-                ),
-                ..e
-            }));
-        }
-    }
-    let exported = inst.export(msg.result, &payload.tensors).await?;
-    if inst.sidedness() != Sidedness::ThroughDriver {
-        shared.store.insert(
-            msg.result,
-            Slot::Ready(StoredValue {
-                data: payload.data.clone(),
-                tensors: payload.tensors,
-                transport,
-                produced: true,
-            }),
-        );
-    }
-    Ok(WireValue {
-        data: Blob(payload.data),
-        transport: transport.name().into(),
-        exported,
-    })
 }

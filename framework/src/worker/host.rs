@@ -1,0 +1,395 @@
+//! The actix host of the user's actor: when each call runs.
+//!
+//! # Invariants
+//! - **HO-1 Arguments before the turn.** A call's arguments are resolved
+//!   (values unpacked, refs awaited in the store) before it takes its turn;
+//!   a call waiting for a transfer never holds back a call behind it whose
+//!   arguments are ready.
+//! - **HO-2 Serial actors keep order.** An actor without concurrency
+//!   options runs one call at a time: the first call in submission order
+//!   whose arguments are ready. Calls that had to wait for an argument
+//!   still run in submission order among themselves.
+//! - **HO-3 Concurrent actors.** With `max_concurrency = N` (and named
+//!   concurrency groups), up to N `&self` calls of the default group (and
+//!   each group's own limit) run interleaved on the actor's thread and
+//!   finish in any order. A `&mut self` call runs alone: it starts once
+//!   nothing runs, and a ready one holds back every call submitted after
+//!   it, so it is never starved.
+//! - **HO-4 Borrows follow the schedule.** The actor lives in a `RefCell`;
+//!   a `&mut self` call borrows it mutably only when HO-3 says it runs
+//!   alone, so a borrow never fails.
+//! - **HO-5 Panics.** A method's panic is caught and becomes the call's
+//!   error; the actor keeps the state it had at the panic.
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use bytes::Bytes;
+use futures::future::LocalBoxFuture;
+use futures::FutureExt;
+use rdt_transport::hot::{self, hot};
+use rdt_transport::{object_store, Blob, Sidedness, Tensor};
+use tracing::Instrument;
+
+use super::{panic_message, Landing, Slot, StoredValue, WorkerShared};
+use crate::actor::{Actor as RdtActor, CallArgs, Concurrency, MethodInfo};
+use crate::error::{Error, Result};
+use crate::protocol::{CallMsg, ToDriver, WireArg, WireValue};
+use crate::transport::Transport;
+
+/// Calls that may queue at one actor; beyond, a call fails at once with
+/// a clear error rather than waiting unboundedly.
+pub(super) const MAILBOX: usize = 1 << 20;
+
+/// Hosts one user actor on the worker's actix system.
+pub(super) struct Host<A: RdtActor> {
+    actor: Rc<RefCell<A>>,
+    shared: Arc<WorkerShared>,
+    /// Calls submitted and not started, in submission order.
+    queue: VecDeque<Queued>,
+    running: Running,
+    /// Per group (0: the default group): how many `&self` calls may run.
+    limits: Vec<u32>,
+    /// No concurrency options: every call runs alone (HO-2).
+    serial: bool,
+    next_seq: u64,
+}
+
+#[derive(Default)]
+struct Running {
+    /// A `&mut self` call (or any call of a serial actor) runs.
+    exclusive: bool,
+    /// Calls running, per group.
+    per_group: Vec<u32>,
+    total: u32,
+}
+
+struct Queued {
+    seq: u64,
+    msg: Header,
+    info: MethodInfo,
+    /// Had to wait for an argument (HO-2 orders these among themselves).
+    waited: bool,
+    /// `None` while an argument is still awaited.
+    args: Option<Result<Resolved>>,
+}
+
+/// A call without its arguments.
+struct Header {
+    call: u64,
+    method: u32,
+    result: u64,
+    transport: String,
+}
+
+/// A call's arguments, ready for the method.
+struct Resolved {
+    values: Vec<(Bytes, Vec<Tensor>)>,
+    refs: Vec<u64>,
+}
+
+impl<A: RdtActor> Host<A> {
+    pub(super) fn new(actor: A, shared: Arc<WorkerShared>) -> Self {
+        let Concurrency { max, groups } = A::__CONCURRENCY;
+        let mut limits = vec![max.max(1)];
+        limits.extend(groups.iter().map(|(_, n)| (*n).max(1)));
+        Host {
+            actor: Rc::new(RefCell::new(actor)),
+            shared,
+            queue: VecDeque::new(),
+            running: Running {
+                per_group: vec![0; limits.len()],
+                ..Running::default()
+            },
+            serial: max <= 1 && groups.is_empty(),
+            limits,
+            next_seq: 0,
+        }
+    }
+
+    /// Starts every queued call that may run now (HO-1 … HO-3).
+    fn pump(&mut self, ctx: &mut actix::Context<Self>) {
+        let mut i = 0;
+        // HO-2: an earlier call of a serial actor is still waiting for an
+        // argument, so a later one that waited too must not pass it.
+        let mut waiter_ahead = false;
+        while i < self.queue.len() {
+            let q = &self.queue[i];
+            if q.args.is_none() {
+                waiter_ahead |= q.waited;
+                i += 1;
+                continue;
+            }
+            if self.serial && q.waited && waiter_ahead {
+                i += 1;
+                continue;
+            }
+            let exclusive = self.serial || q.info.exclusive;
+            let group = q.info.group as usize;
+            let may_start = if exclusive {
+                self.running.total == 0
+            } else {
+                !self.running.exclusive && self.running.per_group[group] < self.limits[group]
+            };
+            if may_start {
+                let q = self.queue.remove(i).expect("index checked above");
+                self.start(q, exclusive, ctx);
+                continue;
+            }
+            if exclusive {
+                // HO-3: a ready exclusive call holds back what follows.
+                break;
+            }
+            i += 1;
+        }
+    }
+
+    fn start(&mut self, q: Queued, exclusive: bool, ctx: &mut actix::Context<Self>) {
+        let group = q.info.group as usize;
+        self.running.total += 1;
+        self.running.per_group[group] += 1;
+        self.running.exclusive = exclusive;
+        let span = tracing::debug_span!(
+            "call",
+            call = q.msg.call,
+            actor = %self.shared.name,
+            method = q.info.name,
+        );
+        let run = run_and_reply::<A>(self.actor.clone(), self.shared.clone(), q, exclusive)
+            .instrument(span);
+        ctx.spawn(run.into_actor(self).map(move |(), this, ctx| {
+            this.running.total -= 1;
+            this.running.per_group[group] -= 1;
+            this.running.exclusive = false;
+            this.pump(ctx);
+        }));
+    }
+}
+
+impl<A: RdtActor> actix::Actor for Host<A> {
+    type Context = actix::Context<Self>;
+}
+
+/// A call from the control loop.
+pub(super) struct Invoke(pub(super) CallMsg);
+
+impl actix::Message for Invoke {
+    type Result = ();
+}
+
+impl<A: RdtActor> Handler<Invoke> for Host<A> {
+    type Result = ();
+
+    fn handle(&mut self, Invoke(msg): Invoke, ctx: &mut Self::Context) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let info = A::__method_info(msg.method).unwrap_or(MethodInfo {
+            name: "<unknown method>",
+            exclusive: true,
+            group: 0,
+        });
+        let header = Header {
+            call: msg.call,
+            method: msg.method,
+            result: msg.result,
+            transport: msg.transport,
+        };
+        // Fast path: every argument is here (inline, or in the store).
+        let mut resolving = resolve(self.shared.clone(), msg.args).boxed_local();
+        let args = (&mut resolving).now_or_never();
+        let waited = args.is_none();
+        self.queue.push_back(Queued {
+            seq,
+            msg: header,
+            info,
+            waited,
+            args,
+        });
+        if waited {
+            // HO-1: awaited off the queue; the call takes its turn once
+            // every argument is here.
+            ctx.spawn(resolving.into_actor(self).map(move |args, this, ctx| {
+                if let Some(q) = this.queue.iter_mut().find(|q| q.seq == seq) {
+                    q.args = Some(args);
+                }
+                this.pump(ctx);
+            }));
+        }
+        self.pump(ctx);
+    }
+}
+
+/// Unpacks inline arguments and waits for refs in the store.
+async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolved> {
+    let mut values = Vec::with_capacity(args.len());
+    let mut refs = Vec::new();
+    for a in args {
+        match a {
+            WireArg::Value(v) => {
+                values.push((v.data.0.clone(), object_store::unpack(&v.exported)?))
+            }
+            WireArg::Ref(id) => {
+                refs.push(id);
+                match shared.store.wait_for(id).await {
+                    Slot::Ready(v) => values.push((v.data, v.tensors)),
+                    Slot::Failed(e) => {
+                        return Err(Error::Dependency {
+                            object: id,
+                            cause: Box::new(e),
+                        })
+                    }
+                }
+            }
+        }
+    }
+    Ok(Resolved { values, refs })
+}
+
+/// Runs one call and sends its result to the driver from this thread (no
+/// hop back to the control loop).
+async fn run_and_reply<A: RdtActor>(
+    actor: Rc<RefCell<A>>,
+    shared: Arc<WorkerShared>,
+    q: Queued,
+    exclusive: bool,
+) {
+    let call = q.msg.call;
+    let t0 = std::time::Instant::now();
+    rdt_transport::cuda::timeline("call start", call);
+    let result = match q.args.expect("only calls with their arguments start") {
+        Ok(args) => run_call::<A>(&actor, &shared, q.msg, q.info, args, exclusive).await,
+        Err(e) => Err(e),
+    };
+    rdt_transport::cuda::timeline("call done", call);
+    let sent = std::time::Instant::now();
+    tracing::debug!(
+        micros = t0.elapsed().as_micros() as u64,
+        ok = result.is_ok(),
+        "call done"
+    );
+    if let Err(e) = shared.tx.send(&ToDriver::CallDone { call, result }) {
+        // Too large for a frame: the call fails instead.
+        let _ = shared.tx.send(&ToDriver::CallDone {
+            call,
+            result: Err(e),
+        });
+    }
+    rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
+    // Keep this thread awake for the hot window, or until the next call
+    // arrives: a call that finds it asleep pays the wake-up.
+    if !hot::window().is_zero() {
+        // Made here, not in the task: a call arriving before the task
+        // first runs still ends it.
+        let next = shared.call_arrived.clone().notified_owned();
+        actix::spawn(async move {
+            hot(next).await;
+        });
+    }
+}
+
+// HO-4: the borrow is held across the method's awaits on purpose; the
+// schedule, not the borrow, keeps calls apart, so it never fails.
+#[allow(clippy::await_holding_refcell_ref)]
+async fn run_call<A: RdtActor>(
+    actor: &RefCell<A>,
+    shared: &WorkerShared,
+    msg: Header,
+    info: MethodInfo,
+    args: Resolved,
+    exclusive: bool,
+) -> Result<WireValue> {
+    let method = info.name;
+    // WK-5: arguments whose bytes are still landing; the method runs now
+    // (its kernels wait on the GPU), its result waits for the landing.
+    let landing: Vec<(u64, Landing)> = {
+        let l = shared.landing.lock();
+        args.refs
+            .iter()
+            .filter_map(|id| l.get(id).map(|f| (*id, f.clone())))
+            .collect()
+    };
+    let call_args = CallArgs {
+        actor: shared.name.clone(),
+        method,
+        values: args.values,
+    };
+    let ran = if exclusive {
+        // HO-4: nothing else runs, so nothing else borrows.
+        let mut a = actor.borrow_mut();
+        dispatch(A::__dispatch(&mut a, msg.method, call_args)).await
+    } else {
+        let a = actor.borrow();
+        dispatch(A::__dispatch_shared(&a, msg.method, call_args)).await
+    };
+    let payload = match ran {
+        Ok(r) => r,
+        Err(p) => {
+            return Err(Error::Panic {
+                actor: shared.name.to_string(),
+                method: method.to_string(),
+                message: panic_message(&p),
+            })
+        }
+    };
+    for (object, landed) in landing {
+        if let Err(e) = landed.await {
+            return Err(Error::Dependency {
+                object,
+                cause: Box::new(e.into()),
+            });
+        }
+    }
+    let payload = payload?;
+    if payload.tensors.is_empty() {
+        return Ok(WireValue {
+            data: Blob(payload.data),
+            transport: Transport::ObjectStore.name().into(),
+            exported: Default::default(),
+        });
+    }
+    let transport: Transport = msg.transport.parse()?;
+    let inst = transport.instance()?;
+    for (i, t) in payload.tensors.iter().enumerate() {
+        if let Err(e) = inst.check_device(t.device()) {
+            return Err(Error::Transport(rdt_transport::TransportError {
+                message: format!(
+                    "tensor #{i} ({} {:?}, on {}) of the value {}.{method} returned: {}",
+                    t.dtype(),
+                    t.shape(),
+                    t.device(),
+                    shared.name,
+                    e.message
+                ),
+                ..e
+            }));
+        }
+    }
+    let exported = inst.export(msg.result, &payload.tensors).await?;
+    if inst.sidedness() != Sidedness::ThroughDriver {
+        shared.store.insert(
+            msg.result,
+            Slot::Ready(StoredValue {
+                data: payload.data.clone(),
+                tensors: payload.tensors,
+                transport,
+                produced: true,
+            }),
+        );
+    }
+    Ok(WireValue {
+        data: Blob(payload.data),
+        transport: transport.name().into(),
+        exported,
+    })
+}
+
+/// HO-5: a panic in the method becomes an error, not the worker's end.
+async fn dispatch(
+    f: LocalBoxFuture<'_, Result<rdt_transport::value::Payload>>,
+) -> std::result::Result<Result<rdt_transport::value::Payload>, Box<dyn std::any::Any + Send>> {
+    AssertUnwindSafe(f).catch_unwind().await
+}
