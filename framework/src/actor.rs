@@ -10,7 +10,7 @@ use rdt_transport::Tensor;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TypedError};
 use crate::object_ref::RawHandle;
 
 /// An actor type. Implemented by `#[rdt::actor]` on an `impl` block; you do
@@ -123,15 +123,45 @@ impl CallArgs {
         Ok(())
     }
 
-    /// The error for a method that returned `Err(e)`.
-    pub fn app_error(&self, e: impl std::fmt::Display) -> Error {
+    /// The error for a method that returned `Err(e)`; `typed` is `e`
+    /// encoded when its type is `Serialize` (see [`AppError`]).
+    pub fn app_error(&self, e: &dyn std::fmt::Display, typed: Option<TypedError>) -> Error {
         Error::Application {
             actor: self.actor.to_string(),
             method: self.method.to_string(),
             message: e.to_string(),
+            typed,
         }
     }
 }
+
+/// A method's `Err(e)`, on its way to [`Error::Application`]: generated
+/// code calls `(&AppError(&e)).typed()`, which encodes `e` when `E` is
+/// `Serialize` ([`TypedViaSerialize`]) and gives `None` otherwise
+/// ([`TypedViaNothing`], found one auto-reference later), so a method may
+/// return any `Display` error.
+#[doc(hidden)]
+pub struct AppError<'a, E>(pub &'a E);
+
+#[doc(hidden)]
+pub trait TypedViaSerialize {
+    fn typed(&self) -> Option<TypedError>;
+}
+
+impl<E: Serialize> TypedViaSerialize for AppError<'_, E> {
+    fn typed(&self) -> Option<TypedError> {
+        TypedError::encode(self.0)
+    }
+}
+
+#[doc(hidden)]
+pub trait TypedViaNothing {
+    fn typed(&self) -> Option<TypedError> {
+        None
+    }
+}
+
+impl<E> TypedViaNothing for &AppError<'_, E> {}
 
 /// Encodes a method's return value (generated code calls this).
 #[doc(hidden)]

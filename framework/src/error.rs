@@ -21,6 +21,9 @@ pub enum Error {
         method: String,
         /// The error's `Display`.
         message: String,
+        /// The error itself, when its type is `Serialize`: read it back
+        /// with [`Error::application_error`].
+        typed: Option<TypedError>,
     },
     /// A method panicked. The actor keeps running with the state it had.
     #[error("{actor}.{method} panicked: {message}")]
@@ -162,7 +165,60 @@ impl From<rdt_transport::cuda::CudaError> for Error {
     }
 }
 
+/// The error value a method returned (`Err(e)` of a `Result<T, E>` whose
+/// `E` is `Serialize`), as it crossed the process boundary. Read it with
+/// [`Error::application_error`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypedError {
+    /// `std::any::type_name` of `E` in the worker.
+    pub type_name: String,
+    /// `E` in postcard.
+    pub bytes: Vec<u8>,
+}
+
+impl TypedError {
+    /// Encodes `e`; `None` if it does not serialize.
+    pub fn encode<E: Serialize>(e: &E) -> Option<TypedError> {
+        Some(TypedError {
+            type_name: std::any::type_name::<E>().to_string(),
+            bytes: postcard::to_allocvec(e).ok()?,
+        })
+    }
+}
+
 impl Error {
+    /// The typed error a method returned, if this error is one (or is
+    /// caused by one: dependency errors are looked through) and it was of
+    /// type `E`. A method `fn f(&self) -> Result<T, MyError>` with
+    /// `MyError: Serialize + DeserializeOwned` gives the caller back the
+    /// `MyError`:
+    ///
+    /// ```
+    /// # use rdt::Error;
+    /// # #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+    /// # enum MyError { OutOfMemory { needed: u64 } }
+    /// # fn handle(e: Error) {
+    /// match e.application_error::<MyError>() {
+    ///     Some(MyError::OutOfMemory { needed }) => println!("needs {needed} bytes"),
+    ///     None => println!("some other error: {e}"),
+    /// }
+    /// # }
+    /// ```
+    ///
+    /// `None` for other errors, for errors whose type is not
+    /// `Serialize` (their `Display` is in `message`), and for a different
+    /// `E` than the method's.
+    pub fn application_error<E: serde::de::DeserializeOwned>(&self) -> Option<E> {
+        match self.root_cause() {
+            Error::Application { typed: Some(t), .. }
+                if t.type_name == std::any::type_name::<E>() =>
+            {
+                postcard::from_bytes(&t.bytes).ok()
+            }
+            _ => None,
+        }
+    }
+
     /// The innermost error: the original cause behind dependency errors.
     pub fn root_cause(&self) -> &Error {
         match self {

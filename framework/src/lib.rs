@@ -24,7 +24,7 @@ mod transport;
 mod worker;
 
 pub use actor::Actor;
-pub use error::{Error, Result, TransportError};
+pub use error::{Error, Result, TransportError, TypedError};
 pub use object_ref::{ActorId, Arg, Call, ObjectId, ObjectRef, RawHandle};
 pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::register_transport;
@@ -61,7 +61,8 @@ pub mod __fuzz {
 #[doc(hidden)]
 pub mod __private {
     pub use crate::actor::{
-        encode_return, ActorRegistration, CallArgs, Concurrency, MethodInfo, ACTOR_TYPES,
+        encode_return, ActorRegistration, AppError, CallArgs, Concurrency, MethodInfo,
+        TypedViaNothing, TypedViaSerialize, ACTOR_TYPES,
     };
     pub use crate::object_ref::{Call, RawHandle};
     pub use crate::worker::{boot_before_main, run_worker, RDT_MAIN};

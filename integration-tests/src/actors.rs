@@ -23,6 +23,37 @@ pub struct Batch {
     pub label: String,
 }
 
+/// A typed application error.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Oops {
+    /// Needs this many bytes.
+    OutOfMemory {
+        /// Bytes.
+        needed: u64,
+    },
+    /// Busy, with a reason.
+    Busy(String),
+}
+
+impl std::fmt::Display for Oops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Oops::OutOfMemory { needed } => write!(f, "out of memory: needs {needed} bytes"),
+            Oops::Busy(why) => write!(f, "busy: {why}"),
+        }
+    }
+}
+
+/// An error that is `Display` only.
+#[derive(Debug)]
+pub struct PlainError;
+
+impl std::fmt::Display for PlainError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("plain failure")
+    }
+}
+
 /// Produces tensors.
 #[rdt::actor]
 pub struct Producer {
@@ -224,6 +255,20 @@ impl Producer {
     /// returns the bytes freed.
     async fn nixl_trim(&mut self) -> usize {
         rdt::data::nixl::trim()
+    }
+
+    /// Fails with a typed error (`Oops`), or with one that is only
+    /// `Display` when `kind` is 0.
+    async fn oops(&mut self, kind: u32) -> Result<Tensor, Oops> {
+        Err(match kind {
+            1 => Oops::OutOfMemory { needed: 1 << 30 },
+            _ => Oops::Busy("try later".into()),
+        })
+    }
+
+    /// Fails with an error that is `Display` but not `Serialize`.
+    async fn plain_error(&mut self) -> Result<u32, PlainError> {
+        Err(PlainError)
     }
 }
 

@@ -512,7 +512,12 @@ fn actor_impl(mut imp: ItemImpl, opts: ActorOptions) -> syn::Result<TokenStream2
         let unwrap = if *is_result {
             quote!(let __ret = match __ret {
                 ::core::result::Result::Ok(v) => v,
-                ::core::result::Result::Err(e) => return ::core::result::Result::Err(__args.app_error(e)),
+                ::core::result::Result::Err(e) => {
+                    #[allow(unused_imports)]
+                    use ::rdt::__private::{TypedViaNothing as _, TypedViaSerialize as _};
+                    let __typed = (&::rdt::__private::AppError(&e)).typed();
+                    return ::core::result::Result::Err(__args.app_error(&e, __typed));
+                }
             };)
         } else {
             quote!()

@@ -644,6 +644,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
                     actor: boot_name.to_string(),
                     method: "new".into(),
                     message: msg,
+                    typed: None,
                 }),
                 Err(p) => Err(Error::Panic {
                     actor: boot_name.to_string(),

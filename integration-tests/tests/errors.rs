@@ -1,0 +1,63 @@
+//! Typed application errors: a method's `Err(e)` comes back to the caller
+//! as `e` when its type is `Serialize`.
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+const DL: u64 = 60;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_typed_error_round_trips_to_the_driver_and_through_a_dependency() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+
+        let oom = p.oops(1).remote();
+        let e = rt.get(&oom).await.unwrap_err();
+        // The caller matches on the method's own error type.
+        match e.application_error::<Oops>() {
+            Some(Oops::OutOfMemory { needed }) => assert_eq!(needed, 1 << 30),
+            other => panic!("expected Oops::OutOfMemory, got {other:?} from {e}"),
+        }
+        // The message is still the error's Display.
+        assert!(
+            matches!(&e, Error::Application { method, message, .. }
+                if method == "oops" && message == "out of memory: needs 1073741824 bytes"),
+            "{e}"
+        );
+        // Another type does not decode it.
+        assert_eq!(e.application_error::<String>(), None);
+
+        // Passed to another actor: the call fails with a dependency error
+        // that still carries the typed cause.
+        let busy = p.oops(0).remote();
+        let e = rt.get(c.sum(&busy).remote()).await.unwrap_err();
+        assert!(matches!(e, Error::Dependency { .. }), "{e}");
+        assert_eq!(
+            e.application_error::<Oops>(),
+            Some(Oops::Busy("try later".into()))
+        );
+        rt.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_error_that_is_only_display_keeps_its_message() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let e = rt.get(p.plain_error().remote()).await.unwrap_err();
+        match &e {
+            Error::Application { message, typed, .. } => {
+                assert_eq!(message, "plain failure");
+                assert_eq!(typed, &None);
+            }
+            other => panic!("expected an application error, got {other:?}"),
+        }
+        rt.shutdown().await;
+    })
+    .await
+}
