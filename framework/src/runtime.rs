@@ -541,6 +541,69 @@ impl Runtime {
         self.inner.wait_value(r.borrow().id).await.map(|_| ())
     }
 
+    /// Ray's `wait`: waits until `num_returns` of `refs` are finished
+    /// (ready or failed) or `timeout` passes (`None`: no deadline), and
+    /// returns `(finished, pending)`, each in the order of `refs`. Moves no
+    /// value; a failed object counts as finished (its `get` gives the
+    /// error). Every ref is watched at once, so the first `num_returns` to
+    /// finish are the ones returned, whatever their place in `refs`.
+    ///
+    /// Errs if `num_returns` is larger than `refs.len()` (it could never
+    /// be met), or if the runtime shuts down.
+    pub async fn wait_many<T>(
+        &self,
+        refs: &[ObjectRef<T>],
+        num_returns: usize,
+        timeout: Option<Duration>,
+    ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
+        use futures::StreamExt;
+        if num_returns > refs.len() {
+            return Err(Error::Protocol(format!(
+                "wait_many asked for {num_returns} of {} refs; ask for at most {}",
+                refs.len(),
+                refs.len()
+            )));
+        }
+        let mut finished = vec![false; refs.len()];
+        let mut watching: futures::stream::FuturesUnordered<_> = refs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let inner = &self.inner;
+                async move { (i, inner.wait_value(r.id).await) }
+            })
+            .collect();
+        let mut count = 0;
+        let collect = async {
+            while count < num_returns {
+                let Some((i, r)) = watching.next().await else {
+                    break;
+                };
+                if let Err(Error::Shutdown) = r {
+                    return Err(Error::Shutdown);
+                }
+                finished[i] = true;
+                count += 1;
+            }
+            Ok(())
+        };
+        match timeout {
+            None => collect.await?,
+            // Past the deadline: what finished so far.
+            Some(d) => {
+                if let Ok(r) = tokio::time::timeout(d, collect).await {
+                    r?
+                }
+            }
+        }
+        drop(watching);
+        let (done, pending): (Vec<_>, Vec<_>) = refs.iter().zip(finished).partition(|(_, f)| *f);
+        Ok((
+            done.into_iter().map(|(r, _)| r.clone()).collect(),
+            pending.into_iter().map(|(r, _)| r.clone()).collect(),
+        ))
+    }
+
     /// [`Runtime::get`] with a deadline.
     pub async fn get_timeout<T: DeserializeOwned>(
         &self,

@@ -144,3 +144,40 @@ async fn a_pending_argument_does_not_delay_an_unrelated_call_object_store() {
 async fn a_pending_argument_does_not_delay_an_unrelated_call_shm() {
     deadline(DL, pending_argument(Transport::Shm)).await
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wait_many_returns_the_first_to_finish() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let j = rt.spawn::<Juggler>(()).await.unwrap();
+        let refs: Vec<_> = (11..14)
+            .map(|g| j.tensor_after_gate(g, g as f32, 2).remote())
+            .collect();
+        rt.get(j.open_gate(12).remote()).await.unwrap();
+        let (done, pending) = rt.wait_many(&refs, 1, None).await.unwrap();
+        assert_eq!(
+            done.iter().map(|r| r.id()).collect::<Vec<_>>(),
+            vec![refs[1].id()]
+        );
+        assert_eq!(
+            pending.iter().map(|r| r.id()).collect::<Vec<_>>(),
+            vec![refs[0].id(), refs[2].id()]
+        );
+        // Asking for more than can finish: the deadline ends the wait with
+        // what finished.
+        let (done, pending) = rt
+            .wait_many(&refs, 3, Some(Duration::from_millis(50)))
+            .await
+            .unwrap();
+        assert_eq!((done.len(), pending.len()), (1, 2));
+        for g in [11, 13] {
+            rt.get(j.open_gate(g).remote()).await.unwrap();
+        }
+        let (done, pending) = rt.wait_many(&refs, 3, None).await.unwrap();
+        assert_eq!((done.len(), pending.len()), (3, 0));
+        let e = rt.wait_many(&refs, 4, None).await.unwrap_err();
+        assert!(e.to_string().contains("at most 3"), "{e}");
+        rt.shutdown().await;
+    })
+    .await
+}
