@@ -85,7 +85,8 @@ impl Drop for AnyRef {
 
 /// A method argument: a value, or a ref to a value of the same type
 /// (produced by any actor). Built by `From`, so handle methods take
-/// `impl Into<Arg<T>>`: pass `value`, `ref_` or `&ref_`.
+/// `impl Into<Arg<T>>`: pass `value`, `ref_` or `&ref_` (and `&str` for a
+/// `String`, `&tensor` for a `Tensor`).
 pub enum Arg<T> {
     /// Sent with the call (tensors through the object-store path).
     Value(T),
@@ -97,6 +98,21 @@ pub enum Arg<T> {
 impl<T> From<T> for Arg<T> {
     fn from(v: T) -> Self {
         Arg::Value(v)
+    }
+}
+
+/// `&str` passes for a `String` argument.
+impl From<&str> for Arg<String> {
+    fn from(v: &str) -> Self {
+        Arg::Value(v.to_owned())
+    }
+}
+
+/// `&Tensor` passes for a `Tensor` argument (the tensor is serialized
+/// with the call; its storage is shared, not copied, until then).
+impl From<&rdt_transport::Tensor> for Arg<rdt_transport::Tensor> {
+    fn from(t: &rdt_transport::Tensor) -> Self {
+        Arg::Value(t.clone())
     }
 }
 

@@ -1,5 +1,6 @@
-//! Typed application errors: a method's `Err(e)` comes back to the caller
-//! as `e` when its type is `Serialize`.
+//! What a caller writes and gets back: typed application errors (a
+//! method's `Err(e)` comes back as `e` when its type is `Serialize`), and
+//! borrowed arguments (`&str`, `&Tensor`).
 
 use rdt::prelude::*;
 use rdt_integration_tests::actors::*;
@@ -57,6 +58,24 @@ async fn an_error_that_is_only_display_keeps_its_message() {
             }
             other => panic!("expected an application error, got {other:?}"),
         }
+        rt.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn str_and_tensor_references_pass_as_arguments() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        // `fail(msg: String)` takes a `&str`.
+        let e = rt.get(p.fail("from a str").remote()).await.unwrap_err();
+        assert!(e.to_string().contains("from a str"), "{e}");
+        // `sum(t: Tensor)` takes a `&Tensor`, and the caller keeps it.
+        let t = Tensor::full(1.5f32, &[4]);
+        assert_eq!(rt.get(c.sum(&t).remote()).await.unwrap(), 6.0);
+        assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.5; 4]);
         rt.shutdown().await;
     })
     .await
