@@ -251,7 +251,19 @@ fn cpu_transports() -> Vec<Transport> {
     .collect()
 }
 
+/// `--transport NAME` and `--size BYTES` narrow the transports suite (for
+/// profiling one case).
+fn arg_value(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
 async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
+    let only_transport = arg_value("--transport");
+    let only_size: Option<usize> = arg_value("--size").and_then(|s| s.parse().ok());
     let src = rt.spawn::<Source>(()).await?;
     let sink = rt.spawn::<Sink>(()).await?;
     rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp)
@@ -264,6 +276,9 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
         (256 << 20, "256 MiB"),
     ];
     for &(bytes, label) in sizes {
+        if only_size.is_some_and(|s| s != bytes) {
+            continue;
+        }
         let iters = match (quick, bytes) {
             (true, b) if b >= 64 << 20 => 3,
             (true, _) => 20,
@@ -272,6 +287,12 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             _ => 500,
         };
         for transport in cpu_transports() {
+            if only_transport
+                .as_deref()
+                .is_some_and(|t| t != transport.name())
+            {
+                continue;
+            }
             // The tensor is allocated once by the first (unmeasured) pass.
             let mut samples = Vec::new();
             for i in 0..iters + 1 {

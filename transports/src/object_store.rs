@@ -2,9 +2,10 @@
 //! the driver (Ray's default path, and the baseline every direct transport
 //! is measured against).
 //!
-//! Protocol: `export` copies nothing for tensors whose storage already is
-//! wire bytes and copies each other tensor's bytes once into an immutable
-//! buffer; those buffers ride as out-of-band blobs in the control frames
+//! Protocol: `export` copies nothing for CPU tensors in private memory
+//! (`Tensor::to_bytes` hands owned bytes over as wire bytes, and the
+//! tensor turns copy-on-write) and copies the bytes of memory shared with
+//! other processes once into an immutable buffer; those buffers ride as out-of-band blobs in the control frames
 //! (producer → driver → consumer). `receive` wraps each blob in a tensor
 //! without copying (copy on first write, see `Tensor`). The producer keeps
 //! nothing, so `release` has nothing to do.

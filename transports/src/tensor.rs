@@ -532,12 +532,30 @@ impl Tensor {
         self.with_bytes(<[u8]>::to_vec)
     }
 
-    /// The bytes as an immutable [`Bytes`]: no copy if the storage already
-    /// is wire bytes, otherwise one copy.
+    /// The bytes as an immutable [`Bytes`] (a snapshot: later writes to
+    /// the tensor do not change it). No copy for private host memory:
+    /// wire bytes are shared as they are, and owned bytes become wire
+    /// bytes in place, so the storage turns copy-on-write (invariant 4:
+    /// the next write through any clone copies them once, or not at all if
+    /// nothing else holds the `Bytes` by then). Memory shared with other
+    /// processes is copied.
     pub fn to_bytes(&self) -> Result<Bytes, TensorError> {
         self.require_host()?;
         if let Memory::Shared(b) = &*self.storage.mem.read() {
             return Ok(b.clone());
+        }
+        {
+            let mut mem = self.storage.mem.write();
+            match &mut *mem {
+                // Raced with another `to_bytes`.
+                Memory::Shared(b) => return Ok(b.clone()),
+                Memory::Owned(v) => {
+                    let b = Bytes::from(std::mem::take(v));
+                    *mem = Memory::Shared(b.clone());
+                    return Ok(b);
+                }
+                Memory::External(_) | Memory::Cuda(_) => {}
+            }
         }
         self.copy_bytes().map(Bytes::from)
     }
@@ -1005,8 +1023,12 @@ unsafe fn external_slice_mut(e: &dyn ExternalMemory) -> &mut [u8] {
 /// slice lives (for memory that is not shared with other processes, holding
 /// the storage's write lock, as `mem` suggests, guarantees that).
 unsafe fn private_slice_mut(mem: &mut Memory) -> &mut [u8] {
-    if let Memory::Shared(b) = &*mem {
-        *mem = Memory::Owned(b.to_vec());
+    if let Memory::Shared(b) = mem {
+        // Copy on write, unless these are the only holders of the bytes.
+        *mem = Memory::Owned(match std::mem::take(b).try_into_mut() {
+            Ok(unique) => Vec::from(unique),
+            Err(shared) => shared.to_vec(),
+        });
     }
     match mem {
         Memory::Owned(v) => v,
@@ -1172,6 +1194,33 @@ mod tests {
             let p = unsafe { t.with_bytes_unchecked(|b| b.as_ptr() as usize) }.unwrap();
             assert_eq!(p, at, "the unchecked form is zero-copy");
         }
+    }
+
+    #[test]
+    fn to_bytes_of_owned_bytes_is_a_snapshot_without_a_copy() {
+        let t = Tensor::full(3u8, &[1 << 16]);
+        let at = t.with_bytes(|b| b.as_ptr() as usize).unwrap();
+        let b = t.to_bytes().unwrap();
+        assert_eq!(
+            b.as_ptr() as usize,
+            at,
+            "owned bytes are handed over, not copied"
+        );
+        // A write while the snapshot lives copies the storage once and
+        // leaves the snapshot as it was.
+        t.fill_(4u8).unwrap();
+        assert!(b.iter().all(|x| *x == 3));
+        assert_eq!(t.to_vec::<u8>().unwrap()[0], 4);
+        let moved = t.with_bytes(|b| b.as_ptr() as usize).unwrap();
+        assert_ne!(moved, at);
+        // Once nothing else holds the bytes, a write takes them back in
+        // place.
+        let b2 = t.to_bytes().unwrap();
+        assert_eq!(b2.as_ptr() as usize, moved);
+        drop(b2);
+        t.fill_(5u8).unwrap();
+        assert_eq!(t.with_bytes(|b| b.as_ptr() as usize).unwrap(), moved);
+        assert_eq!(t.sum().unwrap(), 5.0 * (1 << 16) as f64);
     }
 
     #[test]
