@@ -484,13 +484,6 @@ impl Juggler {
         Tensor::full(v, &[n])
     }
 
-    /// Like `tensor_after_gate`, over shm.
-    #[rdt::method(tensor_transport = "shm")]
-    async fn shm_tensor_after_gate(&self, g: u32, v: f32, n: usize) -> Tensor {
-        self.gate(g).notified().await;
-        Tensor::full(v, &[n])
-    }
-
     /// (default-group peak, io-group peak).
     async fn peaks(&self) -> (u32, u32) {
         (self.peak.get(), self.io_peak.get())

@@ -111,10 +111,7 @@ async fn pending_argument(t: Transport) {
     let rt = Runtime::start().await.unwrap();
     let j = rt.spawn::<Juggler>(()).await.unwrap();
     let r = rt.spawn::<Recorder>(()).await.unwrap();
-    let make = |g: u32, v: f32| match t {
-        Transport::Shm => j.shm_tensor_after_gate(g, v, 4).remote(),
-        _ => j.tensor_after_gate(g, v, 4).remote(),
-    };
+    let make = |g: u32, v: f32| j.tensor_after_gate(g, v, 4).transport(t).remote();
     let first = make(1, 1.0);
     let second = make(2, 2.0);
     let took_first = r.take(&first, 1).remote();
