@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::future::LocalBoxFuture;
-use rdt_transport::value::{self, Payload};
+use rdt_transport::value::Payload;
 use rdt_transport::Tensor;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -86,6 +86,9 @@ pub struct CallArgs {
     pub(crate) actor: Arc<str>,
     pub(crate) method: &'static str,
     pub(crate) values: Vec<(Bytes, Vec<Tensor>)>,
+    /// The refs in the return value, held until its reply is queued
+    /// (CL-2).
+    pub(crate) held: std::rc::Rc<std::cell::RefCell<Vec<crate::client::AnyRef>>>,
 }
 
 impl CallArgs {
@@ -99,7 +102,7 @@ impl CallArgs {
                 self.values.len()
             ))
         })?;
-        value::decode(data, tensors).map_err(|e| Error::Decode {
+        crate::client::decode(None, data, tensors).map_err(|e| Error::Decode {
             what: format!(
                 "argument {name} of {}.{} as {}",
                 self.actor,
@@ -166,10 +169,12 @@ impl<E> TypedViaNothing for &AppError<'_, E> {}
 /// Encodes a method's return value (generated code calls this).
 #[doc(hidden)]
 pub fn encode_return<T: Serialize>(v: &T, args: &CallArgs) -> Result<Payload> {
-    value::encode(v).map_err(|e| Error::Decode {
+    let encoded = crate::client::encode(v).map_err(|e| Error::Decode {
         what: format!("the return value of {}.{}", args.actor, args.method),
         message: e.to_string(),
-    })
+    })?;
+    args.held.borrow_mut().extend(encoded.held);
+    Ok(encoded.payload)
 }
 
 /// Placeholder so that an unused `Deserialize` import in generated code

@@ -208,12 +208,23 @@ impl Error {
     /// `None` for other errors, for errors whose type is not
     /// `Serialize` (their `Display` is in `message`), and for a different
     /// `E` than the method's.
+    ///
+    /// An actor that passes on, with `?`, the error of a call it made
+    /// itself (`rdt::Result`) keeps the original cause: it is looked
+    /// through too.
     pub fn application_error<E: serde::de::DeserializeOwned>(&self) -> Option<E> {
         match self.root_cause() {
             Error::Application { typed: Some(t), .. }
                 if t.type_name == std::any::type_name::<E>() =>
             {
                 postcard::from_bytes(&t.bytes).ok()
+            }
+            Error::Application { typed: Some(t), .. }
+                if t.type_name == std::any::type_name::<Error>() =>
+            {
+                postcard::from_bytes::<Error>(&t.bytes)
+                    .ok()?
+                    .application_error()
             }
             _ => None,
         }

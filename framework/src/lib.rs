@@ -14,6 +14,7 @@
 #![deny(missing_docs)]
 
 mod actor;
+mod client;
 mod error;
 mod object_ref;
 mod owner;
@@ -32,8 +33,8 @@ pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta}
 pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;
 pub use worker::{
-    group_memberships, init, local_objects, received_objects, wait_tensor_freed,
-    wait_tensor_freed_timeout, GroupMembership,
+    group_memberships, init, local_objects, received_objects, runtime, try_runtime,
+    wait_tensor_freed, wait_tensor_freed_timeout, ActorRuntime, GroupMembership,
 };
 
 /// The data-plane crate: tensors, the transport trait, value extraction.
@@ -72,6 +73,7 @@ pub mod __private {
     pub use futures::FutureExt;
     pub use linkme;
     pub use rdt_transport::value::Payload;
+    pub use serde;
     pub use tokio;
 
     /// Emits a pre-`main` hook that turns the process into a worker when the

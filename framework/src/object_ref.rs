@@ -3,32 +3,36 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use rdt_transport::value::{self, Payload};
 use serde::Serialize;
 
+use crate::client::{AnyRef, Client, Encoded};
 use crate::error::{Error, Result};
-use crate::runtime::Inner;
 use crate::transport::Transport;
 
 /// Id of an object in the owner table.
 pub type ObjectId = u64;
 
 /// A typed reference to a value that a method produced (or will produce),
-/// or that was `put`. Cloning and dropping a ref in the driver drive the
-/// owner table's count: the object is freed once no ref and no pending call
+/// or that was `put`. Cloning and dropping refs drive the owner table's
+/// count: the object is freed once no ref anywhere and no pending call
 /// needs it.
+///
+/// A ref is `Serialize`: pass it to a method, return it, or nest it in a
+/// value (`Vec<ObjectRef<Tensor>>`). A ref held by an actor is *borrowed*
+/// from the driver, which stays the owner and counts it, so the object
+/// lives exactly as long as some ref to it does, wherever it is.
 pub struct ObjectRef<T> {
     pub(crate) id: ObjectId,
-    pub(crate) rt: Arc<Inner>,
+    pub(crate) client: Client,
     _t: PhantomData<fn() -> T>,
 }
 
 impl<T> ObjectRef<T> {
     /// Wraps an id whose count the caller already took.
-    pub(crate) fn adopt(id: ObjectId, rt: Arc<Inner>) -> Self {
+    pub(crate) fn adopt(id: ObjectId, client: Client) -> Self {
         ObjectRef {
             id,
-            rt,
+            client,
             _t: PhantomData,
         }
     }
@@ -40,22 +44,23 @@ impl<T> ObjectRef<T> {
 
     pub(crate) fn erase(self) -> AnyRef {
         let me = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `me` is never dropped, so the Arc is moved out exactly once.
-        let rt = unsafe { std::ptr::read(&me.rt) };
-        AnyRef { id: me.id, rt }
+        // SAFETY: `me` is never dropped, so the client is moved out exactly
+        // once.
+        let client = unsafe { std::ptr::read(&me.client) };
+        AnyRef { id: me.id, client }
     }
 }
 
 impl<T> Clone for ObjectRef<T> {
     fn clone(&self) -> Self {
-        self.rt.state.lock().table.inc(self.id);
-        ObjectRef::adopt(self.id, self.rt.clone())
+        self.client.clone_ref(self.id);
+        ObjectRef::adopt(self.id, self.client.clone())
     }
 }
 
 impl<T> Drop for ObjectRef<T> {
     fn drop(&mut self) {
-        self.rt.release_ref(self.id);
+        self.client.release_ref(self.id);
     }
 }
 
@@ -68,18 +73,6 @@ impl<T> std::fmt::Debug for ObjectRef<T> {
 impl<T> AsRef<ObjectRef<T>> for ObjectRef<T> {
     fn as_ref(&self) -> &ObjectRef<T> {
         self
-    }
-}
-
-/// An untyped ref: holds one count.
-pub(crate) struct AnyRef {
-    pub id: ObjectId,
-    pub rt: Arc<Inner>,
-}
-
-impl Drop for AnyRef {
-    fn drop(&mut self) {
-        self.rt.release_ref(self.id);
     }
 }
 
@@ -128,15 +121,26 @@ impl<T> From<&ObjectRef<T>> for Arg<T> {
     }
 }
 
+/// `&ref_` passes for an `ObjectRef<T>` argument: the callee gets a ref
+/// to the same object (the caller keeps its own).
+impl<T> From<&ObjectRef<T>> for Arg<ObjectRef<T>> {
+    fn from(r: &ObjectRef<T>) -> Self {
+        Arg::Value(r.clone())
+    }
+}
+
 pub(crate) enum ArgOut {
-    Value(Result<Payload>),
+    Value(Result<Encoded>),
     Ref(AnyRef),
 }
 
 /// Identifies a spawned actor for calls; generated handles wrap it.
+///
+/// A handle is `Serialize`: pass it to a method (or nest it in a value)
+/// and the actor that receives it calls the same actor with it.
 #[derive(Clone)]
 pub struct RawHandle {
-    pub(crate) rt: Arc<Inner>,
+    pub(crate) client: Client,
     pub(crate) actor: u64,
     pub(crate) name: Arc<str>,
 }
@@ -162,16 +166,30 @@ impl RawHandle {
     }
     /// Kills the actor's process (SIGKILL). Its pending calls and the
     /// objects it holds fail; the rest of the runtime is unaffected.
+    /// Inside an actor, the driver is asked to kill it.
     pub fn kill(&self) {
-        self.rt.kill_actor(self.actor);
+        match &self.client {
+            Client::Driver(rt) => rt.kill_actor(self.actor),
+            Client::Actor(w) => w.ask_kill(self.actor),
+        }
     }
     /// Resolves once the actor's worker process has exited and been
     /// reaped, with how it ended (`"was killed by signal 9"`); use it after
     /// [`kill`](Self::kill) to know the process, and every GPU mapping it
     /// held, is gone. Errs for a worker that joined by hand (its process
-    /// is not this runtime's child) and when the runtime shuts down first.
+    /// is not this runtime's child), inside an actor (only the driver sees
+    /// its workers exit) and when the runtime shuts down first.
     pub async fn exited(&self) -> crate::Result<String> {
-        let mut rx = self.rt.exit_notice(self.actor).ok_or_else(|| {
+        let rt = match &self.client {
+            Client::Driver(rt) => rt,
+            Client::Actor(_) => {
+                return Err(crate::Error::Protocol(format!(
+                    "the exit of {} is observed in the driver only, not inside an actor",
+                    self.name
+                )))
+            }
+        };
+        let mut rx = rt.exit_notice(self.actor).ok_or_else(|| {
             crate::Error::Protocol(format!(
                 "{} runs in a worker that joined by hand: its exit cannot be observed here",
                 self.name
@@ -183,9 +201,13 @@ impl RawHandle {
             .map_err(|_| crate::Error::Shutdown)?;
         Ok(seen.clone().unwrap_or_default())
     }
-    /// The worker process id.
+    /// The worker process id (known to the driver; `None` inside an
+    /// actor).
     pub fn pid(&self) -> Option<u32> {
-        self.rt.actor_pid(self.actor)
+        match &self.client {
+            Client::Driver(rt) => rt.actor_pid(self.actor),
+            Client::Actor(_) => None,
+        }
     }
 }
 
@@ -222,7 +244,7 @@ impl<T> Call<T> {
     #[doc(hidden)]
     pub fn push_arg<A: Serialize>(&mut self, arg: Arg<A>) {
         self.args.push(match arg {
-            Arg::Value(v) => ArgOut::Value(value::encode(&v).map_err(|e| Error::Decode {
+            Arg::Value(v) => ArgOut::Value(crate::client::encode(&v).map_err(|e| Error::Decode {
                 what: format!("an argument of {}.{}", self.handle.name, self.method_name),
                 message: e.to_string(),
             })),
@@ -246,14 +268,23 @@ impl<T> Call<T> {
     /// Submits the call. Returns at once; the result arrives in the owner
     /// table.
     pub fn remote(self) -> ObjectRef<T> {
-        let rt = self.handle.rt.clone();
-        let id = rt.submit(
-            self.handle.actor,
-            self.method,
-            self.method_name,
-            self.args,
-            self.transport,
-        );
-        ObjectRef::adopt(id, rt)
+        let client = self.handle.client.clone();
+        let id = match &client {
+            Client::Driver(rt) => rt.submit(
+                self.handle.actor,
+                self.method,
+                self.method_name,
+                self.args,
+                self.transport,
+            ),
+            Client::Actor(w) => w.submit(
+                self.handle.actor,
+                self.method,
+                self.method_name,
+                self.args,
+                self.transport,
+            ),
+        };
+        ObjectRef::adopt(id, client)
     }
 }

@@ -82,7 +82,12 @@ pub(crate) struct Entry {
     pub producer: Option<ActorId>,
     pub transport: String,
     pub state: ObjState,
+    /// Counts held on the object: driver refs, one per actor that borrows
+    /// it (CL-1), one per value that contains it (CL-2).
     pub refs: usize,
+    /// Objects whose refs this object's value contains: it holds a count
+    /// on each, released when it is freed (CL-2).
+    nested: Vec<u64>,
     /// Submitted, unfinished calls that take the object, per consumer.
     needs: HashMap<ActorId, usize>,
     /// Consumers that hold or are receiving a copy.
@@ -156,6 +161,7 @@ impl Entry {
             transport: transport.to_string(),
             state,
             refs: 1,
+            nested: Vec::new(),
             needs: HashMap::new(),
             copies: HashMap::new(),
             waiting: Vec::new(),
@@ -277,18 +283,51 @@ impl OwnerTable {
 
     /// A value put by the driver, or a call that failed before it was sent.
     pub fn insert_done(&mut self, id: u64, producer: Option<ActorId>, state: ObjState) {
-        self.objects.insert(
-            id,
-            Entry::new(producer, Transport::ObjectStore.name(), state),
-        );
+        let nested = match &state {
+            ObjState::Ready(v) => v.refs.clone(),
+            _ => Vec::new(),
+        };
+        self.hold(&nested);
+        let mut e = Entry::new(producer, Transport::ObjectStore.name(), state);
+        e.nested = nested;
+        self.objects.insert(id, e);
     }
 
     /// An object the driver holds itself over a direct transport
     /// (`put_with`), ready at once.
     pub fn insert_held(&mut self, id: u64, transport: &str, value: WireValue, held: DriverHeld) {
+        let nested = value.refs.clone();
+        self.hold(&nested);
         let mut e = Entry::new(None, transport, ObjState::Ready(value));
+        e.nested = nested;
         e.held = Some(held);
         self.objects.insert(id, e);
+    }
+
+    /// A value an actor put (`put` inside an actor): ready at once, held
+    /// by that actor's borrow. `producer` keeps the tensors for a direct
+    /// transport; `None` when the bytes came inline.
+    pub fn insert_put(&mut self, id: u64, producer: Option<ActorId>, value: WireValue) {
+        let nested = value.refs.clone();
+        self.hold(&nested);
+        let transport = value.transport.clone();
+        let mut e = Entry::new(producer, &transport, ObjState::Ready(value));
+        e.nested = nested;
+        self.objects.insert(id, e);
+    }
+
+    /// Values that contain refs to `ids` arrived (CL-2): one count each.
+    pub fn hold(&mut self, ids: &[u64]) {
+        for &id in ids {
+            self.inc(id);
+        }
+    }
+
+    /// The counts taken by [`OwnerTable::hold`] are given back.
+    pub fn unhold(&mut self, ids: &[u64], actors: &Actors) {
+        for &id in ids {
+            self.dec(id, actors);
+        }
     }
 
     /// A driver ref was cloned.
@@ -424,6 +463,7 @@ impl OwnerTable {
                 e.state = match outcome {
                     Ok(v) => {
                         e.transport = v.transport.clone();
+                        e.nested = v.refs.clone();
                         ObjState::Ready(v)
                     }
                     Err(err) => ObjState::Failed(err),
@@ -431,7 +471,9 @@ impl OwnerTable {
                 for g in e.getters.drain(..) {
                     let _ = g.send(());
                 }
+                let nested = e.nested.clone();
                 let waiting = std::mem::take(&mut e.waiting);
+                self.hold(&nested);
                 for c in waiting {
                     self.deliver(result, c, actors, groups);
                 }
@@ -455,6 +497,14 @@ impl OwnerTable {
                 }
             }
         }
+        self.unneed(args, consumer, actors);
+        self.maybe_free(result, actors);
+    }
+
+    /// `consumer` no longer needs `args` (its call or get ended): each
+    /// copy it no longer needs goes (OW-2), each object nothing needs is
+    /// freed (OW-1).
+    pub fn unneed(&mut self, args: &[u64], consumer: ActorId, actors: &Actors) {
         for &a in args {
             if let Some(e) = self.objects.get_mut(&a) {
                 if let Some(n) = e.needs.get_mut(&consumer) {
@@ -467,7 +517,6 @@ impl OwnerTable {
             }
             self.maybe_free(a, actors);
         }
-        self.maybe_free(result, actors);
     }
 
     /// The consumer acknowledged transfer `xfer` (done or failed). Returns
@@ -555,29 +604,41 @@ impl OwnerTable {
     }
 
     fn maybe_free(&mut self, id: u64, actors: &Actors) {
-        let free = match self.objects.get(&id) {
-            Some(e) => {
-                e.refs == 0
-                    && e.needs.is_empty()
-                    && !e.receiving()
-                    && !matches!(e.state, ObjState::Pending)
+        // CL-2: freeing an object gives back the counts its value held,
+        // which may free more; a worklist, not recursion (a long chain of
+        // nested values must not overflow the stack).
+        let mut check = vec![id];
+        while let Some(id) = check.pop() {
+            let free = match self.objects.get(&id) {
+                Some(e) => {
+                    e.refs == 0
+                        && e.needs.is_empty()
+                        && !e.receiving()
+                        && !matches!(e.state, ObjState::Pending)
+                }
+                None => false,
+            };
+            if !free {
+                continue;
             }
-            None => false,
-        };
-        if !free {
-            return;
-        }
-        let e = self.objects.remove(&id).expect("checked above");
-        let direct =
-            e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
-        if direct {
-            if let Some(p) = e.producer {
-                send_small(actors, p, &ToWorker::Free { object: id });
+            let e = self.objects.remove(&id).expect("checked above");
+            let direct =
+                e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
+            if direct {
+                if let Some(p) = e.producer {
+                    send_small(actors, p, &ToWorker::Free { object: id });
+                }
             }
-        }
-        for (h, _) in e.copies {
-            if Some(h) != e.producer || !direct {
-                send_small(actors, h, &ToWorker::Free { object: id });
+            for (h, _) in e.copies {
+                if Some(h) != e.producer || !direct {
+                    send_small(actors, h, &ToWorker::Free { object: id });
+                }
+            }
+            for n in e.nested {
+                if let Some(inner) = self.objects.get_mut(&n) {
+                    inner.refs = inner.refs.saturating_sub(1);
+                    check.push(n);
+                }
             }
         }
     }

@@ -44,6 +44,10 @@ pub struct WireValue {
     pub transport: String,
     /// Metadata, handles or inline bytes of the tensors.
     pub exported: Exported,
+    /// Ids of the objects whose refs the value contains, once per
+    /// occurrence: the driver holds a count on each while the value lives
+    /// (CL-2).
+    pub refs: Vec<u64>,
 }
 
 /// An argument of a call.
@@ -108,6 +112,37 @@ pub struct SpawnOrder {
     pub heartbeat_ms: Option<u64>,
     /// postcard bytes of the actor's constructor argument.
     pub args: Blob,
+    /// The high bits of the ids this actor makes itself (results of the
+    /// calls it submits, values it puts), so that they never collide with
+    /// the driver's or another actor's (see [`actor_id_space`]).
+    pub id_space: u64,
+}
+
+/// The first id of the `n`th actor's own id space (n ≥ 1): the top bit
+/// set, 24 bits of actor, 39 bits of count (half a trillion ids each). The
+/// driver's own ids count up from 1 and never reach the top bit.
+pub fn actor_id_space(n: u64) -> u64 {
+    (1 << 63) | ((n & 0xFF_FFFF) << 39)
+}
+
+/// A call submitted by an actor (DESIGN §3, "Actors are clients too").
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SubmitMsg {
+    /// The actor to run it.
+    pub actor: u64,
+    /// Method index in that actor's impl.
+    pub method: u32,
+    /// Arguments; refs among them are the submitter's, held until the
+    /// message is queued (CL-2).
+    pub args: Vec<WireArg>,
+    /// Object id of the result, from the submitter's id space; the
+    /// submitter borrows it from the start.
+    pub result: u64,
+    /// Transport for the result's tensors.
+    pub transport: String,
+    /// Why the call cannot run (an argument did not encode): the result
+    /// fails with it at once.
+    pub error: Option<Error>,
 }
 
 /// Driver → worker.
@@ -198,6 +233,14 @@ pub enum ToWorker {
         /// Request id for the reply.
         req: u64,
     },
+    /// Answer to [`ToDriver::Watch`]: the object is finished, ready
+    /// (`Ok`) or failed.
+    Settled {
+        /// The watch.
+        req: u64,
+        /// How it finished.
+        result: std::result::Result<(), Error>,
+    },
     /// Exit now.
     Shutdown,
 }
@@ -282,6 +325,44 @@ pub enum ToDriver {
         req: u64,
         /// The value with tensors inline.
         result: std::result::Result<WireValue, Error>,
+    },
+    /// A method submitted a call to an actor.
+    Submit(SubmitMsg),
+    /// A method put a value: the object is ready with it (its tensors kept
+    /// by this worker for a direct transport), borrowed by this actor.
+    Put {
+        /// Object id, from this actor's id space.
+        object: u64,
+        /// The value.
+        value: WireValue,
+    },
+    /// This actor now holds refs to these objects (each went from no local
+    /// ref to one: CL-1).
+    Borrow(Vec<u64>),
+    /// This actor dropped its last local ref to these objects.
+    Release(Vec<u64>),
+    /// A method gets the object: deliver it to this worker's store as for
+    /// a call that takes it.
+    Get {
+        /// Object id.
+        object: u64,
+    },
+    /// The get of the object ended (decoded or failed): its copy may go.
+    GetDone {
+        /// Object id.
+        object: u64,
+    },
+    /// Answer with `Settled` once the object is ready or failed.
+    Watch {
+        /// Request id.
+        req: u64,
+        /// Object id.
+        object: u64,
+    },
+    /// A method asked to kill an actor (`kill()` on a handle).
+    Kill {
+        /// The actor.
+        actor: u64,
     },
 }
 
@@ -703,7 +784,16 @@ mod tests {
             hot_window_us: None,
             heartbeat_ms: None,
             args,
+            id_space: actor_id_space(1),
         })
+    }
+
+    #[test]
+    fn actor_id_spaces_are_disjoint_from_each_other_and_from_the_driver() {
+        let (a, b) = (actor_id_space(1), actor_id_space(2));
+        assert!(a >> 63 == 1 && b >> 63 == 1, "the top bit marks actor ids");
+        assert_eq!(b - a, 1 << 39, "half a trillion ids per actor");
+        assert!(actor_id_space(0xFF_FFFF) > actor_id_space(0xFF_FFFE));
     }
 
     #[tokio::test]

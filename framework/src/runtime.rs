@@ -26,7 +26,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
 use rdt_transport::object_store;
-use rdt_transport::value::{self, Payload};
+use rdt_transport::value::Payload;
 use rdt_transport::{Blob, Target};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -34,10 +34,11 @@ use tokio::net::UnixListener;
 use tokio::sync::{oneshot, watch};
 
 use crate::actor::Actor;
+use crate::client::Client;
 use crate::error::{Error, Result};
 use crate::object_ref::{ActorId, ArgOut, ObjectRef, RawHandle};
 use crate::owner::{ActorInfo, Actors, GroupLookup, ObjState, OwnerTable};
-use crate::protocol::{self, CallMsg, ToDriver, ToWorker, WireArg, WireValue};
+use crate::protocol::{self, CallMsg, SubmitMsg, ToDriver, ToWorker, WireArg, WireValue};
 use crate::transport::Transport;
 use crate::worker::env as wenv;
 
@@ -178,6 +179,7 @@ impl RuntimeBuilder {
             sock,
             state: Mutex::new(State::default()),
             next: AtomicU64::new(1),
+            id_spaces: AtomicU64::new(1),
             control_addr,
             volunteer_joined: tokio::sync::Notify::new(),
             settled: tokio::sync::Notify::new(),
@@ -208,6 +210,8 @@ pub(crate) struct Inner {
     sock: PathBuf,
     pub(crate) state: Mutex<State>,
     next: AtomicU64,
+    /// The next actor id space (`protocol::actor_id_space`).
+    id_spaces: AtomicU64,
     control_addr: Option<std::net::SocketAddr>,
     volunteer_joined: tokio::sync::Notify,
     /// Woken whenever transfers end (see `Runtime::transfers_settled`).
@@ -218,6 +222,9 @@ struct PendingCall {
     actor: u64,
     result: u64,
     args: Vec<u64>,
+    /// Objects whose refs are in the arguments passed by value: held until
+    /// the call ends (CL-2).
+    nested: Vec<u64>,
 }
 
 /// Calls in flight, by call id, and how many each actor has (its reader
@@ -329,6 +336,12 @@ pub(crate) struct State {
     /// `shutdown` asked every worker to stop: their exits are expected,
     /// not deaths to warn about.
     shutting_down: bool,
+    /// Counts each actor holds (CL-1), by actor, then object: given back
+    /// when it dies (CL-4).
+    borrows: HashMap<u64, HashMap<u64, usize>>,
+    /// Gets in flight inside actors, by (actor, object): each needs the
+    /// object as a call would.
+    gets: HashMap<(u64, u64), usize>,
 }
 
 /// A collective group: actors that may move objects of its backend between
@@ -417,7 +430,9 @@ impl Runtime {
         let wv = self.inner.wait_value(r.id).await?;
         let sided = wv.transport.parse::<Transport>().map(|t| t.sidedness());
         match sided {
-            Ok(rdt_transport::Sidedness::ThroughDriver) | Err(_) => decode_wire(&wv, r.id),
+            Ok(rdt_transport::Sidedness::ThroughDriver) | Err(_) => {
+                decode_wire(&self.inner, &wv, r.id)
+            }
             Ok(rdt_transport::Sidedness::TwoSided) => Err(Error::CollectiveGet {
                 object: r.id,
                 transport: wv.transport.clone(),
@@ -470,12 +485,8 @@ impl Runtime {
         inst: Arc<dyn rdt_transport::TensorTransport>,
         target: Target,
     ) -> Result<T> {
-        let decode = |tensors: &[rdt_transport::Tensor]| {
-            value::decode(&wv.data.0, tensors).map_err(|e| Error::Decode {
-                what: format!("object {id} as {}", std::any::type_name::<T>()),
-                message: e.to_string(),
-            })
-        };
+        let decode =
+            |tensors: &[rdt_transport::Tensor]| decode_in_driver(&self.inner, wv, id, tensors);
         let (from, producer) = {
             let st = self.inner.state.lock();
             let e = st
@@ -493,7 +504,8 @@ impl Runtime {
                 return decode(&tensors);
             }
             let Some(p) = e.producer else {
-                return decode_wire(wv, id);
+                drop(st);
+                return decode_wire(&self.inner, wv, id);
             };
             let a = st.actors.get(&p).ok_or(Error::Freed { object: id })?;
             if let Some(d) = &a.dead {
@@ -628,7 +640,7 @@ impl Runtime {
         let id = r.borrow().id;
         let wv = self.inner.wait_value(id).await?;
         if wv.transport == Transport::ObjectStore.name() {
-            return decode_wire(&wv, id);
+            return decode_wire(&self.inner, &wv, id);
         }
         let (tx, rx) = oneshot::channel();
         let req = self.inner.next_id();
@@ -648,18 +660,18 @@ impl Runtime {
             send_to(&st.actors, p, &ToWorker::Fetch { object: id, req });
         }
         let wv = rx.await.map_err(|_| Error::Shutdown)??;
-        decode_wire(&wv, id)
+        decode_wire(&self.inner, &wv, id)
     }
 
     /// Stores `value` in the driver (object-store path) and returns a ref to
     /// it, to pass to any actor. See [`Runtime::put_with`] for a direct
     /// transport.
     pub fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
-        let payload = value::encode(value).map_err(|e| Error::Decode {
+        let encoded = crate::client::encode(value).map_err(|e| Error::Decode {
             what: "the value given to put".into(),
             message: e.to_string(),
         })?;
-        let wv = inline_value(payload)?;
+        let wv = inline_value(encoded.payload.clone(), encoded.ref_ids())?;
         // The value travels in a delivery to every consumer: check the
         // size of that whole frame, not of the value alone (OW-6).
         let probe = ToWorker::Deliver {
@@ -690,7 +702,9 @@ impl Runtime {
             .lock()
             .table
             .insert_done(id, None, ObjState::Ready(wv));
-        Ok(ObjectRef::adopt(id, self.inner.clone()))
+        // CL-2: the table holds the refs in the value now.
+        drop(encoded);
+        Ok(ObjectRef::adopt(id, Client::Driver(self.inner.clone())))
     }
 
     /// Stores `value` in the driver, its tensors over `transport`, and
@@ -720,10 +734,12 @@ impl Runtime {
         if !inst.serves_driver() {
             return Err(refuse());
         }
-        let payload = value::encode(value).map_err(|e| Error::Decode {
+        let encoded = crate::client::encode(value).map_err(|e| Error::Decode {
             what: "the value given to put_with".into(),
             message: e.to_string(),
         })?;
+        let refs = encoded.ref_ids();
+        let payload = encoded.payload.clone();
         for t in &payload.tensors {
             inst.check_device(t.device())?;
         }
@@ -739,6 +755,7 @@ impl Runtime {
             data: Blob(payload.data),
             transport: transport.name().to_string(),
             exported,
+            refs,
         };
         let held = crate::owner::DriverHeld::new(id, payload.tensors, inst);
         self.inner
@@ -746,7 +763,8 @@ impl Runtime {
             .lock()
             .table
             .insert_held(id, transport.name(), wv, held);
-        Ok(ObjectRef::adopt(id, self.inner.clone()))
+        drop(encoded);
+        Ok(ObjectRef::adopt(id, Client::Driver(self.inner.clone())))
     }
 
     /// Creates a collective group of `backend` (a collective transport:
@@ -1035,16 +1053,29 @@ impl Runtime {
     }
 }
 
-fn decode_wire<T: DeserializeOwned>(wv: &WireValue, id: u64) -> Result<T> {
+fn decode_wire<T: DeserializeOwned>(inner: &Arc<Inner>, wv: &WireValue, id: u64) -> Result<T> {
     let tensors = object_store::unpack(&wv.exported)?;
-    value::decode(&wv.data.0, &tensors).map_err(|e| Error::Decode {
+    decode_in_driver(inner, wv, id, &tensors)
+}
+
+/// Decodes object `id`'s value in the driver, with `tensors` put back; refs
+/// in it become driver refs. Never called under the state lock (a ref
+/// read takes it).
+fn decode_in_driver<T: DeserializeOwned>(
+    inner: &Arc<Inner>,
+    wv: &WireValue,
+    id: u64,
+    tensors: &[rdt_transport::Tensor],
+) -> Result<T> {
+    let client = Client::Driver(inner.clone());
+    crate::client::decode(Some(&client), &wv.data.0, tensors).map_err(|e| Error::Decode {
         what: format!("object {id} as {}", std::any::type_name::<T>()),
         message: e.to_string(),
     })
 }
 
 /// A value with its tensors inline (object-store path).
-pub(crate) fn inline_value(p: Payload) -> Result<WireValue> {
+pub(crate) fn inline_value(p: Payload, refs: Vec<u64>) -> Result<WireValue> {
     // CUDA tensors go through the host: copied device to host here, and
     // back to a device where they are received (object_store::unpack).
     let exported = object_store::pack(&p.tensors).map_err(|e| Error::Decode {
@@ -1055,6 +1086,7 @@ pub(crate) fn inline_value(p: Payload) -> Result<WireValue> {
         data: Blob(p.data),
         transport: Transport::ObjectStore.name().to_string(),
         exported,
+        refs,
     })
 }
 
@@ -1318,25 +1350,56 @@ impl Inner {
         transport: Transport,
     ) -> u64 {
         let id = self.next_id();
-        let call = self.next_id();
         let mut wire_args = Vec::with_capacity(args.len());
-        let mut arg_ids = Vec::new();
         let mut early: Option<Error> = None;
         for a in &args {
             match a {
-                ArgOut::Value(Ok(p)) => match inline_value(p.clone()) {
+                ArgOut::Value(Ok(enc)) => match inline_value(enc.payload.clone(), enc.ref_ids()) {
                     Ok(v) => wire_args.push(WireArg::Value(v)),
                     Err(e) => early = early.or(Some(e)),
                 },
                 ArgOut::Value(Err(e)) => early = early.or(Some(e.clone())),
-                ArgOut::Ref(r) => {
-                    wire_args.push(WireArg::Ref(r.id));
-                    arg_ids.push(r.id);
-                }
+                ArgOut::Ref(r) => wire_args.push(WireArg::Ref(r.id)),
             }
         }
+        let msg = SubmitMsg {
+            actor,
+            method,
+            args: wire_args,
+            result: id,
+            transport: transport.name().to_string(),
+            error: early,
+        };
         let mut guard = self.state.lock();
-        let st = &mut *guard;
+        self.submit_locked(&mut guard, msg, method_name);
+        drop(guard);
+        // Releases the arguments' refs after `need` and `hold` counted
+        // them (outside the lock: dropping a ref takes it).
+        drop(args);
+        id
+    }
+
+    /// A call submitted by the driver or by an actor: its result becomes
+    /// a pending object (failed at once if it cannot run), its arguments
+    /// are needed by the callee, and the call goes out.
+    fn submit_locked(&self, st: &mut State, msg: SubmitMsg, method_name: &str) {
+        let SubmitMsg {
+            actor,
+            method,
+            args: wire_args,
+            result: id,
+            transport,
+            error,
+        } = msg;
+        let call = self.next_id();
+        let mut arg_ids = Vec::new();
+        let mut nested = Vec::new();
+        for a in &wire_args {
+            match a {
+                WireArg::Ref(r) => arg_ids.push(*r),
+                WireArg::Value(v) => nested.extend_from_slice(&v.refs),
+            }
+        }
         let dead = match st.actors.get(&actor) {
             None => Some(Error::Protocol(format!("no actor with id {actor}"))),
             Some(a) => a.dead.as_ref().map(|d| Error::ActorDied {
@@ -1344,56 +1407,48 @@ impl Inner {
                 detail: d.clone(),
             }),
         };
-        let early = early.or(dead).or_else(|| check_groups(st, actor, &arg_ids));
+        let early = error.or(dead).or_else(|| check_groups(st, actor, &arg_ids));
         if let Some(e) = early {
             st.table.insert_done(id, Some(actor), ObjState::Failed(e));
-        } else {
-            st.table.insert_pending(id, actor, transport.name());
-            for &a in &arg_ids {
-                let groups = GroupView {
-                    groups: &st.groups,
-                    actors: &st.actors,
-                };
-                st.table.need(a, actor, &st.actors, &groups);
-            }
-            st.calls.insert(
-                call,
-                PendingCall {
-                    actor,
-                    result: id,
-                    args: arg_ids,
-                },
-            );
-            if let Some(reader) = st.readers.get(&actor) {
-                reader.notify_one();
-            }
-            tracing::trace!(call, method = method_name, "submit");
-            let msg = ToWorker::Call(CallMsg {
-                call,
-                method,
-                args: wire_args,
-                result: id,
-                transport: transport.name().to_string(),
-            });
-            if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
-                if let Err(e) = conn.send(&msg) {
-                    // Too large to send: the call fails, nothing waits.
-                    let pc = st.calls.remove(&call).expect("inserted above");
-                    let groups = GroupView {
-                        groups: &st.groups,
-                        actors: &st.actors,
-                    };
-                    st.table
-                        .call_done(pc.result, Err(e), actor, &pc.args, &st.actors, &groups);
-                }
-            }
-            self.sync_transfers(st);
+            return;
         }
-        drop(guard);
-        // Releases the arguments' refs after `need` counted them (outside
-        // the lock: dropping a ref takes it).
-        drop(args);
-        id
+        st.table.insert_pending(id, actor, &transport);
+        st.table.hold(&nested);
+        for &a in &arg_ids {
+            let groups = GroupView {
+                groups: &st.groups,
+                actors: &st.actors,
+            };
+            st.table.need(a, actor, &st.actors, &groups);
+        }
+        st.calls.insert(
+            call,
+            PendingCall {
+                actor,
+                result: id,
+                args: arg_ids,
+                nested,
+            },
+        );
+        if let Some(reader) = st.readers.get(&actor) {
+            reader.notify_one();
+        }
+        tracing::trace!(call, method = method_name, "submit");
+        let msg = ToWorker::Call(CallMsg {
+            call,
+            method,
+            args: wire_args,
+            result: id,
+            transport,
+        });
+        if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
+            if let Err(e) = conn.send(&msg) {
+                // Too large to send: the call fails, nothing waits.
+                let pc = st.calls.remove(&call).expect("inserted above");
+                end_call(st, pc, Err(e));
+            }
+        }
+        self.sync_transfers(st);
     }
 
     async fn spawn_raw(
@@ -1497,7 +1552,7 @@ impl Inner {
             .await
             .map_err(|e| fail(self, e))?;
         Ok(RawHandle {
-            rt: self.clone(),
+            client: Client::Driver(self.clone()),
             actor: id,
             name: name.into(),
         })
@@ -1541,6 +1596,7 @@ impl Inner {
             hot_window_us: self.config.hot_window.map(|d| d.as_micros() as u64),
             heartbeat_ms: (!local).then_some(self.config.heartbeat_timeout.as_millis() as u64),
             args: Blob(args.into()),
+            id_space: protocol::actor_id_space(self.id_spaces.fetch_add(1, Ordering::Relaxed)),
         })
     }
 
@@ -1601,7 +1657,7 @@ impl Inner {
             return Err(e);
         }
         Ok(RawHandle {
-            rt: self.clone(),
+            client: Client::Driver(self.clone()),
             actor: id,
             name: name.into(),
         })
@@ -1627,12 +1683,7 @@ impl Inner {
                     tracing::warn!("actor {actor} finished unknown call {call}; ignored");
                     return;
                 };
-                let groups = GroupView {
-                    groups: &st.groups,
-                    actors: &st.actors,
-                };
-                st.table
-                    .call_done(pc.result, result, actor, &pc.args, &st.actors, &groups);
+                end_call(st, pc, result);
                 self.sync_transfers(st);
             }
             ToDriver::Received {
@@ -1690,7 +1741,113 @@ impl Inner {
                 GroupOp::answered(&mut st.group_ops, group, actor, result);
             }
             ToDriver::Hello { .. } => tracing::warn!("actor {actor} said hello twice; ignored"),
+            ToDriver::Submit(msg) => {
+                if !self.new_actor_object(st, actor, msg.result) {
+                    return;
+                }
+                self.submit_locked(st, msg, "(submitted by an actor)");
+            }
+            ToDriver::Put { object, value } => {
+                if !self.new_actor_object(st, actor, object) {
+                    return;
+                }
+                let through_driver = value.transport == Transport::ObjectStore.name();
+                let producer = (!through_driver).then_some(actor);
+                st.table.insert_put(object, producer, value);
+            }
+            ToDriver::Borrow(ids) => {
+                for id in ids {
+                    if !st.table.objects.contains_key(&id) {
+                        // CL-3 makes this impossible; say so if it happens.
+                        tracing::error!(
+                            "actor {actor} borrowed object {id}, which the owner table no longer has"
+                        );
+                        continue;
+                    }
+                    st.table.inc(id);
+                    *st.borrows.entry(actor).or_default().entry(id).or_default() += 1;
+                }
+            }
+            ToDriver::Release(ids) => {
+                for id in ids {
+                    let held = st.borrows.get_mut(&actor).and_then(|b| {
+                        let n = b.get_mut(&id)?;
+                        *n -= 1;
+                        if *n == 0 {
+                            b.remove(&id);
+                        }
+                        Some(())
+                    });
+                    match held {
+                        Some(()) => st.table.dec(id, &st.actors),
+                        None => tracing::warn!(
+                            "actor {actor} released object {id}, which it did not borrow; ignored"
+                        ),
+                    }
+                }
+                self.sync_transfers(st);
+            }
+            ToDriver::Get { object } => {
+                *st.gets.entry((actor, object)).or_default() += 1;
+                let groups = GroupView {
+                    groups: &st.groups,
+                    actors: &st.actors,
+                };
+                st.table.need(object, actor, &st.actors, &groups);
+                self.sync_transfers(st);
+            }
+            ToDriver::GetDone { object } => {
+                let Some(n) = st.gets.get_mut(&(actor, object)) else {
+                    tracing::warn!("actor {actor} ended a get of object {object} it never began");
+                    return;
+                };
+                *n -= 1;
+                if *n == 0 {
+                    st.gets.remove(&(actor, object));
+                }
+                st.table.unneed(&[object], actor, &st.actors);
+                self.sync_transfers(st);
+            }
+            ToDriver::Watch { req, object } => match settled(st, object) {
+                Some(result) => send_to(&st.actors, actor, &ToWorker::Settled { req, result }),
+                None => {
+                    let (tx, rx) = oneshot::channel();
+                    if let Some(e) = st.table.objects.get_mut(&object) {
+                        e.getters.push(tx);
+                    }
+                    let me = self.me.clone();
+                    self.tokio.spawn(async move {
+                        let _ = rx.await;
+                        let Some(inner) = me.upgrade() else { return };
+                        let st = inner.state.lock();
+                        let result = settled(&st, object).unwrap_or(Err(Error::Shutdown));
+                        send_to(&st.actors, actor, &ToWorker::Settled { req, result });
+                    });
+                }
+            },
+            ToDriver::Kill { actor: target } => {
+                // Off this lock: killing takes it.
+                let me = self.me.clone();
+                self.tokio.spawn(async move {
+                    if let Some(inner) = me.upgrade() {
+                        inner.kill_actor(target);
+                    }
+                });
+            }
         }
+    }
+
+    /// An actor made object `id` (a call's result or a put value): it must
+    /// be from an actor's id space and new; the actor borrows it (CL-1).
+    fn new_actor_object(&self, st: &mut State, actor: u64, id: u64) -> bool {
+        if id >> 63 == 0 || st.table.objects.contains_key(&id) {
+            tracing::error!(
+                "actor {actor} made object {id}, which is not a new id of an actor's id space; ignored"
+            );
+            return false;
+        }
+        *st.borrows.entry(actor).or_default().entry(id).or_default() += 1;
+        true
     }
 
     fn on_death(&self, actor: u64, detail: String) {
@@ -1727,18 +1884,23 @@ impl Inner {
         let failed = st.calls.of(actor);
         for c in failed {
             let pc = st.calls.remove(&c).expect("listed above");
-            let groups = GroupView {
-                groups: &st.groups,
-                actors: &st.actors,
-            };
-            st.table.call_done(
-                pc.result,
-                Err(err.clone()),
-                actor,
-                &pc.args,
-                &st.actors,
-                &groups,
-            );
+            end_call(st, pc, Err(err.clone()));
+        }
+        // CL-4: what it borrowed and was getting, it holds no more.
+        let gets: Vec<(u64, usize)> = st
+            .gets
+            .iter()
+            .filter(|((a, _), _)| *a == actor)
+            .map(|((_, o), n)| (*o, *n))
+            .collect();
+        for (object, n) in gets {
+            st.gets.remove(&(actor, object));
+            st.table.unneed(&vec![object; n], actor, &st.actors);
+        }
+        if let Some(borrowed) = st.borrows.remove(&actor) {
+            for (object, n) in borrowed {
+                st.table.unhold(&vec![object; n], &st.actors);
+            }
         }
         let fetches: Vec<u64> = st
             .fetches
@@ -1780,6 +1942,29 @@ impl Inner {
         let reason = format!("its member {} died", err_actor(&err));
         break_groups_where(st, |g| g.members.contains(&actor), &reason);
     }
+}
+
+/// Whether object `id` is finished: `Some(Ok)` ready, `Some(Err)` failed
+/// or gone, `None` pending.
+fn settled(st: &State, id: u64) -> Option<Result<()>> {
+    match st.table.objects.get(&id).map(|e| &e.state) {
+        None => Some(Err(Error::Freed { object: id })),
+        Some(ObjState::Ready(_)) => Some(Ok(())),
+        Some(ObjState::Failed(e)) => Some(Err(e.clone())),
+        Some(ObjState::Pending) => None,
+    }
+}
+
+/// A call ended (its reply, its callee's death, or a send that failed):
+/// its result is recorded, its arguments and the refs in them released.
+fn end_call(st: &mut State, pc: PendingCall, outcome: Result<WireValue>) {
+    let groups = GroupView {
+        groups: &st.groups,
+        actors: &st.actors,
+    };
+    st.table
+        .call_done(pc.result, outcome, pc.actor, &pc.args, &st.actors, &groups);
+    st.table.unhold(&pc.nested, &st.actors);
 }
 
 /// A ref on a collective transport may only go to an actor that shares a

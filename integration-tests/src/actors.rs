@@ -1009,3 +1009,105 @@ impl GpuConsumer {
         ))
     }
 }
+
+/// An actor that is a client too: it calls other actors, puts, gets and
+/// waits from inside its methods, and takes, keeps and returns refs and
+/// handles.
+#[rdt::actor]
+pub struct Relay {
+    kept: Vec<ObjectRef<Tensor>>,
+}
+
+#[rdt::actor]
+impl Relay {
+    fn new() -> Self {
+        Relay { kept: Vec::new() }
+    }
+
+    /// Calls `c.sum` with the ref it was given, and gets the result.
+    async fn sum_via(&mut self, c: ConsumerHandle, r: ObjectRef<Tensor>) -> rdt::Result<f64> {
+        rdt::runtime().get(c.sum(&r).remote()).await
+    }
+
+    /// Calls `c.sum` with the ref and returns the ref to its result
+    /// without waiting (a ref made by an actor, handed to the caller).
+    async fn forward(&mut self, c: ConsumerHandle, r: ObjectRef<Tensor>) -> ObjectRef<f64> {
+        c.sum(r).remote()
+    }
+
+    /// Gets every ref (all transfers started before any is awaited) and
+    /// sums the tensors.
+    async fn sum_all(&mut self, refs: Vec<ObjectRef<Tensor>>) -> rdt::Result<f64> {
+        let mut s = 0.0;
+        for t in rdt::runtime().get_all(&refs).await? {
+            s += t.sum()?;
+        }
+        Ok(s)
+    }
+
+    /// Keeps the refs past the call; returns how many it keeps.
+    async fn keep(&mut self, refs: Vec<ObjectRef<Tensor>>) -> usize {
+        self.kept.extend(refs);
+        self.kept.len()
+    }
+
+    /// Sum of the tensors behind the kept refs.
+    async fn sum_kept(&mut self) -> rdt::Result<f64> {
+        self.sum_all(self.kept.clone()).await
+    }
+
+    /// Drops the kept refs.
+    async fn drop_kept(&mut self) -> usize {
+        std::mem::take(&mut self.kept).len()
+    }
+
+    /// Hands the refs, nested in a value, to `next` to keep; returns what
+    /// `next` then keeps.
+    async fn hand_on(
+        &mut self,
+        next: RelayHandle,
+        refs: Vec<ObjectRef<Tensor>>,
+    ) -> rdt::Result<usize> {
+        rdt::runtime().get(next.keep(refs).remote()).await
+    }
+
+    /// Puts a tensor of `n` f32 equal to `v` over `transport` and returns
+    /// the ref.
+    async fn put_tensor(
+        &mut self,
+        v: f32,
+        n: usize,
+        transport: String,
+    ) -> rdt::Result<ObjectRef<Tensor>> {
+        let t = Tensor::full(v, &[n]);
+        rdt::runtime().put_with(&t, transport.parse()?).await
+    }
+
+    /// Gets the tensor and sums it.
+    async fn get_sum(&mut self, r: ObjectRef<Tensor>) -> rdt::Result<f64> {
+        Ok(rdt::runtime().get(&r).await?.sum()?)
+    }
+
+    /// `wait_many(refs, n, timeout)` inside the actor: (finished, pending).
+    async fn wait_some(
+        &mut self,
+        refs: Vec<ObjectRef<u32>>,
+        n: usize,
+        timeout_ms: u64,
+    ) -> rdt::Result<(usize, usize)> {
+        let (done, pending) = rdt::runtime()
+            .wait_many(&refs, n, Some(std::time::Duration::from_millis(timeout_ms)))
+            .await?;
+        Ok((done.len(), pending.len()))
+    }
+
+    /// Objects received over `transport` (see `rdt::received_objects`).
+    async fn received(&mut self, transport: String) -> rdt::Result<u64> {
+        Ok(rdt::received_objects(transport.parse()?))
+    }
+
+    /// Gets the object, failing with its error (for error round trips).
+    async fn get_u32(&mut self, r: ObjectRef<u32>) -> rdt::Result<u32> {
+        rdt::runtime().get(&r).await
+    }
+}

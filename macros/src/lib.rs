@@ -186,6 +186,21 @@ fn actor_struct(s: ItemStruct) -> syn::Result<TokenStream2> {
             }
         }
 
+        // A handle is an argument or a return value like any other: the
+        // actor that receives it calls the same actor.
+        impl ::rdt::__private::serde::Serialize for #handle {
+            fn serialize<S: ::rdt::__private::serde::Serializer>(&self, s: S) -> ::core::result::Result<S::Ok, S::Error> {
+                ::rdt::__private::serde::Serialize::serialize(&self.raw, s)
+            }
+        }
+
+        impl<'de> ::rdt::__private::serde::Deserialize<'de> for #handle {
+            fn deserialize<D: ::rdt::__private::serde::Deserializer<'de>>(d: D) -> ::core::result::Result<Self, D::Error> {
+                <::rdt::__private::RawHandle as ::rdt::__private::serde::Deserialize<'de>>::deserialize(d)
+                    .map(|raw| #handle { raw })
+            }
+        }
+
         #[allow(dead_code)]
         impl #handle {
             /// The actor's id (for collective groups and logs).

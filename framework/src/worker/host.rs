@@ -260,8 +260,10 @@ async fn run_and_reply<A: RdtActor>(
     let call = q.msg.call;
     let t0 = std::time::Instant::now();
     rdt_transport::cuda::timeline("call start", call);
+    // CL-2: the refs in the return value, released after the reply.
+    let held = Rc::new(RefCell::new(Vec::new()));
     let result = match q.args.expect("only calls with their arguments start") {
-        Ok(args) => run_call::<A>(&actor, &shared, q.msg, q.info, args, exclusive).await,
+        Ok(args) => run_call::<A>(&actor, &shared, q.msg, q.info, args, exclusive, &held).await,
         Err(e) => Err(e),
     };
     rdt_transport::cuda::timeline("call done", call);
@@ -278,6 +280,7 @@ async fn run_and_reply<A: RdtActor>(
             result: Err(e),
         });
     }
+    drop(held);
     rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
     // Keep this thread awake for the hot window, or until the next call
     // arrives: a call that finds it asleep pays the wake-up.
@@ -301,6 +304,7 @@ async fn run_call<A: RdtActor>(
     info: MethodInfo,
     args: Resolved,
     exclusive: bool,
+    held: &Rc<RefCell<Vec<crate::client::AnyRef>>>,
 ) -> Result<WireValue> {
     let method = info.name;
     // WK-5: arguments whose bytes are still landing; the method runs now
@@ -316,6 +320,7 @@ async fn run_call<A: RdtActor>(
         actor: shared.name.clone(),
         method,
         values: args.values,
+        held: held.clone(),
     };
     let ran = if exclusive {
         // HO-4: nothing else runs, so nothing else borrows.
@@ -344,11 +349,13 @@ async fn run_call<A: RdtActor>(
         }
     }
     let payload = payload?;
+    let refs: Vec<u64> = held.borrow().iter().map(|r| r.id).collect();
     if payload.tensors.is_empty() {
         return Ok(WireValue {
             data: Blob(payload.data),
             transport: Transport::ObjectStore.name().into(),
             exported: Default::default(),
+            refs,
         });
     }
     let transport: Transport = msg.transport.parse()?;
@@ -384,6 +391,7 @@ async fn run_call<A: RdtActor>(
         data: Blob(payload.data),
         transport: transport.name().into(),
         exported,
+        refs,
     })
 }
 

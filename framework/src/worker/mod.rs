@@ -32,11 +32,14 @@ use tracing::Instrument;
 
 use crate::actor::{Actor as RdtActor, ACTOR_TYPES};
 
+mod client;
 mod host;
 use crate::error::{Error, Result};
 use crate::protocol::{self, Delivery, ToDriver, ToWorker};
 use crate::runtime::inline_value;
 use crate::transport::Transport;
+pub(crate) use client::BorrowBatch;
+pub use client::{runtime, try_runtime, ActorRuntime};
 use host::{Host, Invoke};
 
 /// Names of the environment variables a local worker is started with.
@@ -323,7 +326,9 @@ impl Store {
     }
 }
 
-struct WorkerShared {
+/// What the worker's threads share: the store, the control link, the
+/// transfers, and the actor's side of the runtime (`client`).
+pub(crate) struct WorkerShared {
     name: Arc<str>,
     store: Store,
     tx: protocol::Sender,
@@ -345,6 +350,13 @@ struct WorkerShared {
     /// Told when a call arrives: ends the wait that keeps the actor's
     /// thread awake after a call (within the hot window).
     call_arrived: Arc<Notify>,
+    /// The refs this actor holds, counted locally (CL-1).
+    local_refs: client::LocalRefs,
+    /// The next id of this actor's own id space (AC-1).
+    next_object: std::sync::atomic::AtomicU64,
+    /// `wait` inside the actor: answers the driver owes, by request.
+    watches: Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>,
+    next_req: std::sync::atomic::AtomicU64,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -473,6 +485,11 @@ impl WorkerShared {
 }
 
 static WORKER: OnceLock<Arc<WorkerShared>> = OnceLock::new();
+
+/// This worker's shared state; `None` outside a worker.
+pub(crate) fn shared() -> Option<Arc<WorkerShared>> {
+    WORKER.get().cloned()
+}
 
 /// Inside an actor: waits until the local object store holds no reference
 /// to `tensor`'s storage, i.e. until the owner table freed every object
@@ -626,6 +643,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
     });
     let boot_name: Arc<str> = order.name.clone().into();
     let heartbeat = order.heartbeat_ms.map(Duration::from_millis);
+    let id_space = order.id_space;
     if let Some(us) = order.hot_window_us {
         hot::set_window(Duration::from_micros(us));
     }
@@ -675,6 +693,10 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             groups: Mutex::new(HashMap::new()),
             landing: Mutex::new(HashMap::new()),
             call_arrived: Arc::new(Notify::new()),
+            local_refs: Default::default(),
+            next_object: id_space.into(),
+            watches: Mutex::new(HashMap::new()),
+            next_req: 1.into(),
         });
         let _ = WORKER.set(shared.clone());
         // The mailbox is sized before the actor starts: calls may arrive
@@ -840,10 +862,15 @@ async fn control_loop<A: RdtActor>(
                 let tx = tx.clone();
                 tokio::task::spawn_blocking(move || {
                     let result = match slot {
-                        Some(Slot::Ready(v)) => inline_value(rdt_transport::value::Payload {
-                            data: v.data,
-                            tensors: v.tensors,
-                        }),
+                        // The driver reads refs in it itself (the object's
+                        // entry holds them).
+                        Some(Slot::Ready(v)) => inline_value(
+                            rdt_transport::value::Payload {
+                                data: v.data,
+                                tensors: v.tensors,
+                            },
+                            Vec::new(),
+                        ),
                         Some(Slot::Failed(e)) => Err(e),
                         None => Err(Error::Freed { object }),
                     };
@@ -854,6 +881,11 @@ async fn control_loop<A: RdtActor>(
                         });
                     }
                 });
+            }
+            ToWorker::Settled { req, result } => {
+                if let Some(w) = shared.watches.lock().remove(&req) {
+                    let _ = w.send(result);
+                }
             }
             ToWorker::Ping => tx.send(&ToDriver::Pong)?,
             ToWorker::Shutdown => std::process::exit(0),

@@ -1,0 +1,490 @@
+//! Inside an actor: the runtime as a client of the driver (DESIGN §3,
+//! "Actors are clients too"). A method calls other actors through their
+//! handles, puts values, gets and waits for objects; the driver stays the
+//! owner of every object, the actor borrows what it holds (`client`
+//! CL-1 … CL-4).
+//!
+//! Why a type of its own ([`ActorRuntime`], from [`runtime()`]) and not
+//! the driver's [`Runtime`](crate::Runtime): an actor is a client, not the
+//! owner. It cannot spawn actors, make groups or shut the runtime down,
+//! and with a type of its own the compiler says so, instead of a call
+//! that fails at run time. What it can do has the same names and
+//! signatures as on `Runtime`, so code reads the same in both places.
+//!
+//! # Invariants
+//! - **AC-1 Ids without a round trip.** The results of calls an actor
+//!   submits and the values it puts get ids from the actor's own id space
+//!   (given in its spawn order), so `remote()` and `put` return at once.
+//! - **AC-2 A get is a delivery.** An actor's `get` asks the driver to
+//!   deliver the object to this worker's store, exactly as for a call that
+//!   takes it (same transports, acknowledgements, deadlines and death
+//!   notices), and ends with `GetDone` however it ends (dropped futures
+//!   included), so its copy is dropped once nothing needs it (OW-2).
+
+use std::borrow::Borrow;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::{shared, Slot, StoredValue, WorkerShared};
+use crate::client::{Client, Encoded};
+use crate::error::{Error, Result};
+use crate::object_ref::{ArgOut, ObjectRef};
+use crate::protocol::{SubmitMsg, ToDriver, WireArg, WireValue};
+use crate::runtime::inline_value;
+use crate::transport::Transport;
+use rdt_transport::{Blob, Sidedness};
+
+/// The actor's refs, counted locally (CL-1).
+#[derive(Default)]
+pub(crate) struct LocalRefs {
+    counts: Mutex<HashMap<u64, usize>>,
+}
+
+thread_local! {
+    /// Borrows met while decoding on this thread, sent as one message when
+    /// decoding ends (`None`: not decoding).
+    static BATCH: RefCell<Option<Vec<u64>>> = const { RefCell::new(None) };
+}
+
+/// Collects the borrows of one decode (CL-3): sent in one `Borrow` when
+/// dropped. Does nothing outside a worker or inside another batch.
+pub(crate) struct BorrowBatch {
+    worker: Option<Arc<WorkerShared>>,
+}
+
+impl BorrowBatch {
+    pub(crate) fn start() -> BorrowBatch {
+        let Some(w) = shared() else {
+            return BorrowBatch { worker: None };
+        };
+        let began = BATCH.with(|b| {
+            let mut b = b.borrow_mut();
+            if b.is_some() {
+                return false;
+            }
+            *b = Some(Vec::new());
+            true
+        });
+        BorrowBatch {
+            worker: began.then_some(w),
+        }
+    }
+}
+
+impl Drop for BorrowBatch {
+    fn drop(&mut self) {
+        let Some(w) = &self.worker else { return };
+        let ids = BATCH.with(|b| b.borrow_mut().take()).unwrap_or_default();
+        if !ids.is_empty() {
+            let _ = w.tx.send(&ToDriver::Borrow(ids));
+        }
+    }
+}
+
+impl WorkerShared {
+    /// A ref was cloned (so one existed already).
+    pub(crate) fn clone_ref(&self, id: u64) {
+        *self.local_refs.counts.lock().entry(id).or_default() += 1;
+    }
+
+    /// A ref was read out of a value: the first local one borrows from
+    /// the driver (CL-1, CL-3).
+    pub(crate) fn adopt_from_wire(&self, id: u64) {
+        let first = {
+            let mut c = self.local_refs.counts.lock();
+            let n = c.entry(id).or_default();
+            *n += 1;
+            *n == 1
+        };
+        if !first {
+            return;
+        }
+        let batched = BATCH.with(|b| match b.borrow_mut().as_mut() {
+            Some(ids) => {
+                ids.push(id);
+                true
+            }
+            None => false,
+        });
+        if !batched {
+            let _ = self.tx.send(&ToDriver::Borrow(vec![id]));
+        }
+    }
+
+    /// A ref was dropped: the last local one gives the borrow back.
+    pub(crate) fn release_ref(&self, id: u64) {
+        let last = {
+            let mut c = self.local_refs.counts.lock();
+            match c.get_mut(&id) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                Some(_) => {
+                    c.remove(&id);
+                    true
+                }
+                None => false,
+            }
+        };
+        if !last {
+            return;
+        }
+        // Borrowed and dropped within one decode: the driver never hears
+        // of either.
+        let unsent = BATCH.with(|b| match b.borrow_mut().as_mut() {
+            Some(ids) => match ids.iter().position(|x| *x == id) {
+                Some(i) => {
+                    ids.swap_remove(i);
+                    true
+                }
+                None => false,
+            },
+            None => false,
+        });
+        if !unsent {
+            let _ = self.tx.send(&ToDriver::Release(vec![id]));
+        }
+    }
+
+    /// AC-1: a new id of this actor's space, held by one local ref (the
+    /// driver counts it when the message making it arrives).
+    fn new_object(&self) -> u64 {
+        let id = self.next_object.fetch_add(1, Ordering::Relaxed);
+        self.local_refs.counts.lock().insert(id, 1);
+        id
+    }
+
+    /// Forgets an id whose making message could not be sent.
+    fn forget_object(&self, id: u64) {
+        self.local_refs.counts.lock().remove(&id);
+    }
+
+    /// `Call::remote` inside an actor: the call goes to the driver, which
+    /// runs it as one of its own (refs among the arguments move over their
+    /// transports, collective ones included).
+    pub(crate) fn submit(
+        self: &Arc<Self>,
+        actor: u64,
+        method: u32,
+        method_name: &str,
+        args: Vec<ArgOut>,
+        transport: Transport,
+    ) -> u64 {
+        let id = self.new_object();
+        let mut wire_args = Vec::with_capacity(args.len());
+        let mut error: Option<Error> = None;
+        for a in &args {
+            match a {
+                ArgOut::Value(Ok(enc)) => match inline_value(enc.payload.clone(), enc.ref_ids()) {
+                    Ok(v) => wire_args.push(WireArg::Value(v)),
+                    Err(e) => error = error.or(Some(e)),
+                },
+                ArgOut::Value(Err(e)) => error = error.or(Some(e.clone())),
+                ArgOut::Ref(r) => wire_args.push(WireArg::Ref(r.id)),
+            }
+        }
+        let msg = |args, error| {
+            ToDriver::Submit(SubmitMsg {
+                actor,
+                method,
+                args,
+                result: id,
+                transport: transport.name().to_string(),
+                error,
+            })
+        };
+        if let Err(e) = self.tx.send(&msg(wire_args, error)) {
+            // Too large for a frame: the call fails instead (OW-6).
+            tracing::debug!(method = method_name, "submit failed: {e}");
+            let _ = self.tx.send(&msg(Vec::new(), Some(e)));
+        }
+        // CL-2: the refs in the arguments are released after the message.
+        drop(args);
+        id
+    }
+
+    /// `kill()` on a handle inside an actor.
+    pub(crate) fn ask_kill(&self, actor: u64) {
+        let _ = self.tx.send(&ToDriver::Kill { actor });
+    }
+}
+
+/// Inside an actor method: the runtime, as a client of the driver. Get it
+/// with [`runtime()`].
+///
+/// ```no_run
+/// use rdt::{ObjectRef, Tensor};
+/// # struct Trainer;
+/// # impl Trainer {
+/// async fn step(&self, batches: Vec<ObjectRef<Tensor>>) -> rdt::Result<f32> {
+///     let rt = rdt::runtime();
+///     let tensors = rt.get_all(&batches).await?;
+///     Ok(tensors.iter().map(|t| t.numel() as f32).sum())
+/// }
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct ActorRuntime {
+    w: Arc<WorkerShared>,
+}
+
+/// Inside an actor method: the runtime, to `get`, `put` and `wait` (calls
+/// to other actors go through their handles, which work inside actors as
+/// in the driver). Panics outside an actor, like
+/// `tokio::runtime::Handle::current` outside tokio; see [`try_runtime`].
+pub fn runtime() -> ActorRuntime {
+    try_runtime().expect(
+        "rdt::runtime() is for use inside an actor method; in the driver, use the Runtime that \
+         Runtime::start returned",
+    )
+}
+
+/// [`runtime()`], or `None` outside an actor.
+pub fn try_runtime() -> Option<ActorRuntime> {
+    shared().map(|w| ActorRuntime { w })
+}
+
+/// Ends an actor's get however it ends (AC-2).
+struct GetGuard<'a> {
+    w: &'a WorkerShared,
+    object: u64,
+}
+
+impl Drop for GetGuard<'_> {
+    fn drop(&mut self) {
+        let _ = self.w.tx.send(&ToDriver::GetDone {
+            object: self.object,
+        });
+    }
+}
+
+impl ActorRuntime {
+    /// Waits for an object and returns its value. Its tensors come over
+    /// the object's transport, straight from the actor that holds them
+    /// (a collective transport needs a group with that actor, as for a
+    /// call). Waits until the producer replies or dies; see
+    /// [`ActorRuntime::get_timeout`] for a deadline.
+    pub async fn get<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
+        let id = r.borrow().id;
+        if let Some(Slot::Ready(v)) = self.w.store.get(id) {
+            // Produced here, or a copy held: no message at all.
+            if !self.w.landing.lock().contains_key(&id) {
+                return self.decode(id, &v);
+            }
+        }
+        self.w.tx.send(&ToDriver::Get { object: id })?;
+        let _done = GetGuard {
+            w: &self.w,
+            object: id,
+        };
+        let v = match self.w.store.wait_for(id).await {
+            Slot::Ready(v) => v,
+            Slot::Failed(e) => return Err(e),
+        };
+        // WK-5: a stream-ordered receive returns before its bytes land.
+        let landing = self.w.landing.lock().get(&id).cloned();
+        if let Some(l) = landing {
+            l.await.map_err(Error::from)?;
+        }
+        self.decode(id, &v)
+    }
+
+    fn decode<T: DeserializeOwned>(&self, id: u64, v: &StoredValue) -> Result<T> {
+        crate::client::decode(None, &v.data, &v.tensors).map_err(|e| Error::Decode {
+            what: format!("object {id} as {}", std::any::type_name::<T>()),
+            message: e.to_string(),
+        })
+    }
+
+    /// [`ActorRuntime::get`] with a deadline.
+    pub async fn get_timeout<T: DeserializeOwned>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        deadline: Duration,
+    ) -> Result<T> {
+        let id = r.borrow().id;
+        tokio::time::timeout(deadline, self.get(r))
+            .await
+            .map_err(|_| Error::Timeout {
+                what: format!("object {id}"),
+                after_ms: deadline.as_millis() as u64,
+            })?
+    }
+
+    /// Gets several objects: every transfer starts before any is awaited.
+    /// Fails with the first error.
+    pub async fn get_all<T: DeserializeOwned>(&self, refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
+        futures::future::try_join_all(refs.iter().map(|r| self.get(r))).await
+    }
+
+    /// Waits until an object is ready (`Ok`) or failed (its error),
+    /// without moving its value.
+    pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
+        let id = r.borrow().id;
+        if let Some(Slot::Ready(_)) = self.w.store.get(id) {
+            return Ok(());
+        }
+        let req = self.w.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.w.watches.lock().insert(req, tx);
+        if let Err(e) = self.w.tx.send(&ToDriver::Watch { req, object: id }) {
+            self.w.watches.lock().remove(&req);
+            return Err(e);
+        }
+        // The driver's death ends this worker, so the answer comes.
+        rx.await.map_err(|_| Error::Shutdown)?
+    }
+
+    /// Ray's `wait`, as [`Runtime::wait_many`](crate::Runtime::wait_many):
+    /// `(finished, pending)` once `num_returns` of `refs` are ready or
+    /// failed, or `timeout` passed.
+    pub async fn wait_many<T>(
+        &self,
+        refs: &[ObjectRef<T>],
+        num_returns: usize,
+        timeout: Option<Duration>,
+    ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
+        use futures::StreamExt;
+        if num_returns > refs.len() {
+            return Err(Error::Protocol(format!(
+                "wait_many asked for {num_returns} of {} refs; ask for at most {}",
+                refs.len(),
+                refs.len()
+            )));
+        }
+        let mut finished = vec![false; refs.len()];
+        let mut watching: futures::stream::FuturesUnordered<_> = refs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| async move { (i, self.wait(r).await) })
+            .collect();
+        let mut count = 0;
+        let collect = async {
+            while count < num_returns {
+                let Some((i, r)) = watching.next().await else {
+                    break;
+                };
+                if let Err(Error::Shutdown) = r {
+                    return Err(Error::Shutdown);
+                }
+                finished[i] = true;
+                count += 1;
+            }
+            Ok(())
+        };
+        match timeout {
+            None => collect.await?,
+            Some(d) => {
+                if let Ok(r) = tokio::time::timeout(d, collect).await {
+                    r?
+                }
+            }
+        }
+        drop(watching);
+        let (done, pending): (Vec<_>, Vec<_>) = refs.iter().zip(finished).partition(|(_, f)| *f);
+        Ok((
+            done.into_iter().map(|(r, _)| r.clone()).collect(),
+            pending.into_iter().map(|(r, _)| r.clone()).collect(),
+        ))
+    }
+
+    /// Puts `value` through the object store (its bytes go to the driver)
+    /// and returns a ref to pass to any actor or to the driver. See
+    /// [`ActorRuntime::put_with`] to keep its tensors here.
+    pub fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
+        let encoded = encode(value, "put")?;
+        let wv = inline_value(encoded.payload.clone(), encoded.ref_ids())?;
+        self.send_put(wv, encoded)
+    }
+
+    /// Puts `value` with its tensors kept in this worker over `transport`
+    /// (`shm`, `cuda_ipc`, `nixl`, or a collective one for the members of
+    /// a group), as a method's return value would be: each consumer,
+    /// another actor or the driver where the transport serves it, takes
+    /// them directly. With [`Transport::ObjectStore`] this is
+    /// [`ActorRuntime::put`].
+    pub async fn put_with<T: Serialize>(
+        &self,
+        value: &T,
+        transport: Transport,
+    ) -> Result<ObjectRef<T>> {
+        if transport == Transport::ObjectStore {
+            return self.put(value);
+        }
+        let encoded = encode(value, "put_with")?;
+        let inst = transport.instance()?;
+        for t in &encoded.payload.tensors {
+            inst.check_device(t.device())?;
+        }
+        if encoded.payload.tensors.is_empty() || inst.sidedness() == Sidedness::ThroughDriver {
+            let wv = inline_value(encoded.payload.clone(), encoded.ref_ids())?;
+            return self.send_put(wv, encoded);
+        }
+        // The id is made (not yet counted) before the export, which keys
+        // the tensors by it.
+        let id = self.w.next_object.fetch_add(1, Ordering::Relaxed);
+        let exported = match inst.export(id, &encoded.payload.tensors).await {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = inst.release(id).await;
+                return Err(e.into());
+            }
+        };
+        self.w.store.insert(
+            id,
+            Slot::Ready(StoredValue {
+                data: encoded.payload.data.clone(),
+                tensors: encoded.payload.tensors.clone(),
+                transport,
+                produced: true,
+            }),
+        );
+        let wv = WireValue {
+            data: Blob(encoded.payload.data.clone()),
+            transport: transport.name().to_string(),
+            exported,
+            refs: encoded.ref_ids(),
+        };
+        self.w.local_refs.counts.lock().insert(id, 1);
+        if let Err(e) = self.w.tx.send(&ToDriver::Put {
+            object: id,
+            value: wv,
+        }) {
+            self.w.forget_object(id);
+            self.w.store.remove(id);
+            let _ = inst.release(id).await;
+            return Err(e);
+        }
+        drop(encoded);
+        Ok(ObjectRef::adopt(id, Client::Actor(self.w.clone())))
+    }
+
+    fn send_put<T>(&self, wv: WireValue, encoded: Encoded) -> Result<ObjectRef<T>> {
+        let id = self.w.new_object();
+        if let Err(e) = self.w.tx.send(&ToDriver::Put {
+            object: id,
+            value: wv,
+        }) {
+            self.w.forget_object(id);
+            return Err(e);
+        }
+        // CL-2: released after the message that carries them.
+        drop(encoded);
+        Ok(ObjectRef::adopt(id, Client::Actor(self.w.clone())))
+    }
+}
+
+fn encode<T: Serialize>(value: &T, what: &str) -> Result<Encoded> {
+    crate::client::encode(value).map_err(|e| Error::Decode {
+        what: format!("the value given to {what}"),
+        message: e.to_string(),
+    })
+}
