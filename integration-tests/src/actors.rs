@@ -1110,4 +1110,26 @@ impl Relay {
     async fn get_u32(&mut self, r: ObjectRef<u32>) -> rdt::Result<u32> {
         rdt::runtime().get(&r).await
     }
+
+    /// Calls `c.sum` (a GPU consumer) with the ref it was given, and gets
+    /// the result: (sum, whether the consumer saw a CUDA tensor).
+    async fn gpu_sum_via(
+        &mut self,
+        c: GpuConsumerHandle,
+        r: ObjectRef<Tensor>,
+    ) -> rdt::Result<(f64, bool)> {
+        rdt::runtime().get(c.sum(&r).remote()).await
+    }
+
+    /// Puts a CUDA tensor of `n` f32 equal to `v` (on this actor's GPU)
+    /// over `transport` and returns the ref.
+    async fn put_cuda(
+        &mut self,
+        v: f32,
+        n: usize,
+        transport: String,
+    ) -> rdt::Result<ObjectRef<Tensor>> {
+        let t = Tensor::cuda_full(v, &[n], 0).map_err(|e| rdt::Error::Tensor(e.to_string()))?;
+        rdt::runtime().put_with(&t, transport.parse()?).await
+    }
 }

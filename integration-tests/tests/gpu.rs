@@ -178,6 +178,69 @@ gpu_test!(point_to_point, async {
     assert!(events <= 2, "{events}");
 });
 
+/// Actors are clients too, on the GPU: a relay (no GPU of its own) passes
+/// the driver's `cuda_ipc` ref to the consumer, which maps the producer's
+/// memory directly; an actor puts a CUDA tensor over `cuda_ipc` and another
+/// actor reads it.
+async fn actor_to_actor_ipc(rt: Runtime, p: GpuProducerHandle, c: GpuConsumerHandle) {
+    let relay = rt.spawn::<Relay>(()).await.unwrap();
+    let before = rt.get(c.received("cuda_ipc").remote()).await.unwrap();
+    let r = p.make(2.0, 1 << 20).transport(IPC).remote();
+    assert_eq!(
+        rt.get(relay.gpu_sum_via(c.clone(), &r).remote())
+            .await
+            .unwrap(),
+        ((2u64 << 20) as f64, true)
+    );
+    let after = rt.get(c.received("cuda_ipc").remote()).await.unwrap();
+    assert_eq!(after, before + 1, "the consumer received over cuda_ipc");
+    assert_eq!(
+        rt.get(relay.received("cuda_ipc").remote()).await.unwrap(),
+        0,
+        "the relay moved no tensor"
+    );
+    // A CUDA tensor put inside an actor (on the producer's GPU), read by
+    // the consumer over cuda_ipc and by the driver.
+    let n = rdt::data::cuda::device_count() as u32;
+    let maker = rt.spawn::<Relay>(()).on_gpus([0]).await.unwrap();
+    let taker = rt.spawn::<Relay>(()).on_gpus([n - 1]).await.unwrap();
+    let put: ObjectRef<Tensor> = rt
+        .get(maker.put_cuda(3.0, 1000, "cuda_ipc").remote())
+        .await
+        .unwrap();
+    assert_eq!(
+        rt.get(relay.gpu_sum_via(c.clone(), &put).remote())
+            .await
+            .unwrap(),
+        (3000.0, true)
+    );
+    assert_eq!(rt.get(taker.get_sum(&put).remote()).await.unwrap(), 3000.0);
+    assert_eq!(
+        rt.get(taker.received("cuda_ipc").remote()).await.unwrap(),
+        1
+    );
+    let t = rt.get(&put).await.unwrap();
+    assert_eq!(
+        t.to_cpu().unwrap().to_vec::<f32>().unwrap(),
+        vec![3.0; 1000]
+    );
+    drop((r, put));
+    rt.transfers_settled().await;
+    assert_eq!(rt.live_objects(), 0);
+    rt.shutdown().await;
+}
+
+gpu_test!(actor_passes_a_cuda_ipc_ref_to_actor, async {
+    let (rt, p, c) = setup().await;
+    actor_to_actor_ipc(rt, p, c).await
+});
+
+gpu_test2!(actor_passes_a_cuda_ipc_ref_to_actor_across_gpus, async {
+    require_two_gpus();
+    let (rt, p, c) = setup_on(&[0], &[1]).await;
+    actor_to_actor_ipc(rt, p, c).await
+});
+
 gpu_test!(nested_values, async {
     let (rt, p, c) = setup().await;
     let b = p.batch(7).transport(IPC).remote();
