@@ -184,16 +184,26 @@ const SYMBOLS: &[&str] = &[
 /// Page-locks `len` bytes of host memory at `ptr` for every context of
 /// the process (`CU_MEMHOSTREGISTER_PORTABLE`): device copies to and from
 /// it run at copy-engine speed, where pageable memory is staged by the
-/// driver. Undo with [`unpin_host`] before the memory is unmapped.
+/// driver. Returns whether it pinned: a process that has set up no device
+/// yet pins nothing (registering needs a current context, and making one
+/// only for this would cost a CPU-only process a device context). Undo
+/// with [`unpin_host`] before the memory is unmapped.
 ///
 /// # Safety
 /// `ptr..ptr+len` is mapped host memory that stays mapped until
 /// [`unpin_host`] is called on `ptr`.
-pub unsafe fn pin_host(ptr: *mut u8, len: usize) -> Result<(), CudaError> {
+pub unsafe fn pin_host(ptr: *mut u8, len: usize) -> Result<bool, CudaError> {
     available()?;
-    // SAFETY: the caller's promise; PORTABLE needs no current context.
+    let Some(g) = any_gpu_made() else {
+        return Ok(false);
+    };
+    // Without a current context on this thread the call fails with
+    // CUDA_ERROR_INVALID_CONTEXT (seen on a driver thread, H200).
+    g.bind()?;
+    // SAFETY: the caller's promise.
     unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, 0x01) }
         .result()
+        .map(|()| true)
         .map_err(|e| CudaError::call(&format!("cuMemHostRegister of {len} B"), e))
 }
 
@@ -202,6 +212,10 @@ pub unsafe fn pin_host(ptr: *mut u8, len: usize) -> Result<(), CudaError> {
 /// # Safety
 /// `ptr` was pinned with [`pin_host`] and is still mapped.
 pub unsafe fn unpin_host(ptr: *mut u8) {
+    // Needs a current context too; `pin_host` made sure one exists.
+    if let Some(g) = any_gpu_made() {
+        let _ = g.bind();
+    }
     // SAFETY: the caller's promise.
     let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
 }
@@ -362,10 +376,19 @@ fn format_uuid(u: &sys::CUuuid) -> String {
     )
 }
 
+/// The devices this process has set up, by local ordinal.
+static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
+
+/// A device this process already set up (its lowest ordinal), if any:
+/// for work that needs some context but must not create one.
+fn any_gpu_made() -> Option<Arc<Gpu>> {
+    let map = GPUS.get()?.lock();
+    map.keys().min().and_then(|k| map.get(k).cloned())
+}
+
 /// The [`Gpu`] of local ordinal `ordinal`, created on first use.
 pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
     available()?;
-    static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
     let mut map = GPUS.get_or_init(Default::default).lock();
     if let Some(g) = map.get(&ordinal) {
         return Ok(g.clone());

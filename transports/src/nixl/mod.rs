@@ -303,7 +303,7 @@ impl HostSlab {
         let pinned = crate::cuda::available().is_ok()
             && unsafe { crate::cuda::pin_host(ptr, len) }
                 .map_err(|e| tracing::warn!("nixl host slab left pageable: {e}"))
-                .is_ok();
+                .unwrap_or(false);
         let reg = Registered::new(
             agent,
             Desc {
