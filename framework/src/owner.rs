@@ -14,9 +14,10 @@
 //! until the consumer no longer needs it.
 //!
 //! # Invariants
-//! - **OW-1 (free):** an entry is freed exactly when no driver ref
-//!   (`refs`), no submitted call (`needs`) and no receive in flight needs it
-//!   and it is not pending; then the producer (direct transports) and every
+//! - **OW-1 (free):** an entry is freed exactly when no count (`refs`:
+//!   driver refs, actors' borrows, values that contain it: `client`
+//!   CL-1/CL-2), no submitted call (`needs`) and no receive in flight needs
+//!   it and it is not pending; then the producer (direct transports) and every
 //!   holder of a copy are told to drop it. A receive in flight holds the
 //!   free back until its acknowledgement: nothing is freed under a receive.
 //! - **OW-2 (secondary copies):** when the last call of a consumer that
