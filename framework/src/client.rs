@@ -50,12 +50,10 @@ pub(crate) enum Client {
 }
 
 impl Client {
-    /// The client of values decoded on this thread now: the one
-    /// [`decode`] was given, or in a worker the worker's own.
+    /// The client of the value [`decode`] is decoding on this thread;
+    /// `None` outside it (a ref read by serde outside rdt).
     fn current() -> Option<Client> {
-        DECODING
-            .with(|d| d.borrow().clone())
-            .or_else(|| crate::worker::shared().map(Client::Actor))
+        DECODING.with(|d| d.borrow().clone())
     }
 
     /// A ref was cloned: one more count.
@@ -112,7 +110,7 @@ impl Encoded {
 thread_local! {
     /// Refs met while encoding on this thread (`None`: not encoding).
     static ENCODING: RefCell<Option<Vec<AnyRef>>> = const { RefCell::new(None) };
-    /// The client of refs decoded on this thread (`None`: the worker's).
+    /// The client of refs decoded on this thread (`None`: not decoding).
     static DECODING: RefCell<Option<Client>> = const { RefCell::new(None) };
 }
 
@@ -137,9 +135,19 @@ pub(crate) fn decode<T: DeserializeOwned>(
     data: &[u8],
     tensors: &[Tensor],
 ) -> Result<T, ValueError> {
-    let outer = DECODING.with(|d| std::mem::replace(&mut *d.borrow_mut(), client.cloned()));
+    let client = client
+        .cloned()
+        .or_else(|| crate::worker::shared().map(Client::Actor));
+    reading_refs(client, || value::decode(data, tensors))
+}
+
+/// Runs `read` (a deserialization) with refs and handles bound to
+/// `client`; in an actor, the borrows met go out in one message at the end
+/// (CL-3). Outside such a scope, reading a ref or a handle is an error.
+pub(crate) fn reading_refs<R>(client: Option<Client>, read: impl FnOnce() -> R) -> R {
+    let outer = DECODING.with(|d| std::mem::replace(&mut *d.borrow_mut(), client));
     let batch = crate::worker::BorrowBatch::start();
-    let v = value::decode(data, tensors);
+    let v = read();
     drop(batch);
     DECODING.with(|d| *d.borrow_mut() = outer);
     v

@@ -1132,4 +1132,30 @@ impl Relay {
         let t = Tensor::cuda_full(v, &[n], 0).map_err(|e| rdt::Error::Tensor(e.to_string()))?;
         rdt::runtime().put_with(&t, transport.parse()?).await
     }
+
+    /// Reads a ref from JSON (serde outside rdt): the error it gives.
+    async fn ref_from_json(&mut self, json: String) -> String {
+        match serde_json::from_str::<ObjectRef<u32>>(&json) {
+            Ok(r) => format!("read ref {}", r.id()),
+            Err(e) => e.to_string(),
+        }
+    }
+}
+
+/// Built with a handle to a consumer (a handle in a constructor argument).
+#[rdt::actor]
+pub struct Delegate {
+    consumer: ConsumerHandle,
+}
+
+#[rdt::actor]
+impl Delegate {
+    fn new(consumer: ConsumerHandle) -> Self {
+        Delegate { consumer }
+    }
+
+    /// Has the consumer it was built with sum the tensor behind `r`.
+    async fn sum(&mut self, r: ObjectRef<Tensor>) -> rdt::Result<f64> {
+        rdt::runtime().get(self.consumer.sum(&r).remote()).await
+    }
 }

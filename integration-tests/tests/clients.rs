@@ -221,6 +221,32 @@ async fn a_ref_serialized_outside_rdt_is_a_clear_error() {
             .unwrap_err()
             .to_string();
         assert!(e.contains("serialized and deserialized only by rdt"), "{e}");
+        // Inside an actor too: no borrow is taken behind the user's back.
+        let relay = rt.spawn::<Relay>(()).await.unwrap();
+        let e = rt
+            .get(relay.ref_from_json(r.id().to_string()).remote())
+            .await
+            .unwrap();
+        assert!(e.contains("serialized and deserialized only by rdt"), "{e}");
+        rt.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_handle_in_a_constructor_argument_calls_its_actor() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let d = rt.spawn::<Delegate>(c.clone()).await.unwrap();
+        let r = p.make_shm(4.0, 25).remote();
+        assert_eq!(rt.get(d.sum(&r).remote()).await.unwrap(), 100.0);
+        assert_eq!(
+            rt.get(c.received("shm").remote()).await.unwrap(),
+            1,
+            "the consumer the delegate was built with received the tensor"
+        );
         rt.shutdown().await;
     })
     .await

@@ -651,7 +651,29 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
     let handle = control.handle().clone();
     let sys = actix::System::new();
     sys.block_on(async move {
-        let constructed = match postcard::from_bytes::<A::Args>(&args.0) {
+        let shared = Arc::new(WorkerShared {
+            name: boot_name.clone(),
+            store: Store::default(),
+            tx: tx.clone(),
+            transfers: Mutex::new(HashMap::new()),
+            receiving: Mutex::new(HashMap::new()),
+            received: Default::default(),
+            groups: Mutex::new(HashMap::new()),
+            landing: Mutex::new(HashMap::new()),
+            call_arrived: Arc::new(Notify::new()),
+            local_refs: Default::default(),
+            next_object: id_space.into(),
+            watches: Mutex::new(HashMap::new()),
+            next_req: 1.into(),
+        });
+        // Before the constructor: its argument may carry actor handles,
+        // which read this worker's client.
+        let _ = WORKER.set(shared.clone());
+        let decoded =
+            crate::client::reading_refs(Some(crate::client::Client::Actor(shared.clone())), || {
+                postcard::from_bytes::<A::Args>(&args.0)
+            });
+        let constructed = match decoded {
             Err(e) => Err(Error::Decode {
                 what: format!("constructor argument of {}", A::NAME),
                 message: e.to_string(),
@@ -683,22 +705,6 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
                 return futures::future::pending::<()>().await;
             }
         };
-        let shared = Arc::new(WorkerShared {
-            name: boot_name.clone(),
-            store: Store::default(),
-            tx: tx.clone(),
-            transfers: Mutex::new(HashMap::new()),
-            receiving: Mutex::new(HashMap::new()),
-            received: Default::default(),
-            groups: Mutex::new(HashMap::new()),
-            landing: Mutex::new(HashMap::new()),
-            call_arrived: Arc::new(Notify::new()),
-            local_refs: Default::default(),
-            next_object: id_space.into(),
-            watches: Mutex::new(HashMap::new()),
-            next_req: 1.into(),
-        });
-        let _ = WORKER.set(shared.clone());
         // The mailbox is sized before the actor starts: calls may arrive
         // before `started` would run (invariant 2).
         let mut ctx = actix::Context::new();
