@@ -16,8 +16,9 @@
 //! Suites:
 //! - `control`: a bare Unix-socket echo round trip (8-byte length-prefixed
 //!   frames, a separate process, tokio client: the floor under any actor
-//!   call), a tiny actor call round trip, and a tiny-tensor pass (produce →
-//!   pass ref → consume → get).
+//!   call), a tiny actor call round trip, the same call made by an actor
+//!   (timed inside it), and a tiny-tensor pass (produce → pass ref →
+//!   consume → get).
 //! - `transports`: a full pass (produce → pass ref → consume → result) of
 //!   one tensor of 1 KiB, 1 MiB, 64 MiB and 256 MiB over every CPU
 //!   transport this build has (`nixl` where NIXL is installed:
@@ -83,6 +84,20 @@ impl Sink {
         let n = t.nbytes();
         let (a, b) = t.with_bytes(|b| (b[0], b[n - 1]))?;
         Ok(a as u64 + b as u64)
+    }
+
+    /// `iters` tiny calls to `src` from inside this actor (an actor as a
+    /// client: submit, then `get`), each timed here; nanoseconds.
+    async fn ping_from_actor(&mut self, src: SourceHandle, iters: u64) -> rdt::Result<Vec<u64>> {
+        let rt = rdt::runtime();
+        let mut ns = Vec::with_capacity(iters as usize);
+        for i in 0..iters {
+            let t = Instant::now();
+            let v = rt.get(src.ping(i).remote()).await?;
+            assert_eq!(v, i);
+            ns.push(t.elapsed().as_nanos() as u64);
+        }
+        Ok(ns)
     }
 }
 
@@ -198,6 +213,25 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
         Kind::Latency,
         8,
         samples,
+    ));
+    // The same call made by an actor (through the driver: submit, reply,
+    // get), timed inside the calling actor.
+    let ns = rt
+        .get(
+            sink.ping_from_actor(src.clone(), (iters + iters / 10) as u64)
+                .remote(),
+        )
+        .await?;
+    rows.push(row(
+        "control",
+        "tiny call from an actor",
+        "object_store",
+        Kind::Latency,
+        8,
+        ns[iters / 10..]
+            .iter()
+            .map(|&n| Duration::from_nanos(n))
+            .collect(),
     ));
     for transport in cpu_transports() {
         let mut samples = Vec::new();
@@ -423,6 +457,13 @@ fn print(rows: &[Row]) {
             "ratio: tiny actor call / bare socket echo = {:.2}x",
             c.median_us / e.median_us
         );
+        if let Some(a) = rows.iter().find(|r| r.case == "tiny call from an actor") {
+            println!(
+                "ratio: tiny call from an actor / bare socket echo = {:.2}x, / tiny call from the driver = {:.2}x",
+                a.median_us / e.median_us,
+                a.median_us / c.median_us
+            );
+        }
     }
     for r in rows
         .iter()
