@@ -112,6 +112,15 @@ thread_local! {
     static ENCODING: RefCell<Option<Vec<AnyRef>>> = const { RefCell::new(None) };
     /// The client of refs decoded on this thread (`None`: not decoding).
     static DECODING: RefCell<Option<Client>> = const { RefCell::new(None) };
+    /// A ref refused to serialize outside rdt on this thread (postcard
+    /// drops serde's messages; callers that use it read this instead).
+    static REFUSED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether a ref refused to serialize on this thread since the last call
+/// (and forgets it).
+pub(crate) fn take_refused() -> bool {
+    REFUSED.with(|r| r.replace(false))
 }
 
 /// Serializes `value` as rdt sends it: tensors pulled out
@@ -173,6 +182,7 @@ impl<T> Serialize for ObjectRef<T> {
             None => false,
         });
         if !held {
+            REFUSED.with(|r| r.set(true));
             return Err(serde::ser::Error::custom(OUTSIDE));
         }
         s.serialize_u64(self.id)

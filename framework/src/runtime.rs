@@ -1190,9 +1190,16 @@ impl<A: Actor> std::future::IntoFuture for Spawn<A> {
     type IntoFuture = futures::future::BoxFuture<'static, Result<A::Handle>>;
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(async move {
+            crate::client::take_refused();
             let args = postcard::to_stdvec(&self.args).map_err(|e| Error::Decode {
                 what: format!("constructor argument of {}", A::NAME),
-                message: e.to_string(),
+                message: if crate::client::take_refused() {
+                    "it holds an ObjectRef, which a constructor argument cannot carry (the \
+                     spawn would not count it); pass the ref to a method of the spawned actor"
+                        .into()
+                } else {
+                    e.to_string()
+                },
             })?;
             let short = A::NAME.rsplit("::").next().unwrap_or(A::NAME);
             let raw = if self.remote {

@@ -1159,3 +1159,21 @@ impl Delegate {
         rdt::runtime().get(self.consumer.sum(&r).remote()).await
     }
 }
+
+/// Takes a ref in its constructor argument (which rdt refuses, clearly).
+#[rdt::actor]
+pub struct RefInConstructor {
+    r: ObjectRef<u32>,
+}
+
+#[rdt::actor]
+impl RefInConstructor {
+    fn new(r: ObjectRef<u32>) -> Self {
+        RefInConstructor { r }
+    }
+
+    /// The ref's id.
+    async fn id_of(&mut self) -> u64 {
+        self.r.id()
+    }
+}

@@ -217,6 +217,18 @@ async fn a_ref_serialized_outside_rdt_is_a_clear_error() {
         let r = rt.put(&5u32).unwrap();
         let e = serde_json::to_string(&r).unwrap_err().to_string();
         assert!(e.contains("serialized and deserialized only by rdt"), "{e}");
+        // A constructor argument cannot carry one (the spawn would not
+        // count it): the spawn says so.
+        let e = rt
+            .spawn::<RefInConstructor>(r.clone())
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("a constructor argument cannot carry"),
+            "{e}"
+        );
         let e = serde_json::from_str::<ObjectRef<u32>>("7")
             .unwrap_err()
             .to_string();
