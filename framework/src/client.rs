@@ -31,11 +31,15 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use std::future::Future;
+use std::time::Duration;
+
 use rdt_transport::value::{self, Payload, ValueError};
 use rdt_transport::Tensor;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::error::{Error, Result as RdtResult};
 use crate::object_ref::{ObjectRef, RawHandle};
 use crate::runtime::Inner;
 use crate::worker::WorkerShared;
@@ -216,4 +220,66 @@ impl<'de> Deserialize<'de> for RawHandle {
             name: name.into(),
         })
     }
+}
+
+/// Ray's `wait` for the driver and for actors alike: `(finished, pending)`,
+/// each in the order of `refs`, once `num_returns` of them are finished
+/// (`wait` of its id resolved: ready or failed) or `timeout` passed.
+/// Every ref is watched at once.
+pub(crate) async fn wait_many<T, W, F>(
+    refs: &[ObjectRef<T>],
+    num_returns: usize,
+    timeout: Option<Duration>,
+    wait: W,
+) -> RdtResult<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)>
+where
+    W: Fn(u64) -> F,
+    F: Future<Output = RdtResult<()>>,
+{
+    use futures::StreamExt;
+    if num_returns > refs.len() {
+        return Err(Error::Protocol(format!(
+            "wait_many asked for {num_returns} of {} refs; ask for at most {}",
+            refs.len(),
+            refs.len()
+        )));
+    }
+    let mut finished = vec![false; refs.len()];
+    let mut watching: futures::stream::FuturesUnordered<_> = refs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let w = wait(r.id);
+            async move { (i, w.await) }
+        })
+        .collect();
+    let mut count = 0;
+    let collect = async {
+        while count < num_returns {
+            let Some((i, r)) = watching.next().await else {
+                break;
+            };
+            if let Err(Error::Shutdown) = r {
+                return Err(Error::Shutdown);
+            }
+            finished[i] = true;
+            count += 1;
+        }
+        Ok(())
+    };
+    match timeout {
+        None => collect.await?,
+        // Past the deadline: what finished so far.
+        Some(d) => {
+            if let Ok(r) = tokio::time::timeout(d, collect).await {
+                r?
+            }
+        }
+    }
+    drop(watching);
+    let (done, pending): (Vec<_>, Vec<_>) = refs.iter().zip(finished).partition(|(_, f)| *f);
+    Ok((
+        done.into_iter().map(|(r, _)| r.clone()).collect(),
+        pending.into_iter().map(|(r, _)| r.clone()).collect(),
+    ))
 }

@@ -7,6 +7,8 @@ use serde::Serialize;
 
 use crate::client::{AnyRef, Client, Encoded};
 use crate::error::{Error, Result};
+use crate::protocol::WireArg;
+use crate::runtime::inline_value;
 use crate::transport::Transport;
 
 /// Id of an object in the owner table.
@@ -132,6 +134,25 @@ impl<T> From<&ObjectRef<T>> for Arg<ObjectRef<T>> {
 pub(crate) enum ArgOut {
     Value(Result<Encoded>),
     Ref(AnyRef),
+}
+
+/// A call's arguments as they travel (values inline, refs by id), and the
+/// first error that keeps the call from running; the same for calls from
+/// the driver and from actors.
+pub(crate) fn wire_args(args: &[ArgOut]) -> (Vec<WireArg>, Option<Error>) {
+    let mut wire = Vec::with_capacity(args.len());
+    let mut error: Option<Error> = None;
+    for a in args {
+        match a {
+            ArgOut::Value(Ok(enc)) => match inline_value(enc.payload.clone(), enc.ref_ids()) {
+                Ok(v) => wire.push(WireArg::Value(v)),
+                Err(e) => error = error.or(Some(e)),
+            },
+            ArgOut::Value(Err(e)) => error = error.or(Some(e.clone())),
+            ArgOut::Ref(r) => wire.push(WireArg::Ref(r.id)),
+        }
+    }
+    (wire, error)
 }
 
 /// Identifies a spawned actor for calls; generated handles wrap it.

@@ -568,52 +568,10 @@ impl Runtime {
         num_returns: usize,
         timeout: Option<Duration>,
     ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
-        use futures::StreamExt;
-        if num_returns > refs.len() {
-            return Err(Error::Protocol(format!(
-                "wait_many asked for {num_returns} of {} refs; ask for at most {}",
-                refs.len(),
-                refs.len()
-            )));
-        }
-        let mut finished = vec![false; refs.len()];
-        let mut watching: futures::stream::FuturesUnordered<_> = refs
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let inner = &self.inner;
-                async move { (i, inner.wait_value(r.id).await) }
-            })
-            .collect();
-        let mut count = 0;
-        let collect = async {
-            while count < num_returns {
-                let Some((i, r)) = watching.next().await else {
-                    break;
-                };
-                if let Err(Error::Shutdown) = r {
-                    return Err(Error::Shutdown);
-                }
-                finished[i] = true;
-                count += 1;
-            }
-            Ok(())
-        };
-        match timeout {
-            None => collect.await?,
-            // Past the deadline: what finished so far.
-            Some(d) => {
-                if let Ok(r) = tokio::time::timeout(d, collect).await {
-                    r?
-                }
-            }
-        }
-        drop(watching);
-        let (done, pending): (Vec<_>, Vec<_>) = refs.iter().zip(finished).partition(|(_, f)| *f);
-        Ok((
-            done.into_iter().map(|(r, _)| r.clone()).collect(),
-            pending.into_iter().map(|(r, _)| r.clone()).collect(),
-        ))
+        crate::client::wait_many(refs, num_returns, timeout, |id| async move {
+            self.inner.wait_value(id).await.map(|_| ())
+        })
+        .await
     }
 
     /// [`Runtime::get`] with a deadline.
@@ -1357,18 +1315,7 @@ impl Inner {
         transport: Transport,
     ) -> u64 {
         let id = self.next_id();
-        let mut wire_args = Vec::with_capacity(args.len());
-        let mut early: Option<Error> = None;
-        for a in &args {
-            match a {
-                ArgOut::Value(Ok(enc)) => match inline_value(enc.payload.clone(), enc.ref_ids()) {
-                    Ok(v) => wire_args.push(WireArg::Value(v)),
-                    Err(e) => early = early.or(Some(e)),
-                },
-                ArgOut::Value(Err(e)) => early = early.or(Some(e.clone())),
-                ArgOut::Ref(r) => wire_args.push(WireArg::Ref(r.id)),
-            }
-        }
+        let (wire_args, early) = crate::object_ref::wire_args(&args);
         let msg = SubmitMsg {
             actor,
             method,

@@ -36,7 +36,7 @@ use super::{shared, Slot, StoredValue, WorkerShared};
 use crate::client::{Client, Encoded};
 use crate::error::{Error, Result};
 use crate::object_ref::{ArgOut, ObjectRef};
-use crate::protocol::{SubmitMsg, ToDriver, WireArg, WireValue};
+use crate::protocol::{SubmitMsg, ToDriver, WireValue};
 use crate::runtime::inline_value;
 use crate::transport::Transport;
 use rdt_transport::{Blob, Sidedness};
@@ -179,18 +179,7 @@ impl WorkerShared {
         transport: Transport,
     ) -> u64 {
         let id = self.new_object();
-        let mut wire_args = Vec::with_capacity(args.len());
-        let mut error: Option<Error> = None;
-        for a in &args {
-            match a {
-                ArgOut::Value(Ok(enc)) => match inline_value(enc.payload.clone(), enc.ref_ids()) {
-                    Ok(v) => wire_args.push(WireArg::Value(v)),
-                    Err(e) => error = error.or(Some(e)),
-                },
-                ArgOut::Value(Err(e)) => error = error.or(Some(e.clone())),
-                ArgOut::Ref(r) => wire_args.push(WireArg::Ref(r.id)),
-            }
-        }
+        let (wire_args, error) = crate::object_ref::wire_args(&args);
         let msg = |args, error| {
             ToDriver::Submit(SubmitMsg {
                 actor,
@@ -328,7 +317,10 @@ impl ActorRuntime {
     /// Waits until an object is ready (`Ok`) or failed (its error),
     /// without moving its value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
-        let id = r.borrow().id;
+        self.wait_id(r.borrow().id).await
+    }
+
+    async fn wait_id(&self, id: u64) -> Result<()> {
         if let Some(Slot::Ready(_)) = self.w.store.get(id) {
             return Ok(());
         }
@@ -352,48 +344,7 @@ impl ActorRuntime {
         num_returns: usize,
         timeout: Option<Duration>,
     ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
-        use futures::StreamExt;
-        if num_returns > refs.len() {
-            return Err(Error::Protocol(format!(
-                "wait_many asked for {num_returns} of {} refs; ask for at most {}",
-                refs.len(),
-                refs.len()
-            )));
-        }
-        let mut finished = vec![false; refs.len()];
-        let mut watching: futures::stream::FuturesUnordered<_> = refs
-            .iter()
-            .enumerate()
-            .map(|(i, r)| async move { (i, self.wait(r).await) })
-            .collect();
-        let mut count = 0;
-        let collect = async {
-            while count < num_returns {
-                let Some((i, r)) = watching.next().await else {
-                    break;
-                };
-                if let Err(Error::Shutdown) = r {
-                    return Err(Error::Shutdown);
-                }
-                finished[i] = true;
-                count += 1;
-            }
-            Ok(())
-        };
-        match timeout {
-            None => collect.await?,
-            Some(d) => {
-                if let Ok(r) = tokio::time::timeout(d, collect).await {
-                    r?
-                }
-            }
-        }
-        drop(watching);
-        let (done, pending): (Vec<_>, Vec<_>) = refs.iter().zip(finished).partition(|(_, f)| *f);
-        Ok((
-            done.into_iter().map(|(r, _)| r.clone()).collect(),
-            pending.into_iter().map(|(r, _)| r.clone()).collect(),
-        ))
+        crate::client::wait_many(refs, num_returns, timeout, |id| self.wait_id(id)).await
     }
 
     /// Puts `value` through the object store (its bytes go to the driver)
