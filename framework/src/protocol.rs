@@ -18,7 +18,6 @@
 
 use std::time::Duration;
 
-use futures::StreamExt;
 use rdt_transport::wire;
 use rdt_transport::{Blob, Exported, GroupRef, GroupSpec, Peer};
 use serde::de::DeserializeOwned;
@@ -27,10 +26,9 @@ use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::Arc;
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::AsyncRead;
 use tokio::sync::Notify;
-use tokio_util::codec::{FramedRead, LengthDelimitedCodec};
 
 use crate::error::{Error, Result};
 
@@ -612,36 +610,190 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
     Sender { inner }
 }
 
-/// The reading half of a connection.
+/// The reading half of a connection (invariant 2).
+///
+/// Blobs stream into their own buffers: a small one is cut from the read
+/// buffer with no copy; a large one (at least
+/// [`host_pool::MIN_POOLED`](rdt_transport::host_pool::MIN_POOLED)) is read
+/// by the socket straight into a pooled, page-aligned host buffer (pinned
+/// where the process has a CUDA context), so a frame is never buffered
+/// whole and its tensors need no copy after the socket's own. All progress
+/// lives in `self`, which makes [`recv`](Self::recv) cancel-safe: a frame
+/// in progress is resumed by the next call.
 pub struct Receiver<R> {
-    inner: FramedRead<R, LengthDelimitedCodec>,
+    r: R,
+    /// Bytes read and not yet consumed.
+    buf: BytesMut,
+    max_frame: usize,
+    state: ReadState,
 }
+
+enum ReadState {
+    /// Waiting for a frame's 8-byte length.
+    Length,
+    /// Waiting for the head (header and blob table) of a `body`-byte frame.
+    Head { body: usize },
+    /// Reading the blobs, in order.
+    Blobs {
+        head: Bytes,
+        header: std::ops::Range<usize>,
+        lens: Vec<usize>,
+        blobs: Vec<Bytes>,
+        /// A large blob being read into its buffer, and how much is in.
+        large: Option<(rdt_transport::host_pool::HostBuf, usize)>,
+    },
+}
+
+/// What the read buffer asks of the socket at least per read.
+const READ_CHUNK: usize = 64 << 10;
 
 impl<R: AsyncRead + Unpin> Receiver<R> {
     /// Wraps a reader, refusing frames over `max_frame` bytes.
     pub fn new(r: R, max_frame: usize) -> Self {
-        let codec = LengthDelimitedCodec::builder()
-            .length_field_length(8)
-            .max_frame_length(max_frame)
-            .new_codec();
         Receiver {
-            inner: FramedRead::new(r, codec),
+            r,
+            buf: BytesMut::with_capacity(READ_CHUNK),
+            max_frame,
+            state: ReadState::Length,
         }
     }
 
     /// Changes the frame limit (after the spawn order set it).
     pub fn set_max_frame(&mut self, max: usize) {
-        self.inner.decoder_mut().set_max_frame_length(max);
+        self.max_frame = max;
     }
 
-    /// The next message; `Ok(None)` at a clean end of stream.
+    /// Reads more into the read buffer, at least `want` bytes' room. False
+    /// at the end of the stream.
+    async fn fill(&mut self, want: usize) -> Result<bool> {
+        use tokio::io::AsyncReadExt;
+        self.buf.reserve(want.max(READ_CHUNK));
+        let n = self
+            .r
+            .read_buf(&mut self.buf)
+            .await
+            .map_err(|e| Error::Io(e.to_string()))?;
+        Ok(n > 0)
+    }
+
+    /// The next message; `Ok(None)` at a clean end of stream. Cancel-safe.
     pub async fn recv<T: DeserializeOwned>(&mut self) -> Result<Option<T>> {
-        match self.inner.next().await {
-            None => Ok(None),
-            Some(Err(e)) => Err(Error::Io(e.to_string())),
-            Some(Ok(body)) => wire::from_frame(body.freeze())
-                .map(Some)
-                .map_err(|e| Error::Protocol(e.to_string())),
+        use rdt_transport::host_pool::{HostBuf, MIN_POOLED};
+        use tokio::io::AsyncReadExt;
+        let cut = |what: &str| Error::Io(format!("the connection closed in the middle of {what}"));
+        loop {
+            match &mut self.state {
+                ReadState::Length => {
+                    if self.buf.len() < 8 {
+                        if !self.fill(8).await? {
+                            return match self.buf.is_empty() {
+                                true => Ok(None),
+                                false => Err(cut("a frame length")),
+                            };
+                        }
+                        continue;
+                    }
+                    let body = self.buf.get_u64() as usize;
+                    if body > self.max_frame {
+                        return Err(Error::Protocol(format!(
+                            "the peer sent a {body}-byte frame, over the control frame limit of {} bytes (RuntimeBuilder::max_frame_bytes)",
+                            self.max_frame
+                        )));
+                    }
+                    self.state = ReadState::Head { body };
+                }
+                ReadState::Head { body } => {
+                    let body = *body;
+                    match wire::parse_head(&self.buf, body)
+                        .map_err(|e| Error::Protocol(e.to_string()))?
+                    {
+                        Some(h) => {
+                            self.state = ReadState::Blobs {
+                                head: self.buf.split_to(h.head_len).freeze(),
+                                header: h.header,
+                                lens: h.blob_lens,
+                                blobs: Vec::new(),
+                                large: None,
+                            };
+                        }
+                        // The head is at most the frame: read on.
+                        None => {
+                            if !self.fill(body.min(READ_CHUNK)).await? {
+                                return Err(cut("a frame head"));
+                            }
+                        }
+                    }
+                }
+                ReadState::Blobs {
+                    head,
+                    header,
+                    lens,
+                    blobs,
+                    large,
+                } => {
+                    let Some(&len) = lens.get(blobs.len()) else {
+                        let msg = wire::from_parts(&head[header.clone()], std::mem::take(blobs))
+                            .map_err(|e| Error::Protocol(e.to_string()));
+                        self.state = ReadState::Length;
+                        return msg.map(Some);
+                    };
+                    if let Some((buf, filled)) = large {
+                        if *filled == len {
+                            let (buf, _) = large.take().expect("checked");
+                            blobs.push(buf.freeze());
+                            continue;
+                        }
+                        let n = self
+                            .r
+                            .read(&mut buf.as_mut_slice()[*filled..])
+                            .await
+                            .map_err(|e| Error::Io(e.to_string()))?;
+                        if n == 0 {
+                            return Err(cut("a blob"));
+                        }
+                        *filled += n;
+                    } else if len < MIN_POOLED {
+                        if self.buf.len() >= len {
+                            blobs.push(self.buf.split_to(len).freeze());
+                        } else if !self.fill(len - self.buf.len()).await? {
+                            return Err(cut("a blob"));
+                        }
+                    } else {
+                        let mut buf = HostBuf::new(len).map_err(|e| {
+                            Error::Io(format!("allocating {len} bytes for a received blob: {e}"))
+                        })?;
+                        // What the read buffer already holds of it.
+                        let have = self.buf.len().min(len);
+                        buf.as_mut_slice()[..have].copy_from_slice(&self.buf[..have]);
+                        self.buf.advance(have);
+                        *large = Some((buf, have));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Socket buffer size asked for on control connections (the kernel caps it
+/// at `net.core.wmem_max` / `rmem_max`).
+const SOCKET_BUFFER: libc::c_int = 4 << 20;
+
+/// Enlarges a local (Unix socket) control connection's buffers: a large
+/// blob then crosses in fewer, larger writes and reads, with fewer wake-ups
+/// of the other end (20–30 % on a 256 MiB blob, dev VM). Not for TCP,
+/// where a fixed size would turn Linux's buffer autotuning off. Best
+/// effort: a refusal leaves the defaults.
+pub fn size_socket_buffers(sock: &impl std::os::fd::AsRawFd) {
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: a valid socket descriptor and a c_int option value.
+        unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&SOCKET_BUFFER as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
         }
     }
 }
@@ -833,6 +985,66 @@ mod tests {
                 .send(&order(Blob(bytes::Bytes::from(vec![0u8; 4096]))))
                 .unwrap();
             assert!(strict.recv::<ToWorker>().await.is_err());
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_recv_resumes_the_frame_and_large_blobs_land_in_pooled_buffers() {
+        use tokio::io::AsyncWriteExt;
+        tokio::time::timeout(Duration::from_secs(10), async {
+            let big = Blob(bytes::Bytes::from(
+                (0..3 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
+            ));
+            let small = Blob(bytes::Bytes::from(vec![5u8; 100]));
+            let msg = ToDriver::Fetched {
+                req: 9,
+                result: Ok(WireValue {
+                    data: small.clone(),
+                    transport: "object_store".into(),
+                    exported: Exported {
+                        inline: vec![big.clone()],
+                        ..Default::default()
+                    },
+                    refs: vec![],
+                }),
+            };
+            let frame = wire::to_frame(&msg).unwrap();
+            let mut bytes = (frame.len() as u64).to_be_bytes().to_vec();
+            bytes.extend_from_slice(&frame.head);
+            for b in &frame.blobs {
+                bytes.extend_from_slice(b);
+            }
+            let (mut a, b) = tokio::io::duplex(8 << 20);
+            let mut rx = Receiver::new(b, 64 << 20);
+            let before = rdt_transport::host_pool::stats();
+            // Half the frame, then a recv that gives up (cancelled) ...
+            let half = bytes.len() / 2;
+            a.write_all(&bytes[..half]).await.unwrap();
+            let gave_up =
+                tokio::time::timeout(Duration::from_millis(50), rx.recv::<ToDriver>()).await;
+            assert!(gave_up.is_err(), "only half a frame was sent");
+            // ... and the next recv finishes the same frame.
+            a.write_all(&bytes[half..]).await.unwrap();
+            let got = rx.recv::<ToDriver>().await.unwrap().unwrap();
+            let ToDriver::Fetched {
+                req: 9,
+                result: Ok(v),
+            } = got
+            else {
+                panic!("{got:?}")
+            };
+            assert_eq!(v.data, small);
+            assert_eq!(v.exported.inline, vec![big]);
+            // The large blob sits in a page-aligned pool buffer.
+            assert_eq!(v.exported.inline[0].0.as_ptr() as usize % 4096, 0);
+            let s = rdt_transport::host_pool::stats();
+            // (Other tests of this binary use the pool too: at least one more.)
+            assert!(s.misses + s.hits > before.misses + before.hits);
+            // A clean end after the frame.
+            drop(a);
+            assert!(rx.recv::<ToDriver>().await.unwrap().is_none());
         })
         .await
         .unwrap();

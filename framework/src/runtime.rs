@@ -2120,6 +2120,7 @@ async fn accept_loop(listener: UnixListener, rt: Weak<Inner>) {
                 continue;
             }
         };
+        protocol::size_socket_buffers(&stream);
         let Some(inner) = rt.upgrade() else { return };
         let secret = inner.secret;
         drop(inner);

@@ -14,6 +14,7 @@ mod dtype;
 #[cfg(any(feature = "nccl", feature = "nixl"))]
 mod dynlib;
 mod free_list;
+pub mod host_pool;
 pub mod hot;
 #[cfg(feature = "nccl")]
 pub mod nccl;

@@ -6,12 +6,16 @@
 //! (`Tensor::to_bytes` hands owned bytes over as wire bytes, and the
 //! tensor turns copy-on-write) and copies the bytes of memory shared with
 //! other processes once into an immutable buffer; those buffers ride as out-of-band blobs in the control frames
-//! (producer → driver → consumer). `receive` wraps each blob in a tensor
-//! without copying (copy on first write, see `Tensor`). The producer keeps
-//! nothing, so `release` has nothing to do.
+//! (producer → driver → consumer). Each control connection reads a large
+//! blob straight into a pooled host buffer ([`crate::host_pool`]: no page
+//! faults pass after pass, pinned in a process with a CUDA context), and
+//! `receive` wraps each blob in a tensor without copying (copy on first
+//! write, see `Tensor`). The producer keeps nothing, so `release` has
+//! nothing to do.
 //!
 //! CUDA tensors take the same path through the host: `export` copies them
-//! to the host (device to host), and `unpack` copies them back to a device
+//! to the host (device to host, into pinned staging from
+//! [`crate::host_pool`]), and `unpack` copies them back to a device
 //! (host to device) when the receiving process can use CUDA: to the device
 //! with the same UUID if it sees it, else to its first device. A process
 //! without CUDA (a CPU-only driver, say) gets CPU tensors.
@@ -73,16 +77,32 @@ impl TensorTransport for ObjectStoreTransport {
     }
 }
 
-/// Puts each tensor's bytes inline, after its metadata (CUDA tensors are
-/// copied to the host first). The inverse of [`unpack`].
+/// Puts each tensor's bytes inline, after its metadata. The inverse of
+/// [`unpack`].
+///
+/// A large CUDA tensor is copied into a pooled host buffer
+/// ([`crate::host_pool`]), pinned since this process has a context: the
+/// copy runs at copy-engine speed, and the buffer, reused pass after pass,
+/// faults in no pages. It then goes to the socket as it is.
 pub fn pack(tensors: &[Tensor]) -> Result<Exported, TransportError> {
+    let err = |e: &dyn std::fmt::Display| TransportError::new(NAME, e.to_string());
     let mut out = Exported::default();
     for t in tensors {
         out.metas.push(t.meta());
-        let bytes = t
-            .to_cpu()
-            .and_then(|c| c.to_bytes())
-            .map_err(|e| TransportError::new(NAME, e.to_string()))?;
+        let bytes = if t.is_cuda() && t.nbytes() >= crate::host_pool::MIN_POOLED {
+            let mut staging = crate::host_pool::HostBuf::new(t.nbytes()).map_err(|e| {
+                err(&format!(
+                    "allocating {} bytes of host staging: {e}",
+                    t.nbytes()
+                ))
+            })?;
+            t.with_device_buffer(|d| d.gpu().copy_dtoh(staging.as_mut_slice(), d.device_ptr()))
+                .map_err(|e| err(&e))?
+                .map_err(|e| err(&e))?;
+            staging.freeze()
+        } else {
+            t.to_cpu().and_then(|c| c.to_bytes()).map_err(|e| err(&e))?
+        };
         out.inline.push(Blob(bytes));
     }
     Ok(out)

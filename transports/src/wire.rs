@@ -91,34 +91,82 @@ pub fn to_frame<T: Serialize>(msg: &T) -> Result<Frame, FrameError> {
     })
 }
 
+/// Where a frame's parts are, read from its start: see [`parse_head`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrameHead {
+    /// Bytes from the frame's start to its first blob (header, blob table
+    /// and their lengths).
+    pub head_len: usize,
+    /// The header's place in those bytes.
+    pub header: std::ops::Range<usize>,
+    /// Length of each blob, in order; they follow the head back to back.
+    pub blob_lens: Vec<usize>,
+}
+
+/// Reads the head of a frame body of `body_len` bytes from `start`, the
+/// body's first bytes (any number of them). `Ok(None)`: `start` is too
+/// short to hold the head yet. Every length is checked against
+/// `body_len`, so a reader can allocate the blobs before it has them.
+pub fn parse_head(start: &[u8], body_len: usize) -> Result<Option<FrameHead>, FrameError> {
+    let bad = |m: &str| FrameError::Malformed(m.to_string());
+    let u32_at = |at: usize| -> Option<usize> {
+        start
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")) as usize)
+    };
+    if body_len < 4 {
+        return Err(bad("shorter than its header length"));
+    }
+    let Some(hlen) = u32_at(0) else {
+        return Ok(None);
+    };
+    let table = hlen
+        .checked_add(8)
+        .filter(|&t| t <= body_len)
+        .ok_or_else(|| bad("header length exceeds the frame"))?;
+    let Some(count) = u32_at(hlen + 4) else {
+        return Ok(None);
+    };
+    let head_len = count
+        .checked_mul(8)
+        .and_then(|n| n.checked_add(table))
+        .filter(|&h| h <= body_len)
+        .ok_or_else(|| bad("blob table exceeds the frame"))?;
+    let Some(lens) = start.get(table..head_len) else {
+        return Ok(None);
+    };
+    let blob_lens: Vec<usize> = lens
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+        .collect();
+    let total = blob_lens.iter().try_fold(0usize, |a, &l| a.checked_add(l));
+    if total != Some(body_len - head_len) {
+        return Err(bad("blob lengths disagree with the frame length"));
+    }
+    Ok(Some(FrameHead {
+        head_len,
+        header: 4..4 + hlen,
+        blob_lens,
+    }))
+}
+
+/// Deserializes a message from its header bytes and its blobs (what a
+/// streaming reader collected after [`parse_head`]).
+pub fn from_parts<T: DeserializeOwned>(header: &[u8], blobs: Vec<Bytes>) -> Result<T, FrameError> {
+    let prev = CTX.with(|c| c.borrow_mut().replace(Ctx::Source(blobs)));
+    let _restore = Restore(prev);
+    postcard::from_bytes(header).map_err(|e| FrameError::Header(e.to_string()))
+}
+
 /// Deserializes a frame body made by [`to_frame`]. Never panics on
 /// arbitrary input.
 pub fn from_frame<T: DeserializeOwned>(mut body: Bytes) -> Result<T, FrameError> {
-    let bad = |m: &str| FrameError::Malformed(m.to_string());
-    if body.remaining() < 4 {
-        return Err(bad("shorter than its header length"));
-    }
-    let hlen = body.get_u32_le() as usize;
-    if body.remaining() < hlen + 4 {
-        return Err(bad("header length exceeds the frame"));
-    }
-    let header = body.split_to(hlen);
-    let count = body.get_u32_le() as usize;
-    if count.checked_mul(8).is_none_or(|n| n > body.remaining()) {
-        return Err(bad("blob table exceeds the frame"));
-    }
-    let mut lens = Vec::with_capacity(count);
-    for _ in 0..count {
-        lens.push(body.get_u64_le());
-    }
-    let total = lens.iter().try_fold(0u64, |a, &l| a.checked_add(l));
-    if total != Some(body.remaining() as u64) {
-        return Err(bad("blob lengths disagree with the frame length"));
-    }
-    let blobs: Vec<Bytes> = lens.iter().map(|&l| body.split_to(l as usize)).collect();
-    let prev = CTX.with(|c| c.borrow_mut().replace(Ctx::Source(blobs)));
-    let _restore = Restore(prev);
-    postcard::from_bytes(&header).map_err(|e| FrameError::Header(e.to_string()))
+    let head = parse_head(&body, body.len())?
+        .ok_or_else(|| FrameError::Malformed("shorter than its blob table".into()))?;
+    let header = body.slice(head.header.clone());
+    body.advance(head.head_len);
+    let blobs: Vec<Bytes> = head.blob_lens.iter().map(|&l| body.split_to(l)).collect();
+    from_parts(&header, blobs)
 }
 
 impl Serialize for Blob {

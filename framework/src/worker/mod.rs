@@ -550,6 +550,7 @@ async fn join_driver(link: Link, secret: Vec<u8>, worker: u64) -> Result<Joined>
     let (tx, mut rx, local_ip) = match link {
         Link::Unix(path) => {
             let mut s = UnixStream::connect(&path).await?;
+            protocol::size_socket_buffers(&s);
             protocol::connect_plain(&mut s, &secret).await?;
             let (r, w) = s.into_split();
             (

@@ -379,6 +379,11 @@ fn format_uuid(u: &sys::CUuuid) -> String {
 /// The devices this process has set up, by local ordinal.
 static GPUS: OnceLock<Mutex<HashMap<usize, Arc<Gpu>>>> = OnceLock::new();
 
+/// Has this process set up a CUDA context (cheap: loads nothing)?
+pub fn has_context() -> bool {
+    GPUS.get().is_some_and(|m| !m.lock().is_empty())
+}
+
 /// A device this process already set up (its lowest ordinal), if any:
 /// for work that needs some context but must not create one.
 fn any_gpu_made() -> Option<Arc<Gpu>> {
@@ -755,9 +760,16 @@ impl Gpu {
         }
         self.bind()?;
         // SAFETY: `dst` holds `src.len()` bytes on this device; pageable
-        // sources are staged before the call returns.
+        // sources are staged before the call returns, pinned pool buffers
+        // are waited for below.
         unsafe { cu::memcpy_htod_async(dst, src, self.stream.0) }
-            .map_err(|e| CudaError::call("cuMemcpyHtoDAsync", e))
+            .map_err(|e| CudaError::call("cuMemcpyHtoDAsync", e))?;
+        // host_pool HP-4: the copy may still read a pinned buffer, which the
+        // caller may hand back to the pool as soon as this returns.
+        if crate::host_pool::is_pinned(src.as_ptr()) {
+            self.synchronize()?;
+        }
+        Ok(())
     }
 
     /// Copies device bytes to the host, waiting for the copy (and for
