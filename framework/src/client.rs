@@ -63,7 +63,7 @@ impl Client {
     /// A ref was cloned: one more count.
     pub(crate) fn clone_ref(&self, id: u64) {
         match self {
-            Client::Driver(inner) => inner.state.lock().table.inc(id),
+            Client::Driver(inner) => inner.lock().table.inc(id),
             Client::Actor(w) => w.clone_ref(id),
         }
     }
@@ -79,7 +79,7 @@ impl Client {
     /// A ref was read out of a value (CL-3).
     fn adopt_from_wire(&self, id: u64) {
         match self {
-            Client::Driver(inner) => inner.state.lock().table.inc(id),
+            Client::Driver(inner) => inner.lock().table.inc(id),
             Client::Actor(w) => w.adopt_from_wire(id),
         }
     }

@@ -81,7 +81,7 @@ enum Copy {
 /// One object.
 pub(crate) struct Entry {
     pub producer: Option<ActorId>,
-    pub transport: String,
+    pub transport: Transport,
     pub state: ObjState,
     /// Counts held on the object: driver refs, one per actor that borrows
     /// it (CL-1), one per value that contains it (CL-2).
@@ -156,10 +156,10 @@ impl Drop for DriverHeld {
 
 impl Entry {
     /// A new entry held by one driver ref (the one its creator returns).
-    fn new(producer: Option<ActorId>, transport: &str, state: ObjState) -> Entry {
+    fn new(producer: Option<ActorId>, transport: Transport, state: ObjState) -> Entry {
         Entry {
             producer,
-            transport: transport.to_string(),
+            transport,
             state,
             refs: 1,
             nested: Vec::new(),
@@ -175,10 +175,7 @@ impl Entry {
     }
 
     fn sidedness(&self) -> Sidedness {
-        match self.transport.parse::<Transport>() {
-            Ok(t) => t.sidedness(),
-            Err(_) => Sidedness::ThroughDriver,
-        }
+        self.transport.sidedness()
     }
 
     fn receiving(&self) -> bool {
@@ -194,7 +191,7 @@ pub(crate) struct InFlight {
     pub object: u64,
     pub producer: Option<ActorId>,
     pub consumer: ActorId,
-    pub transport: String,
+    pub transport: Transport,
     pub two_sided: bool,
 }
 
@@ -277,7 +274,7 @@ pub(crate) struct OwnerTable {
 
 impl OwnerTable {
     /// A call's result, pending. The returned ref counts as one.
-    pub fn insert_pending(&mut self, id: u64, producer: ActorId, transport: &str) {
+    pub fn insert_pending(&mut self, id: u64, producer: ActorId, transport: Transport) {
         self.objects
             .insert(id, Entry::new(Some(producer), transport, ObjState::Pending));
     }
@@ -289,14 +286,20 @@ impl OwnerTable {
             _ => Vec::new(),
         };
         self.hold(&nested);
-        let mut e = Entry::new(producer, Transport::ObjectStore.name(), state);
+        let mut e = Entry::new(producer, Transport::ObjectStore, state);
         e.nested = nested;
         self.objects.insert(id, e);
     }
 
     /// An object the driver holds itself over a direct transport
     /// (`put_with`), ready at once.
-    pub fn insert_held(&mut self, id: u64, transport: &str, value: WireValue, held: DriverHeld) {
+    pub fn insert_held(
+        &mut self,
+        id: u64,
+        transport: Transport,
+        value: WireValue,
+        held: DriverHeld,
+    ) {
         let nested = value.refs.clone();
         self.hold(&nested);
         let mut e = Entry::new(None, transport, ObjState::Ready(value));
@@ -311,8 +314,8 @@ impl OwnerTable {
     pub fn insert_put(&mut self, id: u64, producer: Option<ActorId>, value: WireValue) {
         let nested = value.refs.clone();
         self.hold(&nested);
-        let transport = value.transport.clone();
-        let mut e = Entry::new(producer, &transport, ObjState::Ready(value));
+        let transport = value.transport;
+        let mut e = Entry::new(producer, transport, ObjState::Ready(value));
         e.nested = nested;
         self.objects.insert(id, e);
     }
@@ -463,7 +466,7 @@ impl OwnerTable {
             if matches!(e.state, ObjState::Pending) {
                 e.state = match outcome {
                     Ok(v) => {
-                        e.transport = v.transport.clone();
+                        e.transport = v.transport;
                         e.nested = v.refs.clone();
                         ObjState::Ready(v)
                     }
@@ -707,19 +710,16 @@ fn start_direct(
     let sided = e.sidedness();
     let producer = e
         .producer
-        .and_then(|p| actors.get(&p).map(|a| a.peer(p, &e.transport)));
+        .and_then(|p| actors.get(&p).map(|a| a.peer(p, e.transport.name())));
     // The consumer ends up holding either the value or an error.
     e.copies.insert(consumer, Copy::Held);
     if let (Some(p), Some(c)) = (&producer, actors.get(&consumer)) {
         // One-sided same-host transports: refuse another host before
         // anything moves, naming both ends.
-        let same_host_only = e
-            .transport
-            .parse::<Transport>()
-            .is_ok_and(Transport::same_host_only);
+        let same_host_only = e.transport.same_host_only();
         if same_host_only && !p.host.is_empty() && !c.host.is_empty() && p.host != c.host {
             let err = Error::Transport(rdt_transport::TransportError::with_peer(
-                &e.transport,
+                e.transport.name(),
                 p,
                 format!(
                     "{} moves tensors only between actors on one host; {} is on {} and {} on {}: use tcp (in a collective group) or object_store",
@@ -733,7 +733,7 @@ fn start_direct(
     let two_sided = sided == Sidedness::TwoSided;
     // OW-8: the group is looked up now, not only at submission.
     let group = match e.producer {
-        Some(p) => match groups.group_for(&e.transport, id, p, consumer) {
+        Some(p) => match groups.group_for(e.transport.name(), id, p, consumer) {
             Ok(g) => g,
             Err(err) => {
                 deliver_error(actors, consumer, id, err);
@@ -747,7 +747,7 @@ fn start_direct(
             let order = ToWorker::SendTo {
                 object: id,
                 xfer,
-                to: c.peer(consumer, &e.transport),
+                to: c.peer(consumer, e.transport.name()),
                 group: group.map(|(g, prank, crank)| GroupRef {
                     id: g,
                     my_rank: prank,
@@ -804,7 +804,7 @@ fn start_direct(
             object: id,
             producer: e.producer,
             consumer,
-            transport: e.transport.clone(),
+            transport: e.transport,
             two_sided,
         },
     ))

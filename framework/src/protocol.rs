@@ -31,6 +31,7 @@ use tokio::io::AsyncRead;
 use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
+use crate::transport::Transport;
 
 /// A value as it travels: serialized non-tensor part plus what the
 /// transport exported for its tensors.
@@ -39,7 +40,7 @@ pub struct WireValue {
     /// postcard bytes with tensor placeholders.
     pub data: Blob,
     /// Transport that holds the tensors (`object_store` when there are none).
-    pub transport: String,
+    pub transport: Transport,
     /// Metadata, handles or inline bytes of the tensors.
     pub exported: Exported,
     /// Ids of the objects whose refs the value contains, once per
@@ -69,7 +70,7 @@ pub struct CallMsg {
     /// Object id of the result.
     pub result: u64,
     /// Transport for the result's tensors.
-    pub transport: String,
+    pub transport: Transport,
 }
 
 /// How a consumer obtains an object's tensors.
@@ -114,6 +115,9 @@ pub struct SpawnOrder {
     /// calls it submits, values it puts), so that they never collide with
     /// the driver's or another actor's (see [`actor_id_space`]).
     pub id_space: u64,
+    /// The driver's transport ids: messages name a transport by its index
+    /// here (`transport::set_wire_table`).
+    pub transports: Vec<String>,
 }
 
 /// The first id of the `n`th actor's own id space (n ≥ 1): the top bit
@@ -137,7 +141,7 @@ pub struct SubmitMsg {
     /// submitter borrows it from the start.
     pub result: u64,
     /// Transport for the result's tensors.
-    pub transport: String,
+    pub transport: Transport,
     /// Why the call cannot run (an argument did not encode): the result
     /// fails with it at once.
     pub error: Option<Error>,
@@ -291,8 +295,8 @@ pub enum ToDriver {
         xfer: u64,
         /// The other end.
         peer: u64,
-        /// Transport name.
-        transport: String,
+        /// The transport (`None`: the producer no longer knows the object).
+        transport: Option<Transport>,
         /// What happened.
         message: String,
     },
@@ -466,8 +470,9 @@ impl Sender {
     /// can turn it into an error for the call or object concerned instead
     /// of leaving the other end waiting.
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
-        let frame = wire::to_frame(msg).map_err(|e| Error::Protocol(e.to_string()))?;
-        let len = frame.len();
+        // The 8-byte length goes at the head's front (no allocation of its own).
+        let frame = wire::to_frame_with_length(msg).map_err(|e| Error::Protocol(e.to_string()))?;
+        let len = frame.len() - 8;
         let max_frame = self
             .inner
             .max_frame
@@ -482,11 +487,22 @@ impl Sender {
             return Ok(());
         }
         let was_empty = q.chunks.is_empty();
-        q.chunks
-            .push_back(Bytes::copy_from_slice(&(len as u64).to_be_bytes()));
         q.chunks.push_back(frame.head);
         q.chunks
             .extend(frame.blobs.into_iter().filter(|b| !b.is_empty()));
+        if was_empty && DEFERRED.with(|d| d.borrow().is_some()) {
+            // Under the driver's state lock: queued in order now, written
+            // by `flush_deferred` once the lock is released.
+            drop(q);
+            DEFERRED.with(|d| {
+                if let Some(list) = d.borrow_mut().as_mut() {
+                    if !list.iter().any(|s| Arc::ptr_eq(&s.inner, &self.inner)) {
+                        list.push(self.clone());
+                    }
+                }
+            });
+            return Ok(());
+        }
         if was_empty {
             match write_ready(&self.inner.half, &mut q.chunks) {
                 Ok(()) => {}
@@ -504,6 +520,63 @@ impl Sender {
             self.inner.wake.notify_one();
         }
         Ok(())
+    }
+}
+
+thread_local! {
+    /// Senders with frames queued while this thread defers writes (see
+    /// [`defer_writes`]).
+    static DEFERRED: std::cell::RefCell<Option<Vec<Sender>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// From now until [`flush_deferred`] on this thread, [`Sender::send`] queues
+/// its frame in order and leaves the socket write for later. The driver
+/// does this while it holds its state lock (so the order of frames on each
+/// connection is the order of decisions made under the lock) and writes
+/// after releasing it: no other thread waits on the lock for a system call.
+pub fn defer_writes() {
+    DEFERRED.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.is_none() {
+            *d = Some(Vec::new());
+        }
+    });
+}
+
+/// Ends [`defer_writes`] and writes what was queued meanwhile (without
+/// blocking: what the socket does not take now, each connection's writer
+/// task writes).
+pub fn flush_deferred() {
+    let Some(list) = DEFERRED.with(|d| d.borrow_mut().take()) else {
+        return;
+    };
+    for s in list {
+        s.flush();
+    }
+}
+
+impl Sender {
+    /// Writes what is queued, up to what the socket takes now; the writer
+    /// task is woken for the rest.
+    fn flush(&self) {
+        let mut q = self.inner.queue.lock();
+        if q.closed || q.chunks.is_empty() {
+            return;
+        }
+        match write_ready(&self.inner.half, &mut q.chunks) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => {
+                tracing::debug!("control connection write failed: {e}");
+                q.closed = true;
+                q.chunks.clear();
+                return;
+            }
+        }
+        if !q.chunks.is_empty() {
+            drop(q);
+            self.inner.wake.notify_one();
+        }
     }
 }
 
@@ -937,6 +1010,7 @@ mod tests {
             heartbeat_ms: None,
             args,
             id_space: actor_id_space(1),
+            transports: vec![],
         })
     }
 
@@ -1002,7 +1076,7 @@ mod tests {
                 req: 9,
                 result: Ok(WireValue {
                     data: small.clone(),
-                    transport: "object_store".into(),
+                    transport: Transport::ObjectStore,
                     exported: Exported {
                         inline: vec![big.clone()],
                         ..Default::default()
@@ -1048,6 +1122,19 @@ mod tests {
         })
         .await
         .unwrap();
+    }
+
+    #[test]
+    fn transports_travel_as_ids_and_an_unknown_id_is_an_error() {
+        for t in Transport::registered() {
+            let bytes = postcard::to_stdvec(&t).unwrap();
+            assert_eq!(bytes.len(), 1, "{t} is one varint byte, not its name");
+            assert_eq!(postcard::from_bytes::<Transport>(&bytes).unwrap(), t);
+        }
+        let e = postcard::from_bytes::<Transport>(&postcard::to_stdvec(&999u16).unwrap());
+        assert!(e.is_err());
+        // A transport the driver does not link in cannot be named.
+        assert!(postcard::to_stdvec(&Transport::named("not_linked_anywhere")).is_err());
     }
 
     #[tokio::test]

@@ -9,7 +9,9 @@
 //!    killed.
 //! 2. The driver-side state (owner table, actors, pending calls) sits behind
 //!    one mutex that is never held across an `.await`; sends under it only
-//!    queue frames.
+//!    queue frames, in the order decided under it, and the socket writes
+//!    happen once it is released (`Inner::lock`,
+//!    `protocol::defer_writes`): no thread waits on it for a system call.
 //! 3. A worker's death (connection end) fails its pending calls, its spawn,
 //!    its fetches and its objects at once (see `owner` invariant 4).
 //! 4. Background tasks hold the runtime weakly, so dropping the last
@@ -216,6 +218,44 @@ pub(crate) struct Inner {
     volunteer_joined: tokio::sync::Notify,
     /// Woken whenever transfers end (see `Runtime::transfers_settled`).
     settled: tokio::sync::Notify,
+}
+
+/// The driver's state, locked (see [`Inner::lock`]).
+pub(crate) struct StateGuard<'a> {
+    guard: Option<parking_lot::MutexGuard<'a, State>>,
+}
+
+impl std::ops::Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.guard.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        // Unlock first, then write what was sent meanwhile (invariant 2).
+        drop(self.guard.take());
+        protocol::flush_deferred();
+    }
+}
+
+impl Inner {
+    /// Locks the driver's state. Messages sent while it is held are queued
+    /// on their connections in the order they were decided and written
+    /// once it is released (invariant 2): no thread waits on this lock for a
+    /// socket write.
+    pub(crate) fn lock(&self) -> StateGuard<'_> {
+        let guard = self.state.lock();
+        protocol::defer_writes();
+        StateGuard { guard: Some(guard) }
+    }
 }
 
 struct PendingCall {
@@ -428,16 +468,13 @@ impl Runtime {
     pub async fn get<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
         let r = r.borrow();
         let wv = self.inner.wait_value(r.id).await?;
-        let sided = wv.transport.parse::<Transport>().map(|t| t.sidedness());
-        match sided {
-            Ok(rdt_transport::Sidedness::ThroughDriver) | Err(_) => {
-                decode_wire(&self.inner, &wv, r.id)
-            }
-            Ok(rdt_transport::Sidedness::TwoSided) => Err(Error::CollectiveGet {
+        match wv.transport.sidedness() {
+            rdt_transport::Sidedness::ThroughDriver => decode_wire(&self.inner, &wv, r.id),
+            rdt_transport::Sidedness::TwoSided => Err(Error::CollectiveGet {
                 object: r.id,
-                transport: wv.transport.clone(),
+                transport: wv.transport.to_string(),
             }),
-            Ok(rdt_transport::Sidedness::OneSided) => match driver_transport(&wv.transport) {
+            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
                 // NIXL: read straight into this process, no worker involved.
                 Some(inst) => self.get_direct(r.id, &wv, inst, Target::Any).await,
                 None => self.get_via_object_store(r).await,
@@ -456,10 +493,10 @@ impl Runtime {
     ) -> Result<T> {
         let r = r.borrow();
         let wv = self.inner.wait_value(r.id).await?;
-        match driver_transport(&wv.transport) {
+        match driver_transport(wv.transport) {
             Some(inst) => self.get_direct(r.id, &wv, inst, Target::Host).await,
             None => Err(Error::TransportUnavailable {
-                name: wv.transport.clone(),
+                name: wv.transport.to_string(),
                 reason: format!(
                     "get_on_host reads an object directly into the driver, which {} cannot do; \
                      use get (or return the tensors over nixl)",
@@ -488,7 +525,7 @@ impl Runtime {
         let decode =
             |tensors: &[rdt_transport::Tensor]| decode_in_driver(&self.inner, wv, id, tensors);
         let (from, producer) = {
-            let st = self.inner.state.lock();
+            let st = self.inner.lock();
             let e = st
                 .table
                 .objects
@@ -499,7 +536,7 @@ impl Runtime {
                 let tensors = held.tensors().to_vec();
                 drop(st);
                 let tensors = target
-                    .place(&wv.transport, &wv.exported.metas, tensors)
+                    .place(wv.transport.name(), &wv.exported.metas, tensors)
                     .map_err(Error::Transport)?;
                 return decode(&tensors);
             }
@@ -514,7 +551,7 @@ impl Runtime {
                     detail: d.clone(),
                 });
             }
-            (a.peer(p, &wv.transport), p)
+            (a.peer(p, wv.transport.name()), p)
         };
         let deadline = self.inner.config.transfer_timeout;
         let cx = rdt_transport::TransferCtx {
@@ -523,7 +560,7 @@ impl Runtime {
         };
         let read = tokio::time::timeout(deadline, inst.receive(&from, &cx, &wv.exported)).await;
         let dead = || {
-            let st = self.inner.state.lock();
+            let st = self.inner.lock();
             st.actors.get(&producer).and_then(|a| {
                 a.dead.clone().map(|d| Error::ActorDied {
                     actor: a.name.clone(),
@@ -597,13 +634,13 @@ impl Runtime {
     ) -> Result<T> {
         let id = r.borrow().id;
         let wv = self.inner.wait_value(id).await?;
-        if wv.transport == Transport::ObjectStore.name() {
+        if wv.transport == Transport::ObjectStore {
             return decode_wire(&self.inner, &wv, id);
         }
         let (tx, rx) = oneshot::channel();
         let req = self.inner.next_id();
         {
-            let mut st = self.inner.state.lock();
+            let mut st = self.inner.lock();
             let producer = st.table.objects.get(&id).and_then(|e| e.producer);
             let Some(p) = producer else {
                 return Err(Error::Freed { object: id });
@@ -711,7 +748,7 @@ impl Runtime {
         };
         let wv = WireValue {
             data: Blob(payload.data),
-            transport: transport.name().to_string(),
+            transport,
             exported,
             refs,
         };
@@ -720,7 +757,7 @@ impl Runtime {
             .state
             .lock()
             .table
-            .insert_held(id, transport.name(), wv, held);
+            .insert_held(id, transport, wv, held);
         drop(encoded);
         Ok(ObjectRef::adopt(id, Client::Driver(self.inner.clone())))
     }
@@ -752,7 +789,7 @@ impl Runtime {
         }
         let deadline = self.inner.config.spawn_timeout;
         let (id, peers, ranks, prepared) = {
-            let mut st = self.inner.state.lock();
+            let mut st = self.inner.lock();
             let st = &mut *st;
             let mut members = std::collections::HashSet::new();
             for a in actors {
@@ -816,7 +853,7 @@ impl Runtime {
             // id) and acknowledges; the group is usable once all did.
             Ok(bootstrap) => {
                 let rx = {
-                    let mut st = self.inner.state.lock();
+                    let mut st = self.inner.lock();
                     let st = &mut *st;
                     for (rank, a) in ranks.iter().enumerate() {
                         let order = ToWorker::CreateGroup {
@@ -863,7 +900,7 @@ impl Runtime {
             }
             Err(e) => Err(e),
         };
-        let mut st = self.inner.state.lock();
+        let mut st = self.inner.lock();
         match joined {
             Ok(_) => {
                 if let Some(g) = st.groups.get_mut(&id) {
@@ -916,7 +953,7 @@ impl Runtime {
     /// need a new group.
     pub async fn destroy_collective_group(&self, group: GroupId) -> Result<()> {
         let rx = {
-            let mut st = self.inner.state.lock();
+            let mut st = self.inner.lock();
             let st = &mut *st;
             let Some(g) = st.groups.remove(&group.0) else {
                 return Err(Error::Group(format!(
@@ -945,7 +982,7 @@ impl Runtime {
             Ok(Ok(r)) => r.map(|_| ()),
             Ok(Err(_)) => Err(Error::Shutdown),
             Err(_) => {
-                self.inner.state.lock().group_ops.remove(&group.0);
+                self.inner.lock().group_ops.remove(&group.0);
                 Err(Error::Group(format!(
                     "the members of group {group} did not all leave it within {deadline:?}"
                 )))
@@ -955,13 +992,13 @@ impl Runtime {
 
     /// Number of objects the owner table holds (for tests and leak checks).
     pub fn live_objects(&self) -> usize {
-        self.inner.state.lock().table.len()
+        self.inner.lock().table.len()
     }
 
     /// Number of direct transfers delivered to a consumer and not yet
     /// acknowledged by it (or aborted).
     pub fn transfers_in_flight(&self) -> usize {
-        self.inner.state.lock().table.transfers_in_flight()
+        self.inner.lock().table.transfers_in_flight()
     }
 
     /// Waits until no direct transfer is in flight: every receive was
@@ -984,7 +1021,7 @@ impl Runtime {
     /// the rest.
     pub async fn shutdown(&self) {
         let exits: Vec<watch::Receiver<Option<String>>> = {
-            let mut st = self.inner.state.lock();
+            let mut st = self.inner.lock();
             st.shutting_down = true;
             for (id, a) in &st.actors {
                 if a.dead.is_none() {
@@ -1042,7 +1079,7 @@ pub(crate) fn inline_value(p: Payload, refs: Vec<u64>) -> Result<WireValue> {
     })?;
     Ok(WireValue {
         data: Blob(p.data),
-        transport: Transport::ObjectStore.name().to_string(),
+        transport: Transport::ObjectStore,
         exported,
         refs,
     })
@@ -1050,8 +1087,7 @@ pub(crate) fn inline_value(p: Payload, refs: Vec<u64>) -> Result<WireValue> {
 
 /// The driver's instance of the transport called `name`, if it reads and
 /// holds objects in the driver itself (`nixl`).
-fn driver_transport(name: &str) -> Option<Arc<dyn rdt_transport::TensorTransport>> {
-    let t: Transport = name.parse().ok()?;
+fn driver_transport(t: Transport) -> Option<Arc<dyn rdt_transport::TensorTransport>> {
     let inst = t.instance().ok()?;
     inst.serves_driver().then_some(inst)
 }
@@ -1182,13 +1218,13 @@ impl Inner {
     }
 
     pub(crate) fn release_ref(&self, id: u64) {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let st = &mut *st;
         st.table.dec(id, &st.actors);
     }
 
     pub(crate) fn actor_pid(&self, actor: u64) -> Option<u32> {
-        self.state.lock().processes.get(&actor).map(|p| p.pid)
+        self.lock().processes.get(&actor).map(|p| p.pid)
     }
 
     /// Follows the owner table's transfers (XF-6), after every change to
@@ -1221,7 +1257,7 @@ impl Inner {
     }
 
     fn transfer_expired(&self, xfer: u64, after: Duration) {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let st = &mut *st;
         // This timer has fired: it is not cancelled below.
         st.timers.remove(&xfer);
@@ -1278,14 +1314,14 @@ impl Inner {
                 }
             }
             // A worker that joined by hand: ask it to exit.
-            None => send_to(&self.state.lock().actors, actor, &ToWorker::Shutdown),
+            None => send_to(&self.lock().actors, actor, &ToWorker::Shutdown),
         }
     }
 
     async fn wait_value(&self, id: u64) -> Result<WireValue> {
         loop {
             let rx = {
-                let mut st = self.state.lock();
+                let mut st = self.lock();
                 let Some(e) = st.table.objects.get_mut(&id) else {
                     return Err(Error::Freed { object: id });
                 };
@@ -1321,10 +1357,10 @@ impl Inner {
             method,
             args: wire_args,
             result: id,
-            transport: transport.name().to_string(),
+            transport,
             error: early,
         };
-        let mut guard = self.state.lock();
+        let mut guard = self.lock();
         self.submit_locked(&mut guard, msg, method_name);
         drop(guard);
         // Releases the arguments' refs after `need` and `hold` counted
@@ -1366,7 +1402,7 @@ impl Inner {
             st.table.insert_done(id, Some(actor), ObjState::Failed(e));
             return;
         }
-        st.table.insert_pending(id, actor, &transport);
+        st.table.insert_pending(id, actor, transport);
         st.table.hold(&nested);
         for &a in &arg_ids {
             let groups = GroupView {
@@ -1431,7 +1467,7 @@ impl Inner {
         let (jtx, jrx) = oneshot::channel();
         let (stx, srx) = oneshot::channel();
         {
-            let mut st = self.state.lock();
+            let mut st = self.lock();
             st.joining.insert(id, jtx);
             st.spawning.insert(id, stx);
             st.actors.insert(
@@ -1466,7 +1502,7 @@ impl Inner {
         }
         let (pid, pidfd, exit) = start_reaped(cmd)?;
         let pidfd = Arc::new(pidfd);
-        self.state.lock().processes.insert(
+        self.lock().processes.insert(
             id,
             Process {
                 pid,
@@ -1477,7 +1513,7 @@ impl Inner {
         );
         let fail = |this: &Arc<Self>, e: Error| {
             this.kill_actor(id);
-            let mut st = this.state.lock();
+            let mut st = this.lock();
             st.joining.remove(&id);
             st.spawning.remove(&id);
             if let Some(a) = st.actors.get_mut(&id) {
@@ -1537,6 +1573,7 @@ impl Inner {
         local: bool,
     ) -> ToWorker {
         ToWorker::Spawn(protocol::SpawnOrder {
+            transports: crate::transport::wire_names(),
             actor_type: type_name.to_string(),
             worker: id,
             name: name.to_string(),
@@ -1568,7 +1605,7 @@ impl Inner {
             let notified = self.volunteer_joined.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(v) = self.state.lock().volunteers.pop_front() {
+            if let Some(v) = self.lock().volunteers.pop_front() {
                 break v;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
@@ -1583,7 +1620,7 @@ impl Inner {
         let name = name.unwrap_or_else(|| format!("{short}#{id}"));
         let (stx, srx) = oneshot::channel();
         {
-            let mut st = self.state.lock();
+            let mut st = self.lock();
             st.spawning.insert(id, stx);
             st.actors.insert(
                 id,
@@ -1618,7 +1655,7 @@ impl Inner {
     }
 
     fn on_message(&self, actor: u64, msg: ToDriver) {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let st = &mut *st;
         match msg {
             ToDriver::Spawned(r) => {
@@ -1669,13 +1706,14 @@ impl Inner {
                 message,
             } => {
                 let reason = format!(
-                    "{transport} send of object {object} from {} to {} failed: {message}",
+                    "{} send of object {object} from {} to {} failed: {message}",
+                    transport.map_or("the", |t| t.name()),
                     actor_name(&st.actors, actor),
                     actor_name(&st.actors, peer)
                 );
                 tracing::warn!(xfer, object, "{reason}");
                 let err = Error::Transport(rdt_transport::TransportError {
-                    transport,
+                    transport: transport.map_or_else(String::new, |t| t.to_string()),
                     peer: Some(actor_name(&st.actors, actor)),
                     message: format!("the producer's send failed: {message}"),
                 });
@@ -1705,7 +1743,7 @@ impl Inner {
                 if !self.new_actor_object(st, actor, object) {
                     return;
                 }
-                let through_driver = value.transport == Transport::ObjectStore.name();
+                let through_driver = value.transport == Transport::ObjectStore;
                 let producer = (!through_driver).then_some(actor);
                 st.table.insert_put(object, producer, value);
             }
@@ -1773,7 +1811,7 @@ impl Inner {
                     self.tokio.spawn(async move {
                         let _ = rx.await;
                         let Some(inner) = me.upgrade() else { return };
-                        let st = inner.state.lock();
+                        let st = inner.lock();
                         let result = settled(&st, object).unwrap_or(Err(Error::Shutdown));
                         send_to(&st.actors, actor, &ToWorker::Settled { req, result });
                     });
@@ -1805,7 +1843,7 @@ impl Inner {
     }
 
     fn on_death(&self, actor: u64, detail: String) {
-        let mut st = self.state.lock();
+        let mut st = self.lock();
         let st = &mut *st;
         let Some(info) = st.actors.get_mut(&actor) else {
             return;
@@ -1934,7 +1972,7 @@ fn check_groups(st: &State, consumer: u64, args: &[u64]) -> Option<Error> {
             groups: &st.groups,
             actors: &st.actors,
         };
-        if let Err(err) = lookup.group_for(&e.transport, id, producer, consumer) {
+        if let Err(err) = lookup.group_for(e.transport.name(), id, producer, consumer) {
             return Some(err);
         }
     }
@@ -2013,11 +2051,7 @@ fn break_groups(st: &mut State, t: &crate::owner::InFlight, reason: &str) {
     let Some(p) = t.producer else { return };
     break_groups_where(
         st,
-        |g| {
-            g.backend.name() == t.transport
-                && g.members.contains(&p)
-                && g.members.contains(&t.consumer)
-        },
+        |g| g.backend == t.transport && g.members.contains(&p) && g.members.contains(&t.consumer),
         reason,
     );
 }
@@ -2264,7 +2298,7 @@ async fn serve_worker(
         return Ok(());
     }
     {
-        let mut st = inner.state.lock();
+        let mut st = inner.lock();
         let Some(tx) = st.joining.remove(&worker) else {
             return Err(Error::Protocol(format!(
                 "hello from unknown worker {worker}"
@@ -2294,7 +2328,7 @@ async fn read_worker(
 ) {
     let wake = Arc::new(tokio::sync::Notify::new());
     if let Some(inner) = rt.upgrade() {
-        inner.state.lock().readers.insert(worker, wake.clone());
+        inner.lock().readers.insert(worker, wake.clone());
     }
     let mut last = tokio::time::Instant::now();
     let end = loop {
@@ -2304,9 +2338,7 @@ async fn read_worker(
         // a submit wakes them into the hot read (recv is cancel-safe).
         let recv = async {
             loop {
-                let busy = rt
-                    .upgrade()
-                    .is_some_and(|i| i.state.lock().calls.any_for(worker));
+                let busy = rt.upgrade().is_some_and(|i| i.lock().calls.any_for(worker));
                 if busy {
                     return hot(rx.recv::<ToDriver>()).await;
                 }
@@ -2357,7 +2389,7 @@ async fn read_worker(
         }
     };
     let Some(inner) = rt.upgrade() else { return };
-    inner.state.lock().readers.remove(&worker);
+    inner.lock().readers.remove(&worker);
     // Prefer the exit status, if the process is gone, to the socket's story.
     let exit = inner
         .state

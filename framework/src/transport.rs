@@ -9,6 +9,8 @@
 
 use std::collections::HashMap;
 use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -227,6 +229,62 @@ impl std::fmt::Debug for Transport {
 impl std::fmt::Display for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.pad(self.name())
+    }
+}
+
+/// Transport ids on the control wire: a message names a transport by its
+/// index in the driver's table (its registered names, sorted), not by its
+/// name. A worker gets the driver's table in its spawn order
+/// ([`set_wire_table`]), so a worker built with other transports linked in
+/// still reads and writes the driver's ids.
+static WIRE_TABLE: std::sync::OnceLock<Vec<Transport>> = std::sync::OnceLock::new();
+
+fn wire_table() -> &'static [Transport] {
+    WIRE_TABLE.get_or_init(Transport::registered)
+}
+
+/// The driver's table of wire ids, by name (for the spawn order).
+pub(crate) fn wire_names() -> Vec<String> {
+    wire_table().iter().map(|t| t.name().to_string()).collect()
+}
+
+/// Adopts the driver's table of wire ids (a worker, before any message
+/// that names a transport). A name this program does not link in still
+/// gets its id: using it then fails with "not available".
+pub(crate) fn set_wire_table(names: &[String]) {
+    let table = names
+        .iter()
+        .map(|n| {
+            n.parse::<Transport>()
+                .unwrap_or_else(|_| Transport(Box::leak(n.clone().into_boxed_str())))
+        })
+        .collect();
+    if WIRE_TABLE.set(table).is_err() && wire_names() != names {
+        tracing::warn!("the driver's transport table came after this process made its own");
+    }
+}
+
+impl Serialize for Transport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match wire_table().iter().position(|t| t.name() == self.name()) {
+            Some(i) => s.serialize_u16(i as u16),
+            None => Err(serde::ser::Error::custom(format!(
+                "transport `{self}` is not linked into the driver (it knows: {}); register it in the driver's program too",
+                wire_names().join(", ")
+            ))),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Transport {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let i = u16::deserialize(d)? as usize;
+        wire_table().get(i).copied().ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "transport id {i} is not in the driver's table of {}",
+                wire_table().len()
+            ))
+        })
     }
 }
 

@@ -69,6 +69,18 @@ impl Frame {
 
 /// Serializes `msg` into a frame, blobs out of band.
 pub fn to_frame<T: Serialize>(msg: &T) -> Result<Frame, FrameError> {
+    to_frame_prefixed(msg, false)
+}
+
+/// [`to_frame`], with the frame's length (8 bytes, big-endian, not
+/// counting themselves) at the front of the head, as a stream of frames
+/// carries it: one buffer for both, no allocation for the length.
+/// [`Frame::len`] counts those 8 bytes.
+pub fn to_frame_with_length<T: Serialize>(msg: &T) -> Result<Frame, FrameError> {
+    to_frame_prefixed(msg, true)
+}
+
+fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, FrameError> {
     let prev = CTX.with(|c| c.borrow_mut().replace(Ctx::Sink(Vec::new())));
     let restore = Restore(prev);
     let header = postcard::to_stdvec(msg).map_err(|e| FrameError::Header(e.to_string()));
@@ -78,7 +90,11 @@ pub fn to_frame<T: Serialize>(msg: &T) -> Result<Frame, FrameError> {
     };
     drop(restore);
     let header = header?;
-    let mut head = BytesMut::with_capacity(8 + header.len() + 8 * blobs.len());
+    let mut head = BytesMut::with_capacity(16 + header.len() + 8 * blobs.len());
+    if with_length {
+        let blob_bytes: usize = blobs.iter().map(|b| b.len()).sum();
+        head.put_u64((8 + header.len() + 8 * blobs.len() + blob_bytes) as u64);
+    }
     head.put_u32_le(header.len() as u32);
     head.put_slice(&header);
     head.put_u32_le(blobs.len() as u32);

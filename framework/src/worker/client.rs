@@ -186,7 +186,7 @@ impl WorkerShared {
                 method,
                 args,
                 result: id,
-                transport: transport.name().to_string(),
+                transport,
                 error,
             })
         };
@@ -400,7 +400,7 @@ impl ActorRuntime {
         );
         let wv = WireValue {
             data: Blob(encoded.payload.data.clone()),
-            transport: transport.name().to_string(),
+            transport,
             exported,
             refs: encoded.ref_ids(),
         };

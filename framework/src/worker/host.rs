@@ -83,7 +83,7 @@ struct Header {
     call: u64,
     method: u32,
     result: u64,
-    transport: String,
+    transport: Transport,
 }
 
 /// A call's arguments, ready for the method.
@@ -353,12 +353,12 @@ async fn run_call<A: RdtActor>(
     if payload.tensors.is_empty() {
         return Ok(WireValue {
             data: Blob(payload.data),
-            transport: Transport::ObjectStore.name().into(),
+            transport: Transport::ObjectStore,
             exported: Default::default(),
             refs,
         });
     }
-    let transport: Transport = msg.transport.parse()?;
+    let transport = msg.transport;
     let inst = transport.instance()?;
     for (i, t) in payload.tensors.iter().enumerate() {
         if let Err(e) = inst.check_device(t.device()) {
@@ -389,7 +389,7 @@ async fn run_call<A: RdtActor>(
     }
     Ok(WireValue {
         data: Blob(payload.data),
-        transport: transport.name().into(),
+        transport,
         exported,
         refs,
     })

@@ -631,6 +631,8 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         secret,
         local_ip,
     } = joined;
+    // Before any message that names a transport (ids, not names, travel).
+    crate::transport::set_wire_table(&order.transports);
     let tcp_bind = match (&order.tcp_bind, local_ip) {
         (Some(b), _) => b.clone(),
         (None, Some(ip)) => std::net::SocketAddr::new(ip, 0).to_string(),
@@ -911,12 +913,8 @@ fn on_deliver(
         Ok(d) => d,
     };
     let xfer = d.xfer;
-    let transport = match d
-        .value
-        .transport
-        .parse::<Transport>()
-        .and_then(|t| t.instance().map(|i| (t, i)))
-    {
+    let t = d.value.transport;
+    let transport = match t.instance().map(|i| (t, i)) {
         Ok(t) => t,
         Err(e) => {
             if xfer != 0 {
@@ -1154,7 +1152,7 @@ fn on_send(
                 object,
                 xfer,
                 peer: to.actor,
-                transport: String::new(),
+                transport: None,
                 message: format!("the producer cannot send object {object}: {e}"),
             });
             return;
@@ -1194,7 +1192,7 @@ fn on_send(
                     object,
                     xfer,
                     peer: to.actor,
-                    transport: v.transport.name().into(),
+                    transport: Some(v.transport),
                     message: e.to_string(),
                 });
             }
