@@ -685,8 +685,9 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
 
 /// The reading half of a connection (invariant 2).
 ///
-/// Blobs stream into their own buffers: a small one is cut from the read
-/// buffer with no copy; a large one (at least
+/// Blobs stream into their own buffers: a small one is copied out of the
+/// read buffer (which is then reused in place, and pinned by nothing); a
+/// large one (at least
 /// [`host_pool::MIN_POOLED`](rdt_transport::host_pool::MIN_POOLED)) is read
 /// by the socket straight into a pooled, page-aligned host buffer (pinned
 /// where the process has a CUDA context), so a frame is never buffered
@@ -708,8 +709,7 @@ enum ReadState {
     Head { body: usize },
     /// Reading the blobs, in order.
     Blobs {
-        head: Bytes,
-        header: std::ops::Range<usize>,
+        header: Vec<u8>,
         lens: Vec<usize>,
         blobs: Vec<Bytes>,
         /// A large blob being read into its buffer, and how much is in.
@@ -781,9 +781,13 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                         .map_err(|e| Error::Protocol(e.to_string()))?
                     {
                         Some(h) => {
+                            // Copied out (it is small), like small blobs
+                            // below: the read buffer is then never shared,
+                            // and every later read reuses it in place.
+                            let header = self.buf[h.header].to_vec();
+                            self.buf.advance(h.head_len);
                             self.state = ReadState::Blobs {
-                                head: self.buf.split_to(h.head_len).freeze(),
-                                header: h.header,
+                                header,
                                 lens: h.blob_lens,
                                 blobs: Vec::new(),
                                 large: None,
@@ -798,14 +802,13 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                     }
                 }
                 ReadState::Blobs {
-                    head,
                     header,
                     lens,
                     blobs,
                     large,
                 } => {
                     let Some(&len) = lens.get(blobs.len()) else {
-                        let msg = wire::from_parts(&head[header.clone()], std::mem::take(blobs))
+                        let msg = wire::from_parts(header, std::mem::take(blobs))
                             .map_err(|e| Error::Protocol(e.to_string()));
                         self.state = ReadState::Length;
                         return msg.map(Some);
@@ -827,7 +830,11 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                         *filled += n;
                     } else if len < MIN_POOLED {
                         if self.buf.len() >= len {
-                            blobs.push(self.buf.split_to(len).freeze());
+                            // A copy, not a slice of the read buffer: a
+                            // small value kept in a store must not pin a
+                            // whole read buffer (64 KiB or more) for life.
+                            blobs.push(Bytes::copy_from_slice(&self.buf[..len]));
+                            self.buf.advance(len);
                         } else if !self.fill(len - self.buf.len()).await? {
                             return Err(cut("a blob"));
                         }
