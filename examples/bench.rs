@@ -17,8 +17,10 @@
 //! - `control`: a bare Unix-socket echo round trip (8-byte length-prefixed
 //!   frames, a separate process, tokio client: the floor under any actor
 //!   call), a tiny actor call round trip, the same call made by an actor
-//!   (timed inside it), and a tiny-tensor pass (produce → pass ref →
-//!   consume → get).
+//!   (timed inside it), a tiny-tensor pass (produce → pass ref →
+//!   consume → get) per CPU transport, and, where a GPU is visible, the
+//!   cached `cuda_ipc` hand-off of a 4 KiB CUDA tensor between two actors
+//!   on GPU 0, all in one run, with their ratios to the echo.
 //! - `transports`: a full pass (produce → pass ref → consume → result) of
 //!   one tensor of 1 KiB, 1 MiB, 64 MiB and 256 MiB over every CPU
 //!   transport this build has (`nixl` where NIXL is installed:
@@ -68,6 +70,23 @@ impl Source {
             }
         }
     }
+
+    /// A CUDA tensor of `bytes` bytes on this worker's GPU, made (and
+    /// finished) once and handed out again: a pass of it over `cuda_ipc`
+    /// is a hand-off.
+    async fn cuda_tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
+        if let Some(t) = self
+            .kept
+            .as_ref()
+            .filter(|t| t.is_cuda() && t.nbytes() == bytes)
+        {
+            return Ok(t.clone());
+        }
+        let t = Tensor::cuda_full(1u8, &[bytes], 0)?;
+        t.cuda_ready().await?;
+        self.kept = Some(t.clone());
+        Ok(t)
+    }
 }
 
 #[rdt::actor]
@@ -98,6 +117,13 @@ impl Sink {
             ns.push(t.elapsed().as_nanos() as u64);
         }
         Ok(ns)
+    }
+
+    /// Waits until a received CUDA tensor is usable on this worker's GPU
+    /// (its stream has waited for the producer's event); its size.
+    async fn touch_cuda(&mut self, t: Tensor) -> rdt::Result<usize> {
+        t.cuda_ready().await?;
+        Ok(t.nbytes())
     }
 }
 
@@ -233,6 +259,9 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             .map(|&n| Duration::from_nanos(n))
             .collect(),
     ));
+    if let Some(r) = cuda_handoff(rt, iters).await? {
+        rows.push(r);
+    }
     for transport in cpu_transports() {
         let mut samples = Vec::new();
         for i in 0..iters + iters / 10 {
@@ -259,6 +288,42 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
         ));
     }
     Ok(rows)
+}
+
+/// Where a GPU is visible: the cached `cuda_ipc` hand-off of a 4 KiB CUDA
+/// tensor between two actors on GPU 0 (produce → pass ref → consumer's
+/// stream waits → answer), after warm-up passes that open the mapping.
+/// `None` without CUDA.
+async fn cuda_handoff(rt: &Runtime, iters: usize) -> rdt::Result<Option<Row>> {
+    if let Err(e) = rdt::data::cuda::available() {
+        eprintln!("skipping the cuda_ipc hand-off: {e}");
+        return Ok(None);
+    }
+    let src = rt.spawn::<Source>(()).on_gpus([0]).await?;
+    let sink = rt.spawn::<Sink>(()).on_gpus([0]).await?;
+    let mut samples = Vec::new();
+    for i in 0..iters + iters / 10 {
+        let t = Instant::now();
+        let r = src.cuda_tensor(4096).transport(Transport::CudaIpc).remote();
+        let n = rt.get(sink.touch_cuda(&r).remote()).await?;
+        assert_eq!(n, 4096);
+        drop(r);
+        if i >= iters / 10 {
+            samples.push(t.elapsed());
+        }
+    }
+    src.kill();
+    sink.kill();
+    let us = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    Ok(Some(Row::new(
+        "control",
+        "cached cuda_ipc hand-off (4 KiB)",
+        "cuda_ipc",
+        "cuda",
+        Kind::HandoffLatency,
+        4096,
+        us,
+    )))
 }
 
 fn cpu_transports() -> Vec<Transport> {
@@ -457,6 +522,12 @@ fn print(rows: &[Row]) {
             "ratio: tiny actor call / bare socket echo = {:.2}x",
             c.median_us / e.median_us
         );
+        if let Some(h) = rows.iter().find(|r| r.transport == "cuda_ipc") {
+            println!(
+                "ratio: cached cuda_ipc hand-off / bare socket echo = {:.2}x (same run)",
+                h.median_us / e.median_us
+            );
+        }
         if let Some(a) = rows.iter().find(|r| r.case == "tiny call from an actor") {
             println!(
                 "ratio: tiny call from an actor / bare socket echo = {:.2}x, / tiny call from the driver = {:.2}x",
