@@ -234,7 +234,11 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
             }
             WireArg::Ref(id) => {
                 refs.push(id);
-                match shared.store.wait_for(id).await {
+                // Hot: the delivery usually comes within the window (the
+                // producer's reply and the driver's `Deliver` are a few
+                // socket hops away); a thread that parked here pays a
+                // scheduler wake-up on the call's critical path.
+                match hot(shared.store.wait_for(id)).await {
                     Slot::Ready(v) => values.push((v.data, v.tensors)),
                     Slot::Failed(e) => {
                         return Err(Error::Dependency {
