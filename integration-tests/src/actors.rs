@@ -390,6 +390,16 @@ impl Consumer {
     async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
         rdt::data::nixl::stats()
     }
+
+    /// Sums `t` and tells whether its bytes are page-aligned (a received
+    /// large blob lands in a host pool buffer, which is; a heap buffer of
+    /// that size is not), with this worker's pool counters after the call
+    /// (`rdt::data::host_pool::stats`: hits, misses).
+    async fn sum_pooled(&mut self, t: Tensor) -> rdt::Result<(f64, bool, u64, u64)> {
+        let aligned = t.with_bytes(|b| (b.as_ptr() as usize).is_multiple_of(4096))?;
+        let s = rdt::data::host_pool::stats();
+        Ok((t.sum()?, aligned, s.hits, s.misses))
+    }
 }
 
 /// An actor whose constructor can fail.
@@ -1007,6 +1017,13 @@ impl GpuConsumer {
             p.1.sum().map_err(tensor_err)?,
             p.1.is_cuda(),
         ))
+    }
+
+    /// This worker's host pool counters (`rdt::data::host_pool::stats`):
+    /// hits, misses, bytes pinned for CUDA.
+    async fn pool_stats(&mut self) -> (u64, u64, usize) {
+        let s = rdt::data::host_pool::stats();
+        (s.hits, s.misses, s.pinned_bytes)
     }
 }
 

@@ -367,6 +367,40 @@ gpu_test!(object_store_on_cuda_tensors, async {
     assert_eq!(rt.get(c.sum(&put).remote()).await.unwrap(), (10.0, true));
 });
 
+// The object-store path with CUDA tensors large enough for the host pool:
+// the producer stages them through pinned buffers, the consumer reads them
+// from the socket into pinned buffers and copies them to its GPU from
+// there, pass after pass, with new values every pass (a buffer recycled
+// while a copy still read it would show as a wrong sum: HP-4).
+gpu_test!(object_store_cuda_passes_reuse_pinned_pool_buffers, async {
+    let (rt, p, c) = setup().await;
+    let n = 1 << 20; // 4 MiB of f32
+    for i in 0..6u32 {
+        let r = p
+            .make(i as f32, n)
+            .transport(Transport::ObjectStore)
+            .remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote()).await.unwrap(),
+            (i as f64 * n as f64, true),
+            "pass {i}: GPU -> pinned host -> driver -> pinned host -> GPU"
+        );
+    }
+    let (hits, misses, pinned) = rt.get(c.pool_stats().remote()).await.unwrap();
+    assert!(
+        hits + misses >= 6,
+        "a pool buffer per pass: {hits} hits, {misses} misses"
+    );
+    assert!(
+        hits >= 1,
+        "later passes reuse buffers: {hits} hits, {misses} misses"
+    );
+    assert!(
+        pinned >= 4 << 20,
+        "the consumer's buffers are pinned: {pinned} B"
+    );
+});
+
 // A tensor written on another library's stream carries the event after
 // which it is valid (`produced_on_stream`): the export waits for it on the
 // GPU, so the consumer reads the final values, not the memory before.

@@ -119,6 +119,8 @@ pub struct PoolStats {
     pub misses: u64,
     /// Bytes held idle now.
     pub idle_bytes: usize,
+    /// Bytes of buffers pinned for CUDA now, idle or in use.
+    pub pinned_bytes: usize,
 }
 
 /// Counters of this process's pool.
@@ -127,6 +129,7 @@ pub fn stats() -> PoolStats {
         hits: HITS.load(Ordering::Relaxed),
         misses: MISSES.load(Ordering::Relaxed),
         idle_bytes: with_pool(|p| p.idle_bytes),
+        pinned_bytes: with_pool(|p| p.pinned.iter().map(|&(_, l)| l).sum()),
     }
 }
 

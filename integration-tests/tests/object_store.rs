@@ -1,0 +1,61 @@
+//! The object-store path streams large blobs into pooled host buffers
+//! (`rdt::data::host_pool`) at both receiving ends, the driver and the
+//! consumer, and reuses them pass after pass: the tests prove it from the
+//! pool counters of both processes and from where the received bytes lie.
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+const DL: u64 = 120;
+
+#[tokio::test]
+async fn large_blobs_land_in_pool_buffers_that_later_passes_reuse() {
+    deadline(DL, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        // 4 MiB per pass: far over the pool's 256 KiB threshold.
+        let n = 1 << 20;
+        let driver_before = rdt::data::host_pool::stats();
+        let mut last = (0, 0);
+        for i in 0..6u32 {
+            let r = p
+                .make(i as f32, n)
+                .transport(Transport::ObjectStore)
+                .remote();
+            let (sum, aligned, hits, misses) = rt.get(c.sum_pooled(&r).remote()).await.unwrap();
+            assert_eq!(
+                sum,
+                i as f64 * n as f64,
+                "pass {i}: the bytes arrived whole"
+            );
+            assert!(
+                aligned,
+                "pass {i}: the consumer read the blob into a pool buffer"
+            );
+            last = (hits, misses);
+            // The driver's copy goes back to its pool once the ref is gone.
+            drop(r);
+        }
+        let (hits, misses) = last;
+        assert!(
+            hits + misses >= 6,
+            "the consumer took a pool buffer for every pass ({hits} hits, {misses} misses)"
+        );
+        assert!(
+            hits >= 1,
+            "later passes reuse the consumer's buffers ({hits} hits, {misses} misses)"
+        );
+        // The driver received each result into its own pool (this test
+        // process's counters: other tests add to them, never take away).
+        let driver = rdt::data::host_pool::stats();
+        assert!(
+            driver.hits + driver.misses >= driver_before.hits + driver_before.misses + 6,
+            "the driver streamed every result into a pool buffer: {driver_before:?} -> {driver:?}"
+        );
+        rt.shutdown().await;
+    })
+    .await;
+}
