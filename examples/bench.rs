@@ -25,7 +25,9 @@
 //!   one tensor of 1 KiB, 1 MiB, 64 MiB and 256 MiB over every CPU
 //!   transport this build has (`nixl` where NIXL is installed:
 //!   `scripts/install-nixl.sh`), with the object-store path as the
-//!   baseline.
+//!   baseline; and, from 1 MiB, the object store's own raw floor
+//!   (`raw_relay`: the same bytes through two plain processes, two Unix
+//!   socket crossings one after the other into reused buffers).
 //! - `soak`: the long form of the soak test: `--passes N` (default
 //!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
 //!   the per-pass latency and checks at the end that the owner table is
@@ -168,6 +170,115 @@ fn echo_server(path: &str) -> ! {
         let _ = s.write_all(&buf);
     }
     std::process::exit(0)
+}
+
+const RELAY_ENV: &str = "RDT_BENCH_RELAY";
+
+/// 4 MiB socket buffers, as rdt's control connections ask for
+/// (`protocol::size_socket_buffers`), so the baseline crosses the same way.
+fn big_buffers(sock: &impl std::os::fd::AsRawFd) {
+    let size: libc::c_int = 4 << 20;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: a valid socket and a c_int option value.
+        unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&size as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+}
+
+/// The raw floor of the object-store path, as a process: `relay LISTEN
+/// NEXT` reads each length-prefixed frame into a buffer it reuses, writes
+/// it on to `NEXT` and waits for its one-byte acknowledgement before it
+/// acknowledges (the driver in the middle); `sink LISTEN` reads each frame
+/// into a buffer it reuses and acknowledges it (the consumer).
+fn relay_server(spec: &str) -> ! {
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    let parts: Vec<&str> = spec.split('|').collect();
+    let listener = UnixListener::bind(parts[1]).expect("bind relay socket");
+    let mut next = (parts[0] == "relay").then(|| loop {
+        if let Ok(s) = UnixStream::connect(parts[2]) {
+            big_buffers(&s);
+            break s;
+        }
+        std::thread::yield_now();
+    });
+    let (mut s, _) = listener.accept().expect("accept");
+    big_buffers(&s);
+    let mut len = [0u8; 8];
+    let mut buf = Vec::new();
+    let mut ack = [0u8; 1];
+    while s.read_exact(&mut len).is_ok() {
+        let n = u64::from_be_bytes(len) as usize;
+        buf.resize(n, 0);
+        if s.read_exact(&mut buf).is_err() {
+            break;
+        }
+        if let Some(next) = next.as_mut() {
+            next.write_all(&len).unwrap();
+            next.write_all(&buf).unwrap();
+            next.read_exact(&mut ack).unwrap();
+        }
+        let _ = s.write_all(&ack);
+    }
+    std::process::exit(0)
+}
+
+/// The same bytes through two plain processes, the way the object store
+/// moves them (this process → relay → sink, each crossing a Unix socket
+/// with 4 MiB buffers into a reused buffer, one after the other): the floor under the
+/// object-store pass, with none of rdt's work. The first pass (buffers
+/// faulted in) is not timed.
+fn bench_relay(bytes: usize, iters: usize, label: &str) -> Row {
+    use std::io::{Read, Write};
+    let dir = tempfile_dir();
+    let (a, b) = (format!("{dir}/relay.sock"), format!("{dir}/sink.sock"));
+    let exe = std::env::current_exe().unwrap();
+    let mut sink = std::process::Command::new(&exe)
+        .env(RELAY_ENV, format!("sink|{b}"))
+        .spawn()
+        .expect("start sink");
+    let mut relay = std::process::Command::new(&exe)
+        .env(RELAY_ENV, format!("relay|{a}|{b}"))
+        .spawn()
+        .expect("start relay");
+    let mut s = loop {
+        match std::os::unix::net::UnixStream::connect(&a) {
+            Ok(s) => break s,
+            Err(_) => std::thread::yield_now(),
+        }
+    };
+    big_buffers(&s);
+    let payload = vec![1u8; bytes];
+    let mut ack = [0u8; 1];
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + 1 {
+        let t = Instant::now();
+        s.write_all(&(bytes as u64).to_be_bytes()).unwrap();
+        s.write_all(&payload).unwrap();
+        s.read_exact(&mut ack).unwrap();
+        if i > 0 {
+            samples.push(t.elapsed());
+        }
+    }
+    drop(s);
+    let _ = relay.wait();
+    let _ = sink.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    row(
+        "transports",
+        &format!("pass {label}"),
+        "raw_relay",
+        Kind::Bandwidth,
+        bytes as u64,
+        samples,
+    )
 }
 
 async fn bench_echo(iters: usize) -> Row {
@@ -385,6 +496,14 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             (false, b) if b >= 1 << 20 => 50,
             _ => 500,
         };
+        // The object store's raw floor, same size, same run.
+        if bytes >= 1 << 20
+            && only_transport
+                .as_deref()
+                .is_none_or(|t| t == "object_store")
+        {
+            rows.push(bench_relay(bytes, iters, label));
+        }
         for transport in cpu_transports() {
             if only_transport
                 .as_deref()
@@ -536,10 +655,21 @@ fn print(rows: &[Row]) {
             );
         }
     }
-    for r in rows
-        .iter()
-        .filter(|r| r.transport != "object_store" && r.suite == "transports")
-    {
+    for r in rows.iter().filter(|r| r.transport == "raw_relay") {
+        if let Some(os) = rows
+            .iter()
+            .find(|b| b.case == r.case && b.transport == "object_store")
+        {
+            println!(
+                "ratio: {} object_store takes {:.2}x the raw two-crossing relay",
+                r.case,
+                os.median_us / r.median_us
+            );
+        }
+    }
+    for r in rows.iter().filter(|r| {
+        !matches!(r.transport.as_str(), "object_store" | "raw_relay") && r.suite == "transports"
+    }) {
         if let Some(base) = rows
             .iter()
             .find(|b| b.case == r.case && b.transport == "object_store")
@@ -563,6 +693,9 @@ fn print(rows: &[Row]) {
 async fn main() -> rdt::Result<()> {
     if let Ok(path) = std::env::var(ECHO_ENV) {
         echo_server(&path);
+    }
+    if let Ok(spec) = std::env::var(RELAY_ENV) {
+        relay_server(&spec);
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let suite = args.first().cloned().unwrap_or_else(|| "control".into());
