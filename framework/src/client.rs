@@ -222,6 +222,22 @@ impl<'de> Deserialize<'de> for RawHandle {
     }
 }
 
+/// A `get` of object `id` bounded by `deadline`, for the driver's and an
+/// actor's `get_timeout` alike: running out is `Error::Timeout` naming the
+/// object.
+pub(crate) async fn get_within<T>(
+    id: u64,
+    deadline: Duration,
+    get: impl Future<Output = RdtResult<T>>,
+) -> RdtResult<T> {
+    tokio::time::timeout(deadline, get)
+        .await
+        .map_err(|_| Error::Timeout {
+            what: format!("object {id}"),
+            after_ms: deadline.as_millis() as u64,
+        })?
+}
+
 /// Ray's `wait` for the driver and for actors alike: `(finished, pending)`,
 /// each in the order of `refs`, once `num_returns` of them are finished
 /// (`wait` of its id resolved: ready or failed) or `timeout` passed.

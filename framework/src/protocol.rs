@@ -504,18 +504,9 @@ impl Sender {
             return Ok(());
         }
         if was_empty {
-            match write_ready(&self.inner.half, &mut q.chunks) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => {
-                    tracing::debug!("control connection write failed: {e}");
-                    q.closed = true;
-                    q.chunks.clear();
-                    return Ok(());
-                }
-            }
-        }
-        if !q.chunks.is_empty() {
+            self.write_queued(q);
+        } else {
+            // The writer task has the earlier frames; it takes this one too.
             drop(q);
             self.inner.wake.notify_one();
         }
@@ -559,10 +550,17 @@ impl Sender {
     /// Writes what is queued, up to what the socket takes now; the writer
     /// task is woken for the rest.
     fn flush(&self) {
-        let mut q = self.inner.queue.lock();
+        let q = self.inner.queue.lock();
         if q.closed || q.chunks.is_empty() {
             return;
         }
+        self.write_queued(q);
+    }
+
+    /// Writes the queue (held locked: `q`, open) without blocking; a write
+    /// error closes it, and what the socket did not take goes to the
+    /// writer task. Shared by an inline `send` and `flush`.
+    fn write_queued(&self, mut q: parking_lot::MutexGuard<'_, WriteQueue>) {
         match write_ready(&self.inner.half, &mut q.chunks) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}

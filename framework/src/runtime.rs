@@ -618,12 +618,7 @@ impl Runtime {
         deadline: Duration,
     ) -> Result<T> {
         let id = r.borrow().id;
-        tokio::time::timeout(deadline, self.get(r))
-            .await
-            .map_err(|_| Error::Timeout {
-                what: format!("object {id}"),
-                after_ms: deadline.as_millis() as u64,
-            })?
+        crate::client::get_within(id, deadline, self.get(r)).await
     }
 
     /// Gets a value through the object-store path whatever its transport:

@@ -300,12 +300,7 @@ impl ActorRuntime {
         deadline: Duration,
     ) -> Result<T> {
         let id = r.borrow().id;
-        tokio::time::timeout(deadline, self.get(r))
-            .await
-            .map_err(|_| Error::Timeout {
-                what: format!("object {id}"),
-                after_ms: deadline.as_millis() as u64,
-            })?
+        crate::client::get_within(id, deadline, self.get(r)).await
     }
 
     /// Gets several objects: every transfer starts before any is awaited.
