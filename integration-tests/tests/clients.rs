@@ -45,6 +45,13 @@ async fn relay_passes_a_driver_ref(transport: Transport) {
     assert_eq!(rt.get(&inner).await.unwrap(), 2000.0);
 
     drop((r, inner));
+    // CL-2: the relay gives back its own borrow of `inner` right after its
+    // reply, so the driver may not have read it yet. Any later reply of
+    // the relay comes after that release on the same connection: one
+    // round trip orders them.
+    rt.get(relay.received(transport.name().to_string()).remote())
+        .await
+        .unwrap();
     rt.transfers_settled().await;
     assert_eq!(
         rt.live_objects(),
