@@ -36,6 +36,8 @@
 
 use std::time::{Duration, Instant};
 
+// The raw baselines size their sockets as rdt's control connections do.
+use rdt::__bench::size_socket_buffers;
 use rdt::prelude::*;
 use rdt_examples::{Kind, Row};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -174,28 +176,11 @@ fn echo_server(path: &str) -> ! {
 
 const RELAY_ENV: &str = "RDT_BENCH_RELAY";
 
-/// 4 MiB socket buffers, as rdt's control connections ask for
-/// (`protocol::size_socket_buffers`), so the baseline crosses the same way.
-fn big_buffers(sock: &impl std::os::fd::AsRawFd) {
-    let size: libc::c_int = 4 << 20;
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-        // SAFETY: a valid socket and a c_int option value.
-        unsafe {
-            libc::setsockopt(
-                sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&size as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
-    }
-}
-
 /// The raw floor of the object-store path, as a process: `relay LISTEN
-/// NEXT` reads each length-prefixed frame into a buffer it reuses, writes
-/// it on to `NEXT` and waits for its one-byte acknowledgement before it
-/// acknowledges (the driver in the middle); `sink LISTEN` reads each frame
+/// NEXT` reads each length-prefixed frame into a buffer it reuses, writing
+/// each read on to `NEXT` as it lands, and waits for its one-byte
+/// acknowledgement before it acknowledges (the driver in the middle,
+/// forwarding as it receives); `sink LISTEN` reads each frame
 /// into a buffer it reuses and acknowledges it (the consumer).
 fn relay_server(spec: &str) -> ! {
     use std::io::{Read, Write};
@@ -204,26 +189,40 @@ fn relay_server(spec: &str) -> ! {
     let listener = UnixListener::bind(parts[1]).expect("bind relay socket");
     let mut next = (parts[0] == "relay").then(|| loop {
         if let Ok(s) = UnixStream::connect(parts[2]) {
-            big_buffers(&s);
+            size_socket_buffers(&s);
             break s;
         }
         std::thread::yield_now();
     });
     let (mut s, _) = listener.accept().expect("accept");
-    big_buffers(&s);
+    size_socket_buffers(&s);
     let mut len = [0u8; 8];
     let mut buf = Vec::new();
     let mut ack = [0u8; 1];
-    while s.read_exact(&mut len).is_ok() {
+    'frames: while s.read_exact(&mut len).is_ok() {
         let n = u64::from_be_bytes(len) as usize;
         buf.resize(n, 0);
-        if s.read_exact(&mut buf).is_err() {
-            break;
-        }
-        if let Some(next) = next.as_mut() {
-            next.write_all(&len).unwrap();
-            next.write_all(&buf).unwrap();
-            next.read_exact(&mut ack).unwrap();
+        match next.as_mut() {
+            None => {
+                if s.read_exact(&mut buf).is_err() {
+                    break;
+                }
+            }
+            Some(next) => {
+                // Cut-through, as the driver does: each read goes on at
+                // once, so the two crossings overlap.
+                next.write_all(&len).unwrap();
+                let mut got = 0;
+                while got < n {
+                    let k = match s.read(&mut buf[got..]) {
+                        Ok(0) | Err(_) => break 'frames,
+                        Ok(k) => k,
+                    };
+                    next.write_all(&buf[got..got + k]).unwrap();
+                    got += k;
+                }
+                next.read_exact(&mut ack).unwrap();
+            }
         }
         let _ = s.write_all(&ack);
     }
@@ -232,7 +231,8 @@ fn relay_server(spec: &str) -> ! {
 
 /// The same bytes through two plain processes, the way the object store
 /// moves them (this process → relay → sink, each crossing a Unix socket
-/// with 4 MiB buffers into a reused buffer, one after the other): the floor under the
+/// with 4 MiB buffers into a reused buffer, the relay forwarding as it
+/// reads): the floor under the
 /// object-store pass, with none of rdt's work. The first pass (buffers
 /// faulted in) is not timed.
 fn bench_relay(bytes: usize, iters: usize, label: &str) -> Row {
@@ -254,7 +254,7 @@ fn bench_relay(bytes: usize, iters: usize, label: &str) -> Row {
             Err(_) => std::thread::yield_now(),
         }
     };
-    big_buffers(&s);
+    size_socket_buffers(&s);
     let payload = vec![1u8; bytes];
     let mut ack = [0u8; 1];
     let mut samples = Vec::with_capacity(iters);
@@ -661,7 +661,7 @@ fn print(rows: &[Row]) {
             .find(|b| b.case == r.case && b.transport == "object_store")
         {
             println!(
-                "ratio: {} object_store takes {:.2}x the raw two-crossing relay",
+                "ratio: {} object_store takes {:.2}x the raw cut-through relay",
                 r.case,
                 os.median_us / r.median_us
             );

@@ -58,6 +58,13 @@ pub mod __fuzz {
     }
 }
 
+/// For the benchmark harness (`examples/bench.rs`): its raw baselines
+/// set up their sockets as rdt's own; not a public API.
+#[doc(hidden)]
+pub mod __bench {
+    pub use crate::protocol::size_socket_buffers;
+}
+
 /// Used by generated code; not a public API.
 #[doc(hidden)]
 pub mod __private {

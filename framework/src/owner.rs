@@ -406,7 +406,18 @@ impl OwnerTable {
                 }
                 return;
             }
-            ObjState::Ready(v) => v.clone(),
+            ObjState::Ready(v) => match v.lost() {
+                // Its bytes stopped arriving (its producer died while
+                // sending them): the error, not a value with a hole.
+                Some(err) => {
+                    if let std::collections::hash_map::Entry::Vacant(v) = e.copies.entry(consumer) {
+                        v.insert(Copy::Held);
+                        deliver_error(actors, consumer, id, err);
+                    }
+                    return;
+                }
+                None => v.clone(),
+            },
         };
         if sided != Sidedness::ThroughDriver && e.producer == Some(consumer) {
             // OW-3: the producer already holds the storage.

@@ -18,7 +18,8 @@
 
 use std::time::Duration;
 
-use rdt_transport::wire;
+use rdt_transport::arriving::{Arriving, ArrivingWriter, Progress};
+use rdt_transport::wire::{self, FramePart};
 use rdt_transport::{Blob, Exported, GroupRef, GroupSpec, Peer};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -47,6 +48,37 @@ pub struct WireValue {
     /// occurrence: the driver holds a count on each while the value lives
     /// (CL-2).
     pub refs: Vec<u64>,
+}
+
+impl WireValue {
+    /// Waits until every byte of the value is here: a receiver hands a
+    /// value on while its large blobs still arrive (cut-through,
+    /// `rdt_transport::arriving`). The error says the bytes were lost on
+    /// the way.
+    pub async fn arrived(&self) -> Result<()> {
+        self.data.arrived().await.map_err(lost_bytes)?;
+        self.exported.arrived().await.map_err(lost_bytes)
+    }
+
+    /// Why its bytes will never all be here, if they won't.
+    pub fn lost(&self) -> Option<Error> {
+        std::iter::once(&self.data)
+            .chain(&self.exported.inline)
+            .find_map(Blob::lost)
+            .map(lost_bytes)
+    }
+
+    /// The serialized non-tensor part; [`arrived`](Self::arrived) first.
+    pub fn data_bytes(&self) -> Result<Bytes> {
+        self.data.bytes().map_err(lost_bytes)
+    }
+}
+
+fn lost_bytes(e: rdt_transport::arriving::ArriveError) -> Error {
+    Error::Transport(rdt_transport::TransportError::new(
+        rdt_transport::object_store::NAME,
+        format!("a value's bytes did not arrive whole: {e}"),
+    ))
 }
 
 /// An argument of a call.
@@ -441,12 +473,111 @@ struct SenderInner {
     queue: parking_lot::Mutex<WriteQueue>,
     wake: Notify,
     max_frame: std::sync::atomic::AtomicUsize,
+    counts: ForwardCounts,
+}
+
+/// What a [`Sender`] wrote of blobs that were still arriving when it
+/// queued them (see [`Sender::forwarded`]).
+#[derive(Default)]
+struct ForwardCounts {
+    bytes: std::sync::atomic::AtomicU64,
+    early: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
 struct WriteQueue {
-    chunks: VecDeque<Bytes>,
+    chunks: VecDeque<Chunk>,
     closed: bool,
+}
+
+/// A piece of the write queue.
+enum Chunk {
+    /// Bytes all here.
+    Here(Bytes),
+    /// A blob still arriving (cut-through), written as it lands, from
+    /// byte `at`. If it fails, the rest is written as zeros and the
+    /// frame's status says so.
+    Arriving { blob: Arriving, at: usize },
+    /// A frame's status byte (`rdt_transport::wire` module docs), decided
+    /// once every one of these blobs ended.
+    Status(Vec<Arriving>),
+}
+
+/// Padding for the rest of a blob that failed mid-way.
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
+/// What a chunk can give the socket now.
+enum Offer<'a> {
+    /// These bytes; `whole`: the chunk's blob is whole (or it is no blob),
+    /// so what follows may go in the same write.
+    Bytes { bytes: &'a [u8], whole: bool },
+    /// Nothing until this blob fills past this many bytes (or ends).
+    Wait(Arriving, usize),
+}
+
+impl Chunk {
+    /// Its next bytes: a blob's part that is in (zeros once it failed), a
+    /// status once every blob of the frame ended.
+    fn offer(&self) -> Offer<'_> {
+        match self {
+            Chunk::Here(b) => Offer::Bytes {
+                bytes: b,
+                whole: true,
+            },
+            Chunk::Arriving { blob, at } => match blob.progress() {
+                Progress::Filling(n) if n > *at => Offer::Bytes {
+                    bytes: &blob.prefix(n)[*at..],
+                    whole: false,
+                },
+                Progress::Filling(_) => Offer::Wait(blob.clone(), *at),
+                Progress::Done => Offer::Bytes {
+                    bytes: &blob.prefix(blob.len())[*at..],
+                    whole: true,
+                },
+                Progress::Failed(_) => Offer::Bytes {
+                    bytes: &ZEROS[..ZEROS.len().min(blob.len() - *at)],
+                    whole: true,
+                },
+            },
+            Chunk::Status(blobs) => {
+                if let Some(b) = blobs
+                    .iter()
+                    .find(|b| matches!(b.progress(), Progress::Filling(_)))
+                {
+                    return Offer::Wait(b.clone(), b.len());
+                }
+                let lost = blobs
+                    .iter()
+                    .any(|b| matches!(b.progress(), Progress::Failed(_)));
+                let status: &'static [u8] = if lost { &[wire::STATUS_LOST] } else { &[0] };
+                Offer::Bytes {
+                    bytes: status,
+                    whole: true,
+                }
+            }
+        }
+    }
+
+    /// `k` bytes of what it offered (`whole` as offered) were written.
+    /// True when the chunk is all written.
+    fn advance(&mut self, k: usize, whole: bool, counts: &ForwardCounts) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self {
+            Chunk::Here(b) => {
+                b.advance(k);
+                b.is_empty()
+            }
+            Chunk::Arriving { blob, at } => {
+                counts.bytes.fetch_add(k as u64, Relaxed);
+                if !whole {
+                    counts.early.fetch_add(k as u64, Relaxed);
+                }
+                *at += k;
+                *at == blob.len()
+            }
+            Chunk::Status(_) => true,
+        }
+    }
 }
 
 impl std::fmt::Debug for Sender {
@@ -487,9 +618,20 @@ impl Sender {
             return Ok(());
         }
         let was_empty = q.chunks.is_empty();
-        q.chunks.push_back(frame.head);
-        q.chunks
-            .extend(frame.blobs.into_iter().filter(|b| !b.is_empty()));
+        q.chunks.push_back(Chunk::Here(frame.head));
+        let mut arriving = Vec::new();
+        for part in frame.blobs.into_iter().filter(|b| !b.is_empty()) {
+            q.chunks.push_back(match part {
+                FramePart::Here(b) => Chunk::Here(b),
+                FramePart::Arriving(blob) => {
+                    arriving.push(blob.clone());
+                    Chunk::Arriving { blob, at: 0 }
+                }
+            });
+        }
+        if frame.status {
+            q.chunks.push_back(Chunk::Status(arriving));
+        }
         if was_empty && DEFERRED.with(|d| d.borrow().is_some()) {
             // Under the driver's state lock: queued in order now, written
             // by `flush_deferred` once the lock is released.
@@ -557,12 +699,22 @@ impl Sender {
         self.write_queued(q);
     }
 
+    /// Of the blobs this sender took while they were still arriving: the
+    /// bytes written, and how many of those went out before their blob
+    /// was whole (cut-through).
+    pub fn forwarded(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.inner.counts;
+        (c.bytes.load(Relaxed), c.early.load(Relaxed))
+    }
+
     /// Writes the queue (held locked: `q`, open) without blocking; a write
-    /// error closes it, and what the socket did not take goes to the
-    /// writer task. Shared by an inline `send` and `flush`.
+    /// error closes it, and what the socket did not take, or what waits
+    /// for bytes still arriving, goes to the writer task. Shared by an
+    /// inline `send` and `flush`.
     fn write_queued(&self, mut q: parking_lot::MutexGuard<'_, WriteQueue>) {
-        match write_ready(&self.inner.half, &mut q.chunks) {
-            Ok(()) => {}
+        match write_ready(&self.inner, &mut q.chunks) {
+            Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 tracing::debug!("control connection write failed: {e}");
@@ -578,27 +730,80 @@ impl Sender {
     }
 }
 
-/// Writes queued chunks without blocking until done or the socket is full
-/// (`WouldBlock`).
-fn write_ready(half: &WriteHalf, chunks: &mut VecDeque<Bytes>) -> std::io::Result<()> {
+/// Writes queued chunks without blocking until done, the socket is full
+/// (`WouldBlock`), or the next bytes are still arriving: then the blob to
+/// wait on and how much of it was taken (`Ok(Some(..))`).
+fn write_ready(
+    me: &SenderInner,
+    chunks: &mut VecDeque<Chunk>,
+) -> std::io::Result<Option<(Arriving, usize)>> {
     while !chunks.is_empty() {
-        let slices: Vec<IoSlice<'_>> = chunks.iter().take(64).map(|c| IoSlice::new(c)).collect();
-        let mut n = half.try_write_vectored(&slices)?;
+        // What each chunk offers now, and whether its blob was whole.
+        let mut offered: Vec<(usize, bool)> = Vec::new();
+        let mut slices: Vec<IoSlice<'_>> = Vec::new();
+        let mut wait = None;
+        for c in chunks.iter().take(64) {
+            match c.offer() {
+                Offer::Wait(blob, seen) => {
+                    wait = Some((blob, seen));
+                    break;
+                }
+                Offer::Bytes { bytes, whole } => {
+                    offered.push((bytes.len(), whole));
+                    slices.push(IoSlice::new(bytes));
+                    if !whole {
+                        // Bytes past it are not in yet.
+                        break;
+                    }
+                }
+            }
+        }
+        if slices.is_empty() {
+            return Ok(wait);
+        }
+        let mut n = me.half.try_write_vectored(&slices)?;
+        drop(slices);
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
-        while n > 0 {
+        for (len, whole) in offered {
+            if n == 0 {
+                break;
+            }
+            let k = n.min(len);
+            n -= k;
             let first = chunks.front_mut().expect("wrote no more than was queued");
-            if n >= first.len() {
-                n -= first.len();
+            if first.advance(k, whole, &me.counts) {
                 chunks.pop_front();
-            } else {
-                first.advance(n);
-                n = 0;
             }
         }
     }
-    Ok(())
+    Ok(None)
+}
+
+/// Writes one chunk through an async writer (the TLS writer task),
+/// waiting for the bytes of a blob still arriving.
+async fn write_chunk<W: tokio::io::AsyncWrite + Unpin>(
+    w: &mut W,
+    mut c: Chunk,
+    counts: &ForwardCounts,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    loop {
+        let (k, whole) = match c.offer() {
+            Offer::Wait(blob, seen) => {
+                blob.progress_beyond(seen).await;
+                continue;
+            }
+            Offer::Bytes { bytes, whole } => {
+                w.write_all(bytes).await?;
+                (bytes.len(), whole)
+            }
+        };
+        if c.advance(k, whole, counts) {
+            return Ok(());
+        }
+    }
 }
 
 /// The writer task of a TLS connection: drains the queue in order through
@@ -610,7 +815,7 @@ async fn tls_writer(me: &SenderInner, w: &tokio::sync::Mutex<tokio::io::WriteHal
         let notified = me.wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let chunks: Vec<Bytes> = {
+        let chunks: Vec<Chunk> = {
             let mut q = me.queue.lock();
             if q.closed {
                 return;
@@ -622,7 +827,7 @@ async fn tls_writer(me: &SenderInner, w: &tokio::sync::Mutex<tokio::io::WriteHal
             continue;
         }
         for c in chunks {
-            if let Err(e) = w.write_all(&c).await {
+            if let Err(e) = write_chunk(&mut *w, c, &me.counts).await {
                 tracing::debug!("TLS control connection write failed: {e}");
                 let mut q = me.queue.lock();
                 q.closed = true;
@@ -644,6 +849,7 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
         queue: parking_lot::Mutex::new(WriteQueue::default()),
         wake: Notify::new(),
         max_frame: std::sync::atomic::AtomicUsize::new(max_frame),
+        counts: ForwardCounts::default(),
     });
     let me = inner.clone();
     tokio::spawn(async move {
@@ -658,7 +864,7 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
                     if q.closed || q.chunks.is_empty() {
                         break;
                     }
-                    let r = write_ready(&me.half, &mut q.chunks);
+                    let r = write_ready(&me, &mut q.chunks);
                     if let Err(e) = &r {
                         if e.kind() != std::io::ErrorKind::WouldBlock {
                             tracing::debug!("control connection write failed: {e}");
@@ -668,11 +874,18 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
                     }
                     r
                 };
-                if let Err(e) = res {
-                    if e.kind() != std::io::ErrorKind::WouldBlock
-                        || me.half.writable().await.is_err()
-                    {
-                        return;
+                match res {
+                    Ok(None) => {}
+                    // The next bytes are still arriving (cut-through).
+                    Ok(Some((blob, taken))) => {
+                        blob.progress_beyond(taken).await;
+                    }
+                    Err(e) => {
+                        if e.kind() != std::io::ErrorKind::WouldBlock
+                            || me.half.writable().await.is_err()
+                        {
+                            return;
+                        }
                     }
                 }
             }
@@ -709,10 +922,38 @@ enum ReadState {
     Blobs {
         header: Vec<u8>,
         lens: Vec<usize>,
-        blobs: Vec<Bytes>,
+        blobs: Vec<Blob>,
         /// A large blob being read into its buffer, and how much is in.
         large: Option<(rdt_transport::host_pool::HostBuf, usize)>,
+        /// Does a status byte follow the blobs?
+        status: bool,
     },
+    /// The message went up with its blobs from the first very large one on
+    /// still arriving; their bytes are read into them, in order.
+    Streaming {
+        /// Blobs whose bytes are still to read, in order.
+        writers: VecDeque<ArrivingWriter>,
+        /// Blobs read whole, waiting for the frame's status byte.
+        read: Vec<ArrivingWriter>,
+        status: bool,
+    },
+}
+
+/// Blobs from this size on are handed up while they arrive (cut-through:
+/// the driver forwards them, a consumer waits for them, as they land).
+/// Smaller ones gain less than the wake-ups cost.
+pub const STREAM_MIN: usize = 4 << 20;
+
+/// [`STREAM_MIN`], or `RDT_STREAM_MIN` (bytes; `off` turns cut-through
+/// off) read once per process: the benchmarks compare both paths in one
+/// run.
+fn stream_min() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| match std::env::var("RDT_STREAM_MIN") {
+        Ok(v) if v == "off" => usize::MAX,
+        Ok(v) => v.parse().unwrap_or(STREAM_MIN),
+        Err(_) => STREAM_MIN,
+    })
 }
 
 /// What the read buffer asks of the socket at least per read.
@@ -789,6 +1030,7 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                                 lens: h.blob_lens,
                                 blobs: Vec::new(),
                                 large: None,
+                                status: h.status,
                             };
                         }
                         // The head is at most the frame: read on.
@@ -804,17 +1046,50 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                     lens,
                     blobs,
                     large,
+                    status,
                 } => {
                     let Some(&len) = lens.get(blobs.len()) else {
                         let msg = wire::from_parts(header, std::mem::take(blobs))
                             .map_err(|e| Error::Protocol(e.to_string()));
-                        self.state = ReadState::Length;
+                        // A status byte with no blob before it (a frame
+                        // with blobs streams from its first, below) is
+                        // read next, like any.
+                        self.state = match *status {
+                            true => ReadState::Streaming {
+                                writers: VecDeque::new(),
+                                read: Vec::new(),
+                                status: true,
+                            },
+                            false => ReadState::Length,
+                        };
                         return msg.map(Some);
                     };
+                    if large.is_none() && (len >= stream_min() || *status) {
+                        // Hand the message up now; its blobs from here on
+                        // arrive in their buffers (AR-1, AR-2). A frame
+                        // with a status byte goes this way from its first
+                        // blob: the status, read last, decides them all.
+                        let mut writers = VecDeque::new();
+                        for &l in &lens[blobs.len()..] {
+                            let (a, w) = Arriving::new(l).map_err(|e| {
+                                Error::Io(format!("allocating {l} bytes for a received blob: {e}"))
+                            })?;
+                            blobs.push(Blob::arriving(a));
+                            writers.push_back(w);
+                        }
+                        let msg = wire::from_parts(header, std::mem::take(blobs))
+                            .map_err(|e| Error::Protocol(e.to_string()));
+                        self.state = ReadState::Streaming {
+                            writers,
+                            read: Vec::new(),
+                            status: *status,
+                        };
+                        return msg.map(Some);
+                    }
                     if let Some((buf, filled)) = large {
                         if *filled == len {
                             let (buf, _) = large.take().expect("checked");
-                            blobs.push(buf.freeze());
+                            blobs.push(Blob::new(buf.freeze()));
                             continue;
                         }
                         let n = self
@@ -831,7 +1106,7 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                             // A copy, not a slice of the read buffer: a
                             // small value kept in a store must not pin a
                             // whole read buffer (64 KiB or more) for life.
-                            blobs.push(Bytes::copy_from_slice(&self.buf[..len]));
+                            blobs.push(Blob::new(Bytes::copy_from_slice(&self.buf[..len])));
                             self.buf.advance(len);
                         } else if !self.fill(len - self.buf.len()).await? {
                             return Err(cut("a blob"));
@@ -847,8 +1122,91 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                         *large = Some((buf, have));
                     }
                 }
+                ReadState::Streaming { .. } => self.step_streaming().await?,
             }
         }
+    }
+
+    /// One step of reading the blobs of a frame already handed up: some
+    /// bytes into the first unfinished blob, or its end, or the frame's
+    /// status and end (back to `Length`).
+    async fn step_streaming(&mut self) -> Result<()> {
+        use tokio::io::AsyncReadExt;
+        let ReadState::Streaming {
+            writers,
+            read,
+            status,
+        } = &mut self.state
+        else {
+            return Ok(());
+        };
+        let Some(w) = writers.front_mut() else {
+            if *status {
+                self.read_status().await?;
+            }
+            self.state = ReadState::Length;
+            return Ok(());
+        };
+        if w.remaining() == 0 {
+            let w = writers.pop_front().expect("looked at");
+            match *status {
+                // Whole only once the status vouches for it.
+                true => read.push(w),
+                false => w.finish(),
+            }
+        } else if !self.buf.is_empty() {
+            let k = self.buf.len().min(w.remaining());
+            w.spare()[..k].copy_from_slice(&self.buf[..k]);
+            self.buf.advance(k);
+            w.advance(k);
+        } else {
+            let n = self
+                .r
+                .read(w.spare())
+                .await
+                .map_err(|e| Error::Io(e.to_string()))?;
+            if n == 0 {
+                return Err(Error::Io(
+                    "the connection closed in the middle of a blob".into(),
+                ));
+            }
+            w.advance(n);
+        }
+        Ok(())
+    }
+
+    /// Reads the rest of the frame whose message [`recv`](Self::recv)
+    /// handed up early (its large blobs still arriving), so that they are
+    /// whole without another `recv`. Does nothing between frames.
+    pub async fn finish_frame(&mut self) -> Result<()> {
+        while matches!(self.state, ReadState::Streaming { .. }) {
+            self.step_streaming().await?;
+        }
+        Ok(())
+    }
+
+    /// Reads a frame's status byte (state `Streaming`, every blob read)
+    /// and ends the blobs it vouches for: whole, or lost. Cancel-safe: the
+    /// byte is consumed only once it is here.
+    async fn read_status(&mut self) -> Result<()> {
+        if self.buf.is_empty() && !self.fill(1).await? {
+            return Err(Error::Io(
+                "the connection closed in the middle of a frame's status".into(),
+            ));
+        }
+        let good = self.buf.get_u8() == 0;
+        if let ReadState::Streaming { read, .. } = &mut self.state {
+            for w in read.drain(..) {
+                match good {
+                    true => w.finish(),
+                    false => w.fail(
+                        "the value's bytes were lost on the way: the actor that made it \
+                         failed while the driver forwarded them",
+                    ),
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1040,11 +1398,16 @@ mod tests {
             ));
             // A large frame goes out partly inline, partly from the queue,
             // and the next frame stays behind it.
-            let big = Blob(bytes::Bytes::from(vec![7u8; 8 << 20]));
+            let big = Blob::new(bytes::Bytes::from(vec![7u8; 8 << 20]));
             tx.send(&order(big.clone())).unwrap();
             tx.send(&ToWorker::Shutdown).unwrap();
             match rx.recv::<ToWorker>().await.unwrap() {
-                Some(ToWorker::Spawn(o)) => assert_eq!(o.args, big),
+                Some(ToWorker::Spawn(o)) => {
+                    // Handed up while its 8 MiB still arrive.
+                    assert!(o.args.still_arriving().is_some());
+                    rx.finish_frame().await.unwrap();
+                    assert_eq!(o.args, big)
+                }
                 other => panic!("{other:?}"),
             }
             assert!(matches!(
@@ -1054,14 +1417,14 @@ mod tests {
             // Over the sender's limit: refused at once.
             let (c, _d) = UnixStream::pair().unwrap();
             let small = spawn_writer(WriteHalf::Unix(c.into_split().1), 1024);
-            let e = small.send(&order(Blob(bytes::Bytes::from(vec![0u8; 4096]))));
+            let e = small.send(&order(Blob::new(bytes::Bytes::from(vec![0u8; 4096]))));
             assert!(matches!(e, Err(Error::Protocol(m)) if m.contains("frame limit")));
             // Over the receiver's limit: an error, not an allocation.
             let (c, d) = UnixStream::pair().unwrap();
             let loose = spawn_writer(WriteHalf::Unix(c.into_split().1), 1 << 20);
             let mut strict = Receiver::new(d, 1024);
             loose
-                .send(&order(Blob(bytes::Bytes::from(vec![0u8; 4096]))))
+                .send(&order(Blob::new(bytes::Bytes::from(vec![0u8; 4096]))))
                 .unwrap();
             assert!(strict.recv::<ToWorker>().await.is_err());
         })
@@ -1073,10 +1436,10 @@ mod tests {
     async fn a_cancelled_recv_resumes_the_frame_and_large_blobs_land_in_pooled_buffers() {
         use tokio::io::AsyncWriteExt;
         tokio::time::timeout(Duration::from_secs(10), async {
-            let big = Blob(bytes::Bytes::from(
+            let big = Blob::new(bytes::Bytes::from(
                 (0..3 << 20).map(|i| (i % 251) as u8).collect::<Vec<u8>>(),
             ));
-            let small = Blob(bytes::Bytes::from(vec![5u8; 100]));
+            let small = Blob::new(bytes::Bytes::from(vec![5u8; 100]));
             let msg = ToDriver::Fetched {
                 req: 9,
                 result: Ok(WireValue {
@@ -1093,6 +1456,9 @@ mod tests {
             let mut bytes = (frame.len() as u64).to_be_bytes().to_vec();
             bytes.extend_from_slice(&frame.head);
             for b in &frame.blobs {
+                let FramePart::Here(b) = b else {
+                    panic!("all here")
+                };
                 bytes.extend_from_slice(b);
             }
             let (mut a, b) = tokio::io::duplex(8 << 20);
@@ -1117,7 +1483,10 @@ mod tests {
             assert_eq!(v.data, small);
             assert_eq!(v.exported.inline, vec![big]);
             // The large blob sits in a page-aligned pool buffer.
-            assert_eq!(v.exported.inline[0].0.as_ptr() as usize % 4096, 0);
+            assert_eq!(
+                v.exported.inline[0].bytes().unwrap().as_ptr() as usize % 4096,
+                0
+            );
             let s = rdt_transport::host_pool::stats();
             // (Other tests of this binary use the pool too: at least one more.)
             assert!(s.misses + s.hits > before.misses + before.hits);
@@ -1154,6 +1523,219 @@ mod tests {
                 rx.recv::<ToWorker>().await,
                 Err(Error::Protocol(_))
             ));
+        })
+        .await
+        .unwrap();
+    }
+
+    /// A frame with one blob of `len` bytes, as its sender writes it
+    /// (length, head, blob), and the value it carries.
+    fn fetched_frame(len: usize) -> (Vec<u8>, Vec<u8>) {
+        let blob: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        let msg = ToDriver::Fetched {
+            req: 1,
+            result: Ok(WireValue {
+                data: Blob::new(bytes::Bytes::from_static(b"d")),
+                transport: Transport::ObjectStore,
+                exported: Exported {
+                    inline: vec![Blob::new(bytes::Bytes::from(blob.clone()))],
+                    ..Default::default()
+                },
+                refs: vec![],
+            }),
+        };
+        let frame = wire::to_frame_with_length(&msg).unwrap();
+        let mut bytes = frame.head.to_vec();
+        for b in &frame.blobs {
+            let FramePart::Here(b) = b else {
+                panic!("all here")
+            };
+            bytes.extend_from_slice(b);
+        }
+        (bytes, blob)
+    }
+
+    /// The driver's hop of the object-store path, on real sockets: a
+    /// receiver (the driver's, from the producer) and a sender that
+    /// forwards what it got (to the consumer), and the consumer's receiver.
+    struct Relay {
+        producer: tokio::net::UnixStream,
+        from_producer: Receiver<ReadHalf>,
+        to_consumer: Sender,
+        at_consumer: Receiver<ReadHalf>,
+    }
+
+    fn relay() -> Relay {
+        use tokio::net::UnixStream;
+        let (producer, driver_in) = UnixStream::pair().unwrap();
+        let (driver_out, consumer) = UnixStream::pair().unwrap();
+        let (r, _w) = driver_in.into_split();
+        std::mem::forget(_w);
+        let (_r, w) = driver_out.into_split();
+        std::mem::forget(_r);
+        let (cr, cw) = consumer.into_split();
+        std::mem::forget(cw);
+        Relay {
+            producer,
+            from_producer: Receiver::new(ReadHalf::Unix(r), 1 << 30),
+            to_consumer: spawn_writer(WriteHalf::Unix(w), 1 << 30),
+            at_consumer: Receiver::new(ReadHalf::Unix(cr), 1 << 30),
+        }
+    }
+
+    fn forward(v: WireValue) -> ToWorker {
+        ToWorker::Deliver {
+            object: 7,
+            value: Ok(Delivery {
+                value: v,
+                from: None,
+                xfer: 0,
+                group: None,
+            }),
+        }
+    }
+
+    fn delivered(m: ToWorker) -> WireValue {
+        match m {
+            ToWorker::Deliver { value: Ok(d), .. } => d.value,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn fetched(m: ToDriver) -> WireValue {
+        match m {
+            ToDriver::Fetched { result: Ok(v), .. } => v,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The producer's side: writes the first `half` of `bytes`, then, when
+    /// told, the rest (`true`: a producer that finishes) or nothing
+    /// (`false`: one that dies mid-blob), and closes its socket.
+    fn produce(
+        producer: tokio::net::UnixStream,
+        bytes: Vec<u8>,
+        half: usize,
+    ) -> (
+        tokio::sync::oneshot::Sender<bool>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        use tokio::io::AsyncWriteExt;
+        let (tell, told) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(async move {
+            let mut producer = producer;
+            producer.write_all(&bytes[..half]).await.unwrap();
+            if told.await.unwrap_or(false) {
+                producer.write_all(&bytes[half..]).await.unwrap();
+            }
+        });
+        (tell, task)
+    }
+
+    #[tokio::test]
+    async fn a_large_blob_is_handed_up_and_forwarded_while_it_arrives() {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let Relay {
+                producer,
+                mut from_producer,
+                to_consumer,
+                mut at_consumer,
+            } = relay();
+            let len = 3 * STREAM_MIN;
+            let (bytes, blob) = fetched_frame(len);
+            // The head and the first half of the blob, then the rest when
+            // told.
+            let half = bytes.len() - len / 2;
+            let (more, producer) = produce(producer, bytes, half);
+            let v = fetched(from_producer.recv().await.unwrap().unwrap());
+            let at_driver = v.exported.inline[0].clone();
+            assert!(
+                at_driver.still_arriving().is_some(),
+                "handed up before the blob is in"
+            );
+            // Forwarded before it is whole; the driver's reader goes on.
+            to_consumer.send(&forward(v)).unwrap();
+            let reader = tokio::spawn(async move {
+                let r = from_producer.recv::<ToDriver>().await;
+                (from_producer, r)
+            });
+            let v = delivered(at_consumer.recv::<ToWorker>().await.unwrap().unwrap());
+            let at_consumer_blob = v.exported.inline[0].clone();
+            let consumer_reader = tokio::spawn(async move {
+                at_consumer.finish_frame().await.unwrap();
+                at_consumer
+            });
+            // The consumer gets bytes while the driver's copy is not whole:
+            // cut-through, not store-and-forward.
+            let arriving = at_consumer_blob.still_arriving().unwrap().clone();
+            let mut seen = 0;
+            while seen < len / 4 {
+                match arriving.progress_beyond(seen).await {
+                    rdt_transport::arriving::Progress::Filling(n) => seen = n,
+                    p => panic!("ended early: {p:?}"),
+                }
+            }
+            assert!(at_driver.still_arriving().is_some());
+            assert_eq!(arriving.prefix(seen), &blob[..seen]);
+            let (_, early) = to_consumer.forwarded();
+            assert!(early >= seen as u64 / 2, "sent before whole: {early}");
+            // The rest: both ends become whole, with the right bytes.
+            more.send(true).unwrap();
+            producer.await.unwrap();
+            assert_eq!(&at_driver.arrived().await.unwrap()[..], &blob[..]);
+            assert_eq!(&at_consumer_blob.arrived().await.unwrap()[..], &blob[..]);
+            let mut at_consumer = consumer_reader.await.unwrap();
+            // Both connections go on: a clean end at the driver (the
+            // producer closed its socket), the next frame at the consumer.
+            let (_, end) = reader.await.unwrap();
+            assert!(end.unwrap().is_none());
+            to_consumer.send(&ToWorker::Ping).unwrap();
+            assert!(matches!(
+                at_consumer.recv::<ToWorker>().await.unwrap(),
+                Some(ToWorker::Ping)
+            ));
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_blob_cut_off_at_its_source_is_lost_downstream_and_the_connection_goes_on() {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let Relay {
+                producer,
+                mut from_producer,
+                to_consumer,
+                mut at_consumer,
+            } = relay();
+            let len = 2 * STREAM_MIN;
+            let (bytes, _) = fetched_frame(len);
+            let half = bytes.len() - len / 2;
+            let (die, producer) = produce(producer, bytes, half);
+            let v = fetched(from_producer.recv().await.unwrap().unwrap());
+            let at_driver = v.clone();
+            to_consumer.send(&forward(v)).unwrap();
+            // The producer dies mid-blob.
+            die.send(false).unwrap();
+            assert!(from_producer.recv::<ToDriver>().await.is_err());
+            producer.await.unwrap();
+            drop(from_producer);
+            let e = at_driver.arrived().await.unwrap_err().to_string();
+            assert!(e.contains("stopped after"), "{e}");
+            assert!(at_driver.lost().is_some());
+            // The consumer gets the frame (padded) and a status that says
+            // its bytes are lost: the value fails, it is never used.
+            let v = delivered(at_consumer.recv::<ToWorker>().await.unwrap().unwrap());
+            let reader = tokio::spawn(async move {
+                let next = at_consumer.recv::<ToWorker>().await;
+                (at_consumer, next)
+            });
+            let e = v.arrived().await.unwrap_err().to_string();
+            assert!(e.contains("lost on the way"), "{e}");
+            // The connection stays in step: the next frame arrives whole.
+            to_consumer.send(&ToWorker::Ping).unwrap();
+            let (_, next) = reader.await.unwrap();
+            assert!(matches!(next.unwrap(), Some(ToWorker::Ping)));
         })
         .await
         .unwrap();

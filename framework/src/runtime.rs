@@ -468,6 +468,8 @@ impl Runtime {
     pub async fn get<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
         let r = r.borrow();
         let wv = self.inner.wait_value(r.id).await?;
+        // A value through the driver may still be arriving (cut-through).
+        wv.arrived().await?;
         match wv.transport.sidedness() {
             rdt_transport::Sidedness::ThroughDriver => decode_wire(&self.inner, &wv, r.id),
             rdt_transport::Sidedness::TwoSided => Err(Error::CollectiveGet {
@@ -493,6 +495,7 @@ impl Runtime {
     ) -> Result<T> {
         let r = r.borrow();
         let wv = self.inner.wait_value(r.id).await?;
+        wv.arrived().await?;
         match driver_transport(wv.transport) {
             Some(inst) => self.get_direct(r.id, &wv, inst, Target::Host).await,
             None => Err(Error::TransportUnavailable {
@@ -629,6 +632,7 @@ impl Runtime {
     ) -> Result<T> {
         let id = r.borrow().id;
         let wv = self.inner.wait_value(id).await?;
+        wv.arrived().await?;
         if wv.transport == Transport::ObjectStore {
             return decode_wire(&self.inner, &wv, id);
         }
@@ -650,6 +654,7 @@ impl Runtime {
             send_to(&st.actors, p, &ToWorker::Fetch { object: id, req });
         }
         let wv = rx.await.map_err(|_| Error::Shutdown)??;
+        wv.arrived().await?;
         decode_wire(&self.inner, &wv, id)
     }
 
@@ -742,7 +747,7 @@ impl Runtime {
             }
         };
         let wv = WireValue {
-            data: Blob(payload.data),
+            data: Blob::new(payload.data),
             transport,
             exported,
             refs,
@@ -985,6 +990,19 @@ impl Runtime {
         }
     }
 
+    /// What the driver sent on to its live actors of blobs it was still
+    /// receiving (large values on the object-store path, forwarded as they
+    /// arrive instead of after the whole value is in): `(bytes, of which
+    /// sent before their blob was whole)`. For benchmarks and tests.
+    pub fn forwarded_bytes(&self) -> (u64, u64) {
+        let st = self.inner.lock();
+        st.actors
+            .values()
+            .filter_map(|a| a.conn.as_ref())
+            .map(|c| c.forwarded())
+            .fold((0, 0), |(a, b), (x, y)| (a + x, b + y))
+    }
+
     /// Number of objects the owner table holds (for tests and leak checks).
     pub fn live_objects(&self) -> usize {
         self.inner.lock().table.len()
@@ -1043,6 +1061,7 @@ impl Runtime {
     }
 }
 
+/// Decodes a value whose bytes are all here ([`WireValue::arrived`]).
 fn decode_wire<T: DeserializeOwned>(inner: &Arc<Inner>, wv: &WireValue, id: u64) -> Result<T> {
     let tensors = object_store::unpack(&wv.exported)?;
     decode_in_driver(inner, wv, id, &tensors)
@@ -1058,7 +1077,7 @@ fn decode_in_driver<T: DeserializeOwned>(
     tensors: &[rdt_transport::Tensor],
 ) -> Result<T> {
     let client = Client::Driver(inner.clone());
-    crate::client::decode(Some(&client), &wv.data.0, tensors).map_err(|e| Error::Decode {
+    crate::client::decode(Some(&client), &wv.data_bytes()?, tensors).map_err(|e| Error::Decode {
         what: format!("object {id} as {}", std::any::type_name::<T>()),
         message: e.to_string(),
     })
@@ -1073,7 +1092,7 @@ pub(crate) fn inline_value(p: Payload, refs: Vec<u64>) -> Result<WireValue> {
         message: e.message,
     })?;
     Ok(WireValue {
-        data: Blob(p.data),
+        data: Blob::new(p.data),
         transport: Transport::ObjectStore,
         exported,
         refs,
@@ -1581,7 +1600,7 @@ impl Inner {
             transfer_timeout_ms: self.config.transfer_timeout.as_millis() as u64,
             hot_window_us: self.config.hot_window.map(|d| d.as_micros() as u64),
             heartbeat_ms: (!local).then_some(self.config.heartbeat_timeout.as_millis() as u64),
-            args: Blob(args.into()),
+            args: Blob::new(args.into()),
             id_space: protocol::actor_id_space(self.id_spaces.fetch_add(1, Ordering::Relaxed)),
         })
     }

@@ -59,3 +59,41 @@ async fn large_blobs_land_in_pool_buffers_that_later_passes_reuse() {
     })
     .await;
 }
+
+#[tokio::test]
+async fn the_driver_forwards_a_large_value_while_it_still_arrives() {
+    deadline(DL, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let n = 16 << 20; // 64 MiB of f32
+        let bytes = 4 * n as u64;
+        for i in 1..=3u32 {
+            // The consumer's call waits in the driver for the result, so
+            // the driver passes the result on as its bytes come in.
+            let r = p
+                .make(i as f32, n)
+                .transport(Transport::ObjectStore)
+                .remote();
+            let sum = c.sum(&r).remote();
+            assert_eq!(
+                rt.get(&sum).await.unwrap(),
+                i as f64 * n as f64,
+                "pass {i}: every byte arrived, in order"
+            );
+            // The driver's own copy is whole too.
+            let back = rt.get(&r).await.unwrap();
+            assert_eq!(back.nbytes(), bytes as usize);
+            let (forwarded, early) = rt.forwarded_bytes();
+            assert!(
+                forwarded >= i as u64 * bytes,
+                "pass {i}: the driver sent the value on while it arrived \
+                 ({forwarded} B forwarded that way, {early} B before whole)"
+            );
+        }
+        assert_eq!(rt.live_objects(), 0, "every pass's objects are freed");
+        rt.shutdown().await;
+    })
+    .await;
+}

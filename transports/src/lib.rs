@@ -7,6 +7,7 @@
 //! [`transport`] for the contract every transport implements.
 #![deny(missing_docs)]
 
+pub mod arriving;
 pub mod auth;
 pub mod cuda;
 mod device;

@@ -113,6 +113,21 @@ impl Exported {
             .iter()
             .fold(0usize, |a, m| a.saturating_add(m.nbytes()))
     }
+
+    /// Waits until every inline blob is here (a receiver may hand the
+    /// value on while they still arrive: [`crate::arriving`]); the first
+    /// one lost, if any.
+    pub async fn arrived(&self) -> Result<(), crate::arriving::ArriveError> {
+        for b in &self.inline {
+            b.arrived().await?;
+        }
+        Ok(())
+    }
+
+    /// Are all inline blobs here (or lost) already?
+    pub fn all_here(&self) -> bool {
+        self.inline.iter().all(|b| b.still_arriving().is_none())
+    }
 }
 
 /// A collective group as a member sees it.

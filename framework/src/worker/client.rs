@@ -394,7 +394,7 @@ impl ActorRuntime {
             }),
         );
         let wv = WireValue {
-            data: Blob(encoded.payload.data.clone()),
+            data: Blob::new(encoded.payload.data.clone()),
             transport,
             exported,
             refs: encoded.ref_ids(),

@@ -32,7 +32,7 @@ use bytes::Bytes;
 use futures::future::LocalBoxFuture;
 use futures::FutureExt;
 use rdt_transport::hot::{self, hot};
-use rdt_transport::{object_store, Blob, Sidedness, Tensor};
+use rdt_transport::{Blob, Sidedness, Tensor};
 use tracing::Instrument;
 
 use super::{panic_message, Landing, Slot, StoredValue, WorkerShared};
@@ -229,9 +229,8 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
     let mut refs = Vec::new();
     for a in args {
         match a {
-            WireArg::Value(v) => {
-                values.push((v.data.0.clone(), object_store::unpack(&v.exported)?))
-            }
+            // Large ones may still be arriving (cut-through).
+            WireArg::Value(v) => values.push(super::unpack_inline(&v).await?),
             WireArg::Ref(id) => {
                 refs.push(id);
                 // Hot: the delivery usually comes within the window (the
@@ -356,7 +355,7 @@ async fn run_call<A: RdtActor>(
     let refs: Vec<u64> = held.borrow().iter().map(|r| r.id).collect();
     if payload.tensors.is_empty() {
         return Ok(WireValue {
-            data: Blob(payload.data),
+            data: Blob::new(payload.data),
             transport: Transport::ObjectStore,
             exported: Default::default(),
             refs,
@@ -392,7 +391,7 @@ async fn run_call<A: RdtActor>(
         );
     }
     Ok(WireValue {
-        data: Blob(payload.data),
+        data: Blob::new(payload.data),
         transport,
         exported,
         refs,

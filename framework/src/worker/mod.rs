@@ -592,6 +592,9 @@ async fn join_driver(link: Link, secret: Vec<u8>, worker: u64) -> Result<Joined>
     loop {
         match rx.recv::<ToWorker>().await? {
             Some(ToWorker::Spawn(order)) => {
+                // A large constructor argument may still be arriving: read
+                // it whole before the actor is made from it.
+                rx.finish_frame().await?;
                 rx.set_max_frame(order.max_frame);
                 tx.set_max_frame(order.max_frame);
                 return Ok(Joined {
@@ -674,7 +677,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         let _ = WORKER.set(shared.clone());
         let decoded =
             crate::client::reading_refs(Some(crate::client::Client::Actor(shared.clone())), || {
-                postcard::from_bytes::<A::Args>(&args.0)
+                postcard::from_bytes::<A::Args>(&args.bytes().unwrap_or_default())
             });
         let constructed = match decoded {
             Err(e) => Err(Error::Decode {
@@ -927,13 +930,8 @@ fn on_deliver(
             return shared.store.insert(object, Slot::Failed(e));
         }
     };
-    let data = d.value.data.0.clone();
     if transport.1.sidedness() == Sidedness::ThroughDriver {
-        let slot = match object_store::unpack(&d.value.exported) {
-            Ok(tensors) => shared.received_value(transport.0, data, tensors),
-            Err(e) => Slot::Failed(e.into()),
-        };
-        return shared.store.insert(object, slot);
+        return on_deliver_inline(shared, object, transport.0, d.value);
     }
     // WK-4: the receive runs until done, failed or aborted by the driver;
     // its end is acknowledged exactly once (XF-5).
@@ -966,13 +964,26 @@ fn on_deliver(
             };
             let shared = worker;
             let receive = async {
-                transport
+                let tensors = transport
                     .1
                     .receive(&from, &cx, &d.value.exported)
                     .await
-                    .map_err(Error::from)
+                    .map_err(Error::from)?;
+                // The non-tensor part, large enough to stream, may still
+                // be arriving.
+                let data = d.value.data.arrived().await.map_err(|e| {
+                    Error::Transport(rdt_transport::TransportError::new(
+                        transport.0.name(),
+                        format!("the value's data did not arrive whole: {e}"),
+                    ))
+                })?;
+                Ok::<_, Error>((data, tensors))
             };
             let received = until_aborted(&shared, xfer, abort, receive).await;
+            let (data, received) = match received {
+                Ok((data, tensors)) => (data, Ok(tensors)),
+                Err(e) => (Bytes::new(), Err(e)),
+            };
             let ack = match &received {
                 Ok(_) => Ok(()),
                 Err(e) => Err(e.clone()),
@@ -1044,6 +1055,45 @@ fn on_deliver(
         .instrument(span),
     );
     run_transfer(shared, group, job, xfer);
+}
+
+/// Stores a value delivered through the driver. One whose large blobs
+/// are still arriving (cut-through) is stored by a task once they are all
+/// in, unless the value was freed meanwhile (the same tombstone as a
+/// receive, WK-3); calls that need it wait in the store.
+fn on_deliver_inline(
+    shared: &Arc<WorkerShared>,
+    object: u64,
+    t: Transport,
+    value: crate::protocol::WireValue,
+) {
+    let slot = move |shared: &WorkerShared, got: Result<(Bytes, Vec<Tensor>)>| match got {
+        Ok((data, tensors)) => shared.received_value(t, data, tensors),
+        Err(e) => Slot::Failed(e),
+    };
+    let mut unpacking = Box::pin(async move { unpack_inline(&value).await });
+    // All here: stored at once, with no task and no tombstone.
+    if let Some(got) = (&mut unpacking).now_or_never() {
+        return shared.store.insert(object, slot(shared, got));
+    }
+    shared.receiving.lock().insert(object, false);
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let slot = slot(&shared, unpacking.await);
+        let mut receiving = shared.receiving.lock();
+        if !receiving.remove(&object).unwrap_or(false) {
+            shared.store.insert(object, slot);
+        }
+    });
+}
+
+/// The data and tensors of a value through the driver, once its bytes are
+/// in; a CUDA tensor still arriving is copied to its device step by step
+/// as its bytes land (`object_store::unpack_arriving`).
+pub(crate) async fn unpack_inline(v: &crate::protocol::WireValue) -> Result<(Bytes, Vec<Tensor>)> {
+    let tensors = object_store::unpack_arriving(&v.exported).await?;
+    v.arrived().await?;
+    Ok((v.data_bytes()?, tensors))
 }
 
 /// Runs a transfer's `work` until it ends or its abort handle fires, then
