@@ -27,7 +27,14 @@
 //!   `scripts/install-nixl.sh`), with the object-store path as the
 //!   baseline; and, from 1 MiB, the object store's own raw floor
 //!   (`raw_relay`: the same bytes through two plain processes, two Unix
-//!   socket crossings one after the other into reused buffers).
+//!   socket crossings one after the other into reused buffers). Then, per
+//!   transport, the per-tensor cost: an object of 10 000 tensors of
+//!   4 KiB against one tensor of the same 40.96 MB, both kept by the
+//!   producer and passed again every time (a weights sync), with their
+//!   ratio (`--size 40960000` runs this case alone, `--iters N` sets its
+//!   passes). Consumers read received tensors in place
+//!   (`with_bytes_unchecked`): a snapshot copy of shared memory would make
+//!   a hand-off look like a copy.
 //! - `soak`: the long form of the soak test: `--passes N` (default
 //!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
 //!   the per-pass latency and checks at the end that the owner table is
@@ -45,12 +52,25 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 #[rdt::actor]
 pub struct Source {
     kept: Option<Tensor>,
+    many: Vec<Tensor>,
 }
 
 #[rdt::actor]
 impl Source {
     fn new() -> Self {
-        Source { kept: None }
+        Source {
+            kept: None,
+            many: Vec::new(),
+        }
+    }
+
+    /// `n` tensors of `each` bytes, allocated once and handed out again
+    /// (weights-sync style: a model's many parameters, every pass).
+    async fn many(&mut self, n: usize, each: usize) -> Vec<Tensor> {
+        if self.many.len() != n || self.many.first().is_some_and(|t| t.nbytes() != each) {
+            self.many = (0..n).map(|i| Tensor::full(i as u8, &[each])).collect();
+        }
+        self.many.clone()
     }
 
     async fn ping(&mut self, x: u64) -> u64 {
@@ -105,8 +125,17 @@ impl Sink {
     /// Reads the first and last byte: proves the consumer can use it.
     async fn touch(&mut self, t: Tensor) -> rdt::Result<u64> {
         let n = t.nbytes();
-        let (a, b) = t.with_bytes(|b| (b[0], b[n - 1]))?;
+        let (a, b) = read_in_place(&t, |b| (b[0], b[n - 1]))?;
         Ok(a as u64 + b as u64)
+    }
+
+    /// Reads the first byte of every tensor: proves each arrived whole.
+    async fn touch_all(&mut self, ts: Vec<Tensor>) -> rdt::Result<u64> {
+        let mut s = 0u64;
+        for t in &ts {
+            s += read_in_place(t, |b| b[0])? as u64;
+        }
+        Ok(s)
     }
 
     /// `iters` tiny calls to `src` from inside this actor (an actor as a
@@ -129,6 +158,17 @@ impl Sink {
         t.cuda_ready().await?;
         Ok(t.nbytes())
     }
+}
+
+/// Reads a received tensor where it lies. `with_bytes` would take a
+/// snapshot copy of memory shared with another process (`shm`, and `nixl`
+/// host memory), a copy of the whole tensor that a pass of a kept tensor
+/// does not need and that would make a hand-off look like a copy.
+fn read_in_place<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> rdt::Result<R> {
+    // SAFETY: the producer of every tensor this benchmark passes never
+    // writes it again after it is made, so no process writes these bytes
+    // while `f` reads them.
+    Ok(unsafe { t.with_bytes_unchecked(f) }?)
 }
 
 /// What a full pass of a tensor the producer keeps is: a hand-off over
@@ -533,6 +573,71 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             ));
         }
     }
+    // `--size 40960000` selects this case alone.
+    if only_size.is_none_or(|s| s == MANY_N * MANY_EACH) {
+        rows.extend(many_tensors(rt, &src, &sink, only_transport.as_deref(), quick).await?);
+    }
+    Ok(rows)
+}
+
+const MANY_N: usize = 10_000;
+const MANY_EACH: usize = 4 << 10;
+
+/// Per-tensor cost: one object of 10 000 tensors of 4 KiB against one
+/// tensor of the same 40.96 MB, both kept by the producer and passed again
+/// (a weights sync: the same parameters every step), per transport.
+async fn many_tensors(
+    rt: &Runtime,
+    src: &SourceHandle,
+    sink: &SinkHandle,
+    only_transport: Option<&str>,
+    quick: bool,
+) -> rdt::Result<Vec<Row>> {
+    let iters: usize = arg_value("--iters")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if quick { 5 } else { 20 });
+    let mut rows = Vec::new();
+    for transport in cpu_transports() {
+        if only_transport.is_some_and(|t| t != transport.name()) {
+            continue;
+        }
+        let mut one = Vec::new();
+        let mut many = Vec::new();
+        // The first pass of each allocates (unmeasured).
+        for i in 0..iters + 1 {
+            let t = Instant::now();
+            let r = src.tensor(MANY_N * MANY_EACH).transport(transport).remote();
+            assert_eq!(rt.get(sink.touch(&r).remote()).await?, 2);
+            drop(r);
+            let one_took = t.elapsed();
+            let t = Instant::now();
+            let r = src.many(MANY_N, MANY_EACH).transport(transport).remote();
+            let sum = rt.get(sink.touch_all(&r).remote()).await?;
+            assert_eq!(sum, (0..MANY_N).map(|i| i as u8 as u64).sum::<u64>());
+            drop(r);
+            if i > 0 {
+                one.push(one_took);
+                many.push(t.elapsed());
+            }
+        }
+        let kind = kind_of_pass(transport);
+        rows.push(row(
+            "transports",
+            "1 tensor of 10000x4 KiB",
+            transport.name(),
+            kind,
+            (MANY_N * MANY_EACH) as u64,
+            one,
+        ));
+        rows.push(row(
+            "transports",
+            "10000 tensors of 4 KiB",
+            transport.name(),
+            kind,
+            (MANY_N * MANY_EACH) as u64,
+            many,
+        ));
+    }
     Ok(rows)
 }
 
@@ -652,6 +757,19 @@ fn print(rows: &[Row]) {
                 "ratio: tiny call from an actor / bare socket echo = {:.2}x, / tiny call from the driver = {:.2}x",
                 a.median_us / e.median_us,
                 a.median_us / c.median_us
+            );
+        }
+    }
+    for r in rows.iter().filter(|r| r.case == "10000 tensors of 4 KiB") {
+        if let Some(one) = rows
+            .iter()
+            .find(|b| b.case == "1 tensor of 10000x4 KiB" && b.transport == r.transport)
+        {
+            println!(
+                "ratio: {} 10 000 tensors of 4 KiB take {:.2}x one tensor of their size ({:.0} ns per tensor more)",
+                r.transport,
+                r.median_us / one.median_us,
+                (r.median_us - one.median_us) * 1e3 / 10_000.0
             );
         }
     }
