@@ -321,3 +321,72 @@ async fn a_producer_that_died_fails_the_read_and_leaves_the_consumer_usable() {
     })
     .await;
 }
+
+/// The producer is killed while the consumer's read of a 256 MiB object
+/// is in flight (delivered to the consumer, which is connected to the
+/// producer already, and not yet acknowledged): the call fails with the
+/// read's error or the death (or, had the read ended first, has the whole
+/// value), and nothing of the read is left.
+#[tokio::test]
+async fn a_producer_killed_mid_read_fails_the_read_and_leaves_the_consumer_usable() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        // The pair is connected first (agent metadata loaded), so that the
+        // big read is posted as soon as it is delivered.
+        let warm = p.make(1.0, 10).transport(Transport::Nixl).remote();
+        assert_eq!(rt.get(c.sum(&warm).remote()).await.unwrap(), 10.0);
+        let n = 64 << 20; // 256 MiB of f32: a read that lasts
+        let big = p.make(1.0, n).transport(Transport::Nixl).remote();
+        rt.wait(&big).await.unwrap();
+        let call = c.sum(&big).remote();
+        // Kill the producer once the consumer has the read (delivered, not
+        // yet acknowledged).
+        let until = std::time::Instant::now() + Duration::from_secs(20);
+        while rt.transfers_in_flight() == 0 {
+            assert!(
+                std::time::Instant::now() < until,
+                "the read was never delivered"
+            );
+            tokio::task::yield_now().await;
+        }
+        let pid = p.pid().expect("a local worker");
+        // SAFETY: killing a worker process of this test.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        let in_flight_at_kill = rt.transfers_in_flight() > 0;
+        match rt.get(&call).await {
+            Ok(v) => {
+                assert_eq!(v, n as f64, "if it finished, it is whole");
+                println!(
+                    "the read ended before the kill (in flight at the kill: {in_flight_at_kill})"
+                );
+            }
+            Err(e) => {
+                let m = e.to_string();
+                assert!(
+                    m.contains("died") || m.contains("reading from Producer"),
+                    "{m}"
+                );
+                assert!(
+                    !m.contains("load_remote_md"),
+                    "the read itself failed, not the connection: {m}"
+                );
+                println!("the read failed: {m}");
+            }
+        }
+        let e = rt.get(p.echo(1).remote()).await.unwrap_err();
+        assert!(matches!(e, Error::ActorDied { .. }), "{e}");
+        // The consumer still reads, from a new producer, and nothing of the
+        // cut read is left: no transfer, no object.
+        let p2 = rt.spawn::<Producer>(()).await.unwrap();
+        let r2 = p2.make(2.0, 1000).transport(Transport::Nixl).remote();
+        assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 2000.0);
+        drop((warm, big, call, r2));
+        rt.transfers_settled().await;
+        assert_eq!(rt.live_objects(), 0, "every object freed");
+        eventually("the consumer's memory is back in its pool", || async {
+            of_consumer(&rt, &c).await.host_bytes_in_use == 0
+        })
+        .await;
+    })
+    .await;
+}

@@ -103,14 +103,18 @@ fn ip(args: &[&str]) {
 }
 
 impl TwoHosts {
+    /// Names and addresses unique per process and per pair (tests of one
+    /// binary run side by side).
     fn new() -> TwoHosts {
-        let id = std::process::id();
-        let net = id % 250;
+        static PAIRS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let pair = PAIRS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = format!("{}x{pair}", std::process::id());
+        let net = std::process::id() % 250;
         let h = TwoHosts {
             a: format!("rdt-a-{id}"),
             b: format!("rdt-b-{id}"),
-            ip_a: format!("10.77.{net}.1"),
-            ip_b: format!("10.77.{net}.2"),
+            ip_a: format!("10.{}.{net}.1", 77 + pair),
+            ip_b: format!("10.{}.{net}.2", 77 + pair),
         };
         let (va, vb) = (format!("rdta{id}"), format!("rdtb{id}"));
         let (va, vb) = (&va[..va.len().min(15)], &vb[..vb.len().min(15)]);
@@ -142,37 +146,51 @@ impl Drop for TwoHosts {
 /// on "host B"; tcp between them; then the link is cut mid-transfer.
 #[tokio::test]
 async fn worker_on_another_host_and_a_cut_link() {
-    deadline(120, async {
-        let hosts = TwoHosts::new();
-        let out = tokio::process::Command::new("ip")
-            .args(["netns", "exec", &hosts.a])
-            .arg(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "two_hosts_driver",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(
-                "RDT_TEST_HOSTS",
-                format!("{} {} {}", hosts.b, hosts.ip_a, hosts.ip_b),
-            )
-            .kill_on_drop(true)
-            .output()
-            .await
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            out.status.success() && text.contains("TWO-HOSTS-OK"),
-            "the driver on host A failed:\n{text}"
-        );
-    })
-    .await;
+    deadline(120, in_host_a("two_hosts_driver")).await;
+}
+
+/// NIXL between hosts (UCX over TCP, across the veth pair: NIXL's reason to
+/// exist), then the link cut in the middle of a read.
+#[tokio::test]
+async fn nixl_between_two_hosts_and_a_link_cut_mid_read() {
+    deadline(120, in_host_a("two_hosts_nixl_driver")).await;
+}
+
+/// Runs the ignored test `driver` as the driver on "host A" (namespace A),
+/// with a fresh pair of hosts; passes if it printed `TWO-HOSTS-OK`.
+async fn in_host_a(driver: &str) {
+    let hosts = TwoHosts::new();
+    let out = tokio::process::Command::new("ip")
+        .args(["netns", "exec", &hosts.a])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            driver,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(
+            "RDT_TEST_HOSTS",
+            format!("{} {} {}", hosts.b, hosts.ip_a, hosts.ip_b),
+        )
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("TWO-HOSTS-OK"),
+        "the driver on host A ({driver}) failed:\n{text}"
+    );
+    // What happened at the cut, for `--nocapture`.
+    for line in text.lines().filter(|l| l.starts_with("the read")) {
+        println!("{line}");
+    }
 }
 
 /// Not a test on its own: the driver side of
@@ -180,41 +198,7 @@ async fn worker_on_another_host_and_a_cut_link() {
 #[tokio::test]
 #[ignore = "run by worker_on_another_host_and_a_cut_link"]
 async fn two_hosts_driver() {
-    let spec =
-        std::env::var("RDT_TEST_HOSTS").expect("run by worker_on_another_host_and_a_cut_link only");
-    let parts: Vec<&str> = spec.split(' ').collect();
-    let (ns_b, ip_a) = (parts[0], parts[1]);
-    rdt_integration_tests::logs();
-    let rt = Runtime::builder()
-        .listen(format!("{ip_a}:0"))
-        .tcp_bind(format!("{ip_a}:0"))
-        .transfer_timeout(Duration::from_secs(3))
-        .heartbeat_timeout(Duration::from_secs(2))
-        .start()
-        .await
-        .unwrap();
-    let addr = rt.control_address().unwrap().to_string();
-    // Host B: its own network namespace and its own host name.
-    let mut w = tokio::process::Command::new("unshare")
-        .args([
-            "--uts",
-            "sh",
-            "-c",
-            "hostname rdt-host-b && exec \"$@\"",
-            "sh",
-            "ip",
-            "netns",
-            "exec",
-            ns_b,
-        ])
-        .arg(std::env::current_exe().unwrap())
-        .args(["--rdt-connect", &addr])
-        .env("RDT_TOKEN", rt.join_token())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let p = rt.spawn::<Producer>(()).on_joined_worker().await.unwrap();
-    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    let (rt, mut w, p, c) = two_hosts().await;
     rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
         .await
         .unwrap();
@@ -232,13 +216,8 @@ async fn two_hosts_driver() {
     let big = p.make(1.0, 64 << 20).transport(Transport::Tcp).remote();
     rt.wait(&big).await.unwrap();
     let call = c.sum(&big).remote();
-    let dev = std::fs::read_dir("/sys/class/net")
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
-        .find(|n| n.starts_with("rdta"))
-        .expect("the veth end of host A");
     let t0 = Instant::now();
-    ip(&["link", "set", &dev, "down"]);
+    cut_link();
     match rt.get(&call).await {
         Ok(v) => assert_eq!(v, (64u64 << 20) as f64, "if it finished, it is whole"),
         Err(e) => {
@@ -249,7 +228,101 @@ async fn two_hosts_driver() {
             );
         }
     }
-    // The remote worker is declared dead by the heartbeat, in bounded time.
+    host_b_is_gone(&rt, &p, &mut w, t0).await;
+    // Host A's actor is fine.
+    assert_eq!(
+        rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
+            .await
+            .unwrap(),
+        4.0
+    );
+    println!("TWO-HOSTS-OK");
+}
+
+/// The driver of a two-host test, in namespace A (from `RDT_TEST_HOSTS`),
+/// with short deadlines; a worker started by hand on "host B" (its own
+/// network namespace and host name) hosting a producer, and a local
+/// consumer on host A.
+async fn two_hosts() -> (
+    Runtime,
+    tokio::process::Child,
+    ProducerHandle,
+    ConsumerHandle,
+) {
+    let spec = std::env::var("RDT_TEST_HOSTS").expect("run by a two-host test only");
+    let parts: Vec<&str> = spec.split(' ').collect();
+    let (ns_b, ip_a) = (parts[0], parts[1]);
+    rdt_integration_tests::logs();
+    let rt = Runtime::builder()
+        .listen(format!("{ip_a}:0"))
+        .tcp_bind(format!("{ip_a}:0"))
+        .transfer_timeout(Duration::from_secs(3))
+        .heartbeat_timeout(Duration::from_secs(2))
+        .start()
+        .await
+        .unwrap();
+    let addr = rt.control_address().unwrap().to_string();
+    let w = tokio::process::Command::new("unshare")
+        .args([
+            "--uts",
+            "sh",
+            "-c",
+            "hostname rdt-host-b && exec \"$@\"",
+            "sh",
+            "ip",
+            "netns",
+            "exec",
+            ns_b,
+        ])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--rdt-connect", &addr])
+        .env("RDT_TOKEN", rt.join_token())
+        // UCX tells nodes apart by boot id, so it would take the two
+        // namespaces for one node and read across them by cross-memory
+        // attach. Another host shares no memory: host B offers UCX only TCP
+        // on its end of the link, as a real remote node would.
+        .env("UCX_TLS", "tcp")
+        .env("UCX_NET_DEVICES", link_end().replacen("rdta", "rdtb", 1))
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let p = rt.spawn::<Producer>(()).on_joined_worker().await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    (rt, w, p, c)
+}
+
+/// Host A's end of the veth pair (seen from namespace A).
+fn link_end() -> String {
+    std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .find(|n| n.starts_with("rdta"))
+        .expect("the veth end of host A")
+}
+
+/// Bytes host A has received over the link.
+fn link_rx_bytes() -> u64 {
+    std::fs::read_to_string(format!("/sys/class/net/{}/statistics/rx_bytes", link_end()))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Takes host A's end of the veth pair down (run in namespace A).
+fn cut_link() {
+    ip(&["link", "set", &link_end(), "down"]);
+}
+
+/// After the cut at `t0`: host B's actor is declared dead by the heartbeat
+/// in bounded time, and its worker, cut off from its driver, exits by
+/// itself.
+async fn host_b_is_gone(
+    rt: &Runtime,
+    p: &ProducerHandle,
+    w: &mut tokio::process::Child,
+    t0: Instant,
+) {
     let e = rt.get(p.echo(1).remote()).await.unwrap_err();
     assert!(
         matches!(&e, Error::ActorDied { detail, .. } if detail.contains("silent")),
@@ -260,19 +333,80 @@ async fn two_hosts_driver() {
         "took {:?}",
         t0.elapsed()
     );
-    // And the worker, cut off from its driver, exits by itself.
     let status = tokio::time::timeout(Duration::from_secs(15), w.wait())
         .await
         .expect("the cut-off worker exits within its heartbeat")
         .unwrap();
     assert!(!status.success(), "{status:?}");
-    // Host A's actor is fine.
+}
+
+/// Not a test on its own: the driver side of
+/// `nixl_between_two_hosts_and_a_link_cut_mid_read`, run inside namespace A.
+#[tokio::test]
+#[ignore = "run by nixl_between_two_hosts_and_a_link_cut_mid_read"]
+async fn two_hosts_nixl_driver() {
+    let (rt, mut w, p, c) = two_hosts().await;
+    let received = |c: &ConsumerHandle| c.received("nixl".to_string()).remote();
+    let before = rt.get(received(&c)).await.unwrap();
+    // Across the veth pair: the consumer's agent reads the producer's
+    // memory on host B, over UCX's TCP, through the link: its 8 MiB come in
+    // on host A's end (the control plane carries a few hundred bytes).
+    let r = p.make(1.0, 2 << 20).transport(Transport::Nixl).remote();
+    rt.wait(&r).await.unwrap();
+    let rx = link_rx_bytes();
     assert_eq!(
-        rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
-            .await
-            .unwrap(),
-        4.0
+        rt.get(c.sum(&r).remote()).await.unwrap(),
+        (2u64 << 20) as f64
     );
+    assert_eq!(
+        rt.get(received(&c)).await.unwrap(),
+        before + 1,
+        "read over nixl"
+    );
+    let crossed = link_rx_bytes() - rx;
+    assert!(crossed >= 8 << 20, "only {crossed} B came over the link");
+    // Cut the link once the consumer has the read (delivered, not yet
+    // acknowledged).
+    let big = p.make(1.0, 256 << 20).transport(Transport::Nixl).remote();
+    rt.wait(&big).await.unwrap();
+    let call = c.sum(&big).remote();
+    let posted = Instant::now() + Duration::from_secs(20);
+    while rt.transfers_in_flight() == 0 {
+        assert!(Instant::now() < posted, "the read was never delivered");
+        tokio::task::yield_now().await;
+    }
+    let t0 = Instant::now();
+    cut_link();
+    let mid_read = rt.transfers_in_flight() > 0;
+    match rt.get(&call).await {
+        Ok(v) => {
+            assert_eq!(v, (256u64 << 20) as f64, "if it finished, it is whole");
+            println!(
+                "the read ended before the cut took effect (in flight at the cut: {mid_read})"
+            );
+        }
+        Err(e) => {
+            let root = e.root_cause();
+            assert!(
+                matches!(root, Error::Transport(_) | Error::ActorDied { .. }),
+                "{e}"
+            );
+            println!("the read failed after the cut: {e}");
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "the read ended {:?} after the cut",
+        t0.elapsed()
+    );
+    host_b_is_gone(&rt, &p, &mut w, t0).await;
+    // The consumer's agent still reads, from a producer on its own host.
+    let p2 = rt.spawn::<Producer>(()).await.unwrap();
+    let r2 = p2.make(2.0, 1000).transport(Transport::Nixl).remote();
+    assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 2000.0);
+    drop((r, big, call, r2));
+    rt.transfers_settled().await;
+    assert_eq!(rt.transfers_in_flight(), 0);
     println!("TWO-HOSTS-OK");
 }
 
