@@ -474,7 +474,14 @@ struct SenderInner {
     wake: Notify,
     max_frame: std::sync::atomic::AtomicUsize,
     counts: ForwardCounts,
+    /// How long a blob being forwarded may bring no new byte before this
+    /// sender gives up on it (milliseconds; see [`Sender::set_stall_limit`]).
+    stall_limit_ms: std::sync::atomic::AtomicU64,
 }
+
+/// The stall limit of a sender until [`Sender::set_stall_limit`]: the
+/// default transfer deadline.
+const DEFAULT_STALL_LIMIT: Duration = Duration::from_secs(120);
 
 /// What a [`Sender`] wrote of blobs that were still arriving when it
 /// queued them (see [`Sender::forwarded`]).
@@ -495,12 +502,25 @@ enum Chunk {
     /// Bytes all here.
     Here(Bytes),
     /// A blob still arriving (cut-through), written as it lands, from
-    /// byte `at`. If it fails, the rest is written as zeros and the
+    /// byte `at`. If it fails, or this sender gives up on it (`given_up`,
+    /// no byte for the stall limit), the rest is written as zeros and the
     /// frame's status says so.
-    Arriving { blob: Arriving, at: usize },
+    Arriving {
+        blob: Arriving,
+        at: usize,
+        given_up: GivenUp,
+    },
     /// A frame's status byte (`rdt_transport::wire` module docs), decided
-    /// once every one of these blobs ended.
-    Status(Vec<Arriving>),
+    /// once every one of these blobs ended or was given up.
+    Status(Vec<(Arriving, GivenUp)>),
+}
+
+/// Set when a sender stopped waiting for a blob's bytes (shared by the
+/// blob's chunk and its frame's status chunk).
+type GivenUp = Arc<std::sync::atomic::AtomicBool>;
+
+fn given_up(g: &GivenUp) -> bool {
+    g.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Padding for the rest of a blob that failed mid-way.
@@ -511,8 +531,9 @@ enum Offer<'a> {
     /// These bytes; `whole`: the chunk's blob is whole (or it is no blob),
     /// so what follows may go in the same write.
     Bytes { bytes: &'a [u8], whole: bool },
-    /// Nothing until this blob fills past this many bytes (or ends).
-    Wait(Arriving, usize),
+    /// Nothing until this blob fills past this many bytes (or ends); the
+    /// flag gives up on it.
+    Wait(Arriving, usize, GivenUp),
 }
 
 impl Chunk {
@@ -524,32 +545,47 @@ impl Chunk {
                 bytes: b,
                 whole: true,
             },
-            Chunk::Arriving { blob, at } => match blob.progress() {
-                Progress::Filling(n) if n > *at => Offer::Bytes {
-                    bytes: &blob.prefix(n)[*at..],
-                    whole: false,
-                },
-                Progress::Filling(_) => Offer::Wait(blob.clone(), *at),
-                Progress::Done => Offer::Bytes {
-                    bytes: &blob.prefix(blob.len())[*at..],
-                    whole: true,
-                },
+            Chunk::Arriving {
+                blob,
+                at,
+                given_up: g,
+            } => match blob.progress() {
                 Progress::Failed(_) => Offer::Bytes {
                     bytes: &ZEROS[..ZEROS.len().min(blob.len() - *at)],
                     whole: true,
                 },
+                _ if given_up(g) => Offer::Bytes {
+                    bytes: &ZEROS[..ZEROS.len().min(blob.len() - *at)],
+                    whole: true,
+                },
+                Progress::Filling(n) if n > *at => Offer::Bytes {
+                    bytes: &blob.prefix(n)[*at..],
+                    whole: false,
+                },
+                Progress::Filling(_) => Offer::Wait(blob.clone(), *at, g.clone()),
+                Progress::Done => Offer::Bytes {
+                    bytes: &blob.prefix(blob.len())[*at..],
+                    whole: true,
+                },
             },
             Chunk::Status(blobs) => {
-                if let Some(b) = blobs
+                // Every blob's bytes were written (or padded) before its
+                // status: one still filling was given up, or it ended.
+                if let Some((b, g)) = blobs
                     .iter()
-                    .find(|b| matches!(b.progress(), Progress::Filling(_)))
+                    .find(|(b, g)| !given_up(g) && matches!(b.progress(), Progress::Filling(_)))
                 {
-                    return Offer::Wait(b.clone(), b.len());
+                    return Offer::Wait(b.clone(), b.len(), g.clone());
                 }
+                let stalled = blobs.iter().any(|(_, g)| given_up(g));
                 let lost = blobs
                     .iter()
-                    .any(|b| matches!(b.progress(), Progress::Failed(_)));
-                let status: &'static [u8] = if lost { &[wire::STATUS_LOST] } else { &[0] };
+                    .any(|(b, _)| matches!(b.progress(), Progress::Failed(_)));
+                let status: &'static [u8] = match (lost, stalled) {
+                    (true, _) => &[wire::STATUS_LOST],
+                    (false, true) => &[wire::STATUS_STALLED],
+                    (false, false) => &[0],
+                };
                 Offer::Bytes {
                     bytes: status,
                     whole: true,
@@ -567,7 +603,7 @@ impl Chunk {
                 b.advance(k);
                 b.is_empty()
             }
-            Chunk::Arriving { blob, at } => {
+            Chunk::Arriving { blob, at, .. } => {
                 counts.bytes.fetch_add(k as u64, Relaxed);
                 if !whole {
                     counts.early.fetch_add(k as u64, Relaxed);
@@ -624,8 +660,13 @@ impl Sender {
             q.chunks.push_back(match part {
                 FramePart::Here(b) => Chunk::Here(b),
                 FramePart::Arriving(blob) => {
-                    arriving.push(blob.clone());
-                    Chunk::Arriving { blob, at: 0 }
+                    let g = GivenUp::default();
+                    arriving.push((blob.clone(), g.clone()));
+                    Chunk::Arriving {
+                        blob,
+                        at: 0,
+                        given_up: g,
+                    }
                 }
             });
         }
@@ -699,6 +740,37 @@ impl Sender {
         self.write_queued(q);
     }
 
+    /// How long a blob this sender forwards while it still arrives may
+    /// bring no new byte before the sender gives up on it: the rest goes
+    /// out as zeros and the frame's status says the bytes stopped coming,
+    /// so the receiver's value fails and the connection carries the next
+    /// frames (a stopped producer must not stall every consumer it feeds).
+    /// The driver sets its transfer deadline; the default is 120 s.
+    pub fn set_stall_limit(&self, limit: Duration) {
+        self.inner.stall_limit_ms.store(
+            limit.as_millis().max(1) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// Waits until `blob` fills past `seen` bytes or ends; gives up on it
+    /// (sets `g`) after the stall limit.
+    async fn wait_for_bytes(me: &SenderInner, blob: &Arriving, seen: usize, g: &GivenUp) {
+        let limit =
+            Duration::from_millis(me.stall_limit_ms.load(std::sync::atomic::Ordering::Relaxed));
+        if tokio::time::timeout(limit, blob.progress_beyond(seen))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "a value being forwarded brought no byte for {limit:?} ({seen} of {} B in): \
+                 its consumer's copy fails and the connection goes on",
+                blob.len()
+            );
+            g.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
     /// Of the blobs this sender took while they were still arriving: the
     /// bytes written, and how many of those went out before their blob
     /// was whole (cut-through).
@@ -736,7 +808,7 @@ impl Sender {
 fn write_ready(
     me: &SenderInner,
     chunks: &mut VecDeque<Chunk>,
-) -> std::io::Result<Option<(Arriving, usize)>> {
+) -> std::io::Result<Option<(Arriving, usize, GivenUp)>> {
     while !chunks.is_empty() {
         // What each chunk offers now, and whether its blob was whole.
         let mut offered: Vec<(usize, bool)> = Vec::new();
@@ -744,8 +816,8 @@ fn write_ready(
         let mut wait = None;
         for c in chunks.iter().take(64) {
             match c.offer() {
-                Offer::Wait(blob, seen) => {
-                    wait = Some((blob, seen));
+                Offer::Wait(blob, seen, g) => {
+                    wait = Some((blob, seen, g));
                     break;
                 }
                 Offer::Bytes { bytes, whole } => {
@@ -786,13 +858,14 @@ fn write_ready(
 async fn write_chunk<W: tokio::io::AsyncWrite + Unpin>(
     w: &mut W,
     mut c: Chunk,
-    counts: &ForwardCounts,
+    me: &SenderInner,
 ) -> std::io::Result<()> {
     use tokio::io::AsyncWriteExt;
+    let counts = &me.counts;
     loop {
         let (k, whole) = match c.offer() {
-            Offer::Wait(blob, seen) => {
-                blob.progress_beyond(seen).await;
+            Offer::Wait(blob, seen, g) => {
+                Sender::wait_for_bytes(me, &blob, seen, &g).await;
                 continue;
             }
             Offer::Bytes { bytes, whole } => {
@@ -827,7 +900,7 @@ async fn tls_writer(me: &SenderInner, w: &tokio::sync::Mutex<tokio::io::WriteHal
             continue;
         }
         for c in chunks {
-            if let Err(e) = write_chunk(&mut *w, c, &me.counts).await {
+            if let Err(e) = write_chunk(&mut *w, c, me).await {
                 tracing::debug!("TLS control connection write failed: {e}");
                 let mut q = me.queue.lock();
                 q.closed = true;
@@ -850,6 +923,7 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
         wake: Notify::new(),
         max_frame: std::sync::atomic::AtomicUsize::new(max_frame),
         counts: ForwardCounts::default(),
+        stall_limit_ms: std::sync::atomic::AtomicU64::new(DEFAULT_STALL_LIMIT.as_millis() as u64),
     });
     let me = inner.clone();
     tokio::spawn(async move {
@@ -877,8 +951,8 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
                 match res {
                     Ok(None) => {}
                     // The next bytes are still arriving (cut-through).
-                    Ok(Some((blob, taken))) => {
-                        blob.progress_beyond(taken).await;
+                    Ok(Some((blob, taken, g))) => {
+                        Sender::wait_for_bytes(&me, &blob, taken, &g).await;
                     }
                     Err(e) => {
                         if e.kind() != std::io::ErrorKind::WouldBlock
@@ -1194,12 +1268,19 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                 "the connection closed in the middle of a frame's status".into(),
             ));
         }
-        let good = self.buf.get_u8() == 0;
+        let status = self.buf.get_u8();
         if let ReadState::Streaming { read, .. } = &mut self.state {
             for w in read.drain(..) {
-                match good {
-                    true => w.finish(),
-                    false => w.fail(
+                match status {
+                    0 => w.finish(),
+                    wire::STATUS_STALLED => w.fail(
+                        "the value's bytes stopped coming: the actor that made it sent none \
+                         for longer than the transfer deadline while the driver forwarded \
+                         them (RuntimeBuilder::transfer_timeout); it may be stopped or \
+                         overloaded. The value fails here; get it again once its producer \
+                         runs",
+                    ),
+                    _ => w.fail(
                         "the value's bytes were lost on the way: the actor that made it \
                          failed while the driver forwarded them",
                     ),
@@ -1736,6 +1817,60 @@ mod tests {
             to_consumer.send(&ToWorker::Ping).unwrap();
             let (_, next) = reader.await.unwrap();
             assert!(matches!(next.unwrap(), Some(ToWorker::Ping)));
+        })
+        .await
+        .unwrap();
+    }
+    #[tokio::test]
+    async fn a_stalled_source_gives_up_its_forward_after_the_limit_and_frees_the_connection() {
+        tokio::time::timeout(Duration::from_secs(30), async {
+            let Relay {
+                producer,
+                mut from_producer,
+                to_consumer,
+                mut at_consumer,
+            } = relay();
+            to_consumer.set_stall_limit(Duration::from_millis(300));
+            let len = 2 * STREAM_MIN;
+            let (bytes, blob) = fetched_frame(len);
+            let half = bytes.len() - len / 2;
+            // The producer stops mid-blob (stopped, not dead: its socket
+            // stays open), and goes on only when told.
+            let (more, producer) = produce(producer, bytes, half);
+            let v = fetched(from_producer.recv().await.unwrap().unwrap());
+            let at_driver = v.exported.inline[0].clone();
+            let reader = tokio::spawn(async move {
+                let r = from_producer.recv::<ToDriver>().await;
+                (from_producer, r)
+            });
+            to_consumer.send(&forward(v)).unwrap();
+            let t0 = std::time::Instant::now();
+            // The consumer's copy fails once no byte came for the limit...
+            let v = delivered(at_consumer.recv::<ToWorker>().await.unwrap().unwrap());
+            let consumer_reader = tokio::spawn(async move {
+                let next = at_consumer.recv::<ToWorker>().await;
+                (at_consumer, next)
+            });
+            let e = v.arrived().await.unwrap_err().to_string();
+            assert!(e.contains("stopped coming"), "{e}");
+            assert!(
+                t0.elapsed() >= Duration::from_millis(300),
+                "{:?}",
+                t0.elapsed()
+            );
+            // ...and the connection to it goes on while the producer is
+            // still stopped.
+            to_consumer.send(&ToWorker::Ping).unwrap();
+            let (_, next) = consumer_reader.await.unwrap();
+            assert!(matches!(next.unwrap(), Some(ToWorker::Ping)));
+            assert!(at_driver.still_arriving().is_some());
+            // The driver's own copy is untouched: whole once the producer
+            // goes on.
+            more.send(true).unwrap();
+            producer.await.unwrap();
+            assert_eq!(&at_driver.arrived().await.unwrap()[..], &blob[..]);
+            let (_, end) = reader.await.unwrap();
+            assert!(end.unwrap().is_none());
         })
         .await
         .unwrap();

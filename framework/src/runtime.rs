@@ -2296,6 +2296,10 @@ async fn serve_worker(
     };
     let conn = protocol::spawn_writer(w, max);
     let inner = rt.upgrade().ok_or(Error::Shutdown)?;
+    // A value forwarded while it arrives (cut-through) holds this
+    // connection until its last byte: a producer stopped mid-value costs
+    // the consumer at most the transfer deadline.
+    conn.set_stall_limit(inner.config.transfer_timeout);
     if remote {
         if worker != 0 {
             return Err(Error::Protocol(

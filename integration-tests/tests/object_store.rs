@@ -97,3 +97,60 @@ async fn the_driver_forwards_a_large_value_while_it_still_arrives() {
     })
     .await;
 }
+
+/// A producer stopped (SIGSTOP) while the driver forwards its large value
+/// to a consumer holds that consumer's connection for at most the transfer
+/// deadline: the consumer's call fails and says why, the consumer takes
+/// its next call, and the value is whole in the driver once its producer
+/// goes on.
+#[tokio::test]
+async fn a_producer_stopped_mid_value_costs_its_consumer_the_deadline_not_a_hang() {
+    deadline(DL, async {
+        rdt_integration_tests::logs();
+        let limit = std::time::Duration::from_secs(2);
+        let rt = Runtime::builder()
+            .transfer_timeout(limit)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let n = 128 << 20; // 512 MiB of f32
+        let r = p.make(1.0, n).transport(Transport::ObjectStore).remote();
+        let sum = c.sum(&r).remote();
+        // Stop the producer once the driver forwards its value (a few MiB
+        // of 512 are in).
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while rt.forwarded_bytes().1 == 0 {
+            assert!(std::time::Instant::now() < until, "never forwarded");
+            tokio::task::yield_now().await;
+        }
+        let pid = p.pid().expect("a local worker") as i32;
+        // SAFETY: stopping (and later continuing) a worker of this test.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        let stopped = std::time::Instant::now();
+        let e = rt.get(&sum).await.unwrap_err().to_string();
+        assert!(e.contains("stopped coming"), "{e}");
+        assert!(
+            stopped.elapsed() < limit + std::time::Duration::from_secs(10),
+            "failed {:?} after the stop",
+            stopped.elapsed()
+        );
+        // The consumer's connection is free: its next call runs while the
+        // producer is still stopped.
+        assert_eq!(
+            rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
+                .await
+                .unwrap(),
+            4.0
+        );
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        let whole = rt.get(&r).await.unwrap();
+        assert_eq!(whole.nbytes(), 4 * n);
+        assert_eq!(whole.sum().unwrap(), n as f64);
+        drop((r, sum, whole));
+        rt.shutdown().await;
+    })
+    .await;
+}

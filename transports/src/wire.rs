@@ -10,10 +10,10 @@
 //! All integers are little-endian. The top bit of `blob_count` says the
 //! frame ends with one status byte: a frame that forwards blobs still
 //! arriving ([`crate::arriving`]) is written before all its bytes exist,
-//! and the status, written last, says whether they all did (`0`) or the
-//! source failed and the rest of the blob bytes are padding (anything
-//! else). A reader must treat the blobs of a frame with a bad status as
-//! lost.
+//! and the status, written last, says whether they all did (`0`) or not:
+//! the source failed ([`STATUS_LOST`]) or the writer gave up waiting for
+//! it ([`STATUS_STALLED`]), and the rest of the blob bytes are padding. A
+//! reader must treat the blobs of a frame with a bad status as lost.
 
 use std::cell::RefCell;
 
@@ -197,12 +197,16 @@ pub struct Frame {
     pub blobs: Vec<FramePart>,
     /// Does a status byte follow the blobs? (Some blob is still arriving:
     /// see the module docs.) The writer writes it: `0` when every
-    /// arriving blob ended whole, [`STATUS_LOST`] otherwise.
+    /// arriving blob ended whole, [`STATUS_LOST`] or [`STATUS_STALLED`]
+    /// otherwise.
     pub status: bool,
 }
 
 /// The status byte of a frame whose arriving blobs did not all arrive.
 pub const STATUS_LOST: u8 = 1;
+/// Status byte: a relay stopped forwarding the blobs because their bytes
+/// stopped coming (no byte for its stall limit); the rest is zeros.
+pub const STATUS_STALLED: u8 = 2;
 
 const STATUS_FLAG: u32 = 1 << 31;
 
