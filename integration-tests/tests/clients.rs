@@ -144,6 +144,10 @@ async fn a_value_put_in_an_actor_is_got_in_another_actor_and_in_the_driver() {
             let t = rt.get(&r).await.unwrap();
             assert_eq!(t.to_vec::<f32>().unwrap(), vec![1.5; 64], "{transport}");
             drop(r);
+            // CL-2: the maker gives back its borrow of `r` after its reply;
+            // a later reply of the maker orders that release before the
+            // check.
+            rt.get(maker.received(transport).remote()).await.unwrap();
             rt.transfers_settled().await;
             assert_eq!(rt.live_objects(), 0, "{transport}: freed");
         }
