@@ -221,7 +221,7 @@ impl ArrivingWriter {
     }
 
     /// The first `n` bytes of [`spare`](Self::spare) are now written.
-    /// Readers hear of it every [`PUBLISH_STEP`] bytes and at the end.
+    /// Readers hear of it every `PUBLISH_STEP` bytes (1 MiB) and at the end.
     ///
     /// # Panics
     /// If `n` is more than what remains.

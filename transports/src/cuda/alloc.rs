@@ -10,7 +10,7 @@
 //! 1. **Ranges.** A range is recycled once the producer's last tensor over
 //!    it is dropped **and** no live consumer holds a tensor over it. Each
 //!    consumer process counts its tensors over the range in its own cell
-//!    of the range's shared record ([`Counters`]): up when it builds a
+//!    of the range's shared record (`Counters`): up when it builds a
 //!    tensor over the range, down when the tensor is dropped (which
 //!    happens when the owner table frees the object). A range still held
 //!    when the producer drops it waits in a pending list, reclaimed on

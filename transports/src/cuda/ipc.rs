@@ -3,7 +3,7 @@
 //!
 //! # Protocol
 //! 1. **Export (producer).** Every CUDA tensor rdt allocates lives in a
-//!    range of a `cuMemAlloc` slab ([`alloc`](super::alloc)). Export
+//!    range of a `cuMemAlloc` slab ([`super::alloc`]). Export
 //!    publishes, per tensor, its slab's `cuIpcGetMemHandle` (made once per
 //!    slab), the slab id, the range's offset and length, and the range's
 //!    import record slot; and, per device, the handle of an interprocess

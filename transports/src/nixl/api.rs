@@ -12,7 +12,7 @@
 //! The declarations follow `wrapper.h` of NIXL 1.5 (the functions rdt
 //! calls, with `int` results: the enum may grow, and a Rust enum must never
 //! hold a value it does not list). Nothing here panics on a missing library
-//! or symbol: [`api`] says what is missing and how to install it.
+//! or symbol: `api()` says what is missing and how to install it.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::path::PathBuf;
