@@ -39,6 +39,21 @@ pub async fn deadline<F: Future>(secs: u64, f: F) -> F::Output {
     }
 }
 
+/// Yields to the executor until `cond` holds; fails the test (saying
+/// `what` did not happen) after `secs` seconds. For moments a test must
+/// act within, too short to poll with a sleep: a read just delivered, a
+/// value just being forwarded.
+pub async fn spin_until(what: &str, secs: u64, mut cond: impl FnMut() -> bool) {
+    let end = std::time::Instant::now() + Duration::from_secs(secs);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < end,
+            "{what}: not within {secs} s"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
 /// A producer and a consumer spawned in `rt`, in one `tcp` collective
 /// group.
 pub async fn tcp_pair(

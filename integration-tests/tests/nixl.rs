@@ -9,7 +9,7 @@ use std::time::Duration;
 use rdt::data::nixl::{stats, NixlStats};
 use rdt::prelude::*;
 use rdt_integration_tests::actors::*;
-use rdt_integration_tests::deadline;
+use rdt_integration_tests::{deadline, spin_until};
 
 const DL: u64 = 120;
 
@@ -341,14 +341,7 @@ async fn a_producer_killed_mid_read_fails_the_read_and_leaves_the_consumer_usabl
         let call = c.sum(&big).remote();
         // Kill the producer once the consumer has the read (delivered, not
         // yet acknowledged).
-        let until = std::time::Instant::now() + Duration::from_secs(20);
-        while rt.transfers_in_flight() == 0 {
-            assert!(
-                std::time::Instant::now() < until,
-                "the read was never delivered"
-            );
-            tokio::task::yield_now().await;
-        }
+        spin_until("the read delivered", 20, || rt.transfers_in_flight() > 0).await;
         let pid = p.pid().expect("a local worker");
         // SAFETY: killing a worker process of this test.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use rdt::prelude::*;
 use rdt_integration_tests::actors::*;
-use rdt_integration_tests::deadline;
+use rdt_integration_tests::{deadline, spin_until};
 
 fn volunteer(addr: &str, token: &str) -> tokio::process::Command {
     let mut c = tokio::process::Command::new(std::env::current_exe().unwrap());
@@ -370,11 +370,7 @@ async fn two_hosts_nixl_driver() {
     let big = p.make(1.0, 256 << 20).transport(Transport::Nixl).remote();
     rt.wait(&big).await.unwrap();
     let call = c.sum(&big).remote();
-    let posted = Instant::now() + Duration::from_secs(20);
-    while rt.transfers_in_flight() == 0 {
-        assert!(Instant::now() < posted, "the read was never delivered");
-        tokio::task::yield_now().await;
-    }
+    spin_until("the read delivered", 20, || rt.transfers_in_flight() > 0).await;
     let t0 = Instant::now();
     cut_link();
     let mid_read = rt.transfers_in_flight() > 0;
