@@ -479,6 +479,28 @@ struct SenderInner {
     stall_limit_ms: std::sync::atomic::AtomicU64,
 }
 
+impl SenderInner {
+    /// Waits until `blob` fills past `seen` bytes or ends; gives up on it
+    /// (sets `g`) after the stall limit.
+    async fn wait_for_bytes(&self, blob: &Arriving, seen: usize, g: &GivenUp) {
+        let limit = Duration::from_millis(
+            self.stall_limit_ms
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+        if tokio::time::timeout(limit, blob.progress_beyond(seen))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "a value being forwarded brought no byte for {limit:?} ({seen} of {} B in): \
+                 its consumer's copy fails and the connection goes on",
+                blob.len()
+            );
+            g.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+}
+
 /// The stall limit of a sender until [`Sender::set_stall_limit`]: the
 /// default transfer deadline.
 const DEFAULT_STALL_LIMIT: Duration = Duration::from_secs(120);
@@ -753,24 +775,6 @@ impl Sender {
         );
     }
 
-    /// Waits until `blob` fills past `seen` bytes or ends; gives up on it
-    /// (sets `g`) after the stall limit.
-    async fn wait_for_bytes(me: &SenderInner, blob: &Arriving, seen: usize, g: &GivenUp) {
-        let limit =
-            Duration::from_millis(me.stall_limit_ms.load(std::sync::atomic::Ordering::Relaxed));
-        if tokio::time::timeout(limit, blob.progress_beyond(seen))
-            .await
-            .is_err()
-        {
-            tracing::warn!(
-                "a value being forwarded brought no byte for {limit:?} ({seen} of {} B in): \
-                 its consumer's copy fails and the connection goes on",
-                blob.len()
-            );
-            g.store(true, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
     /// Of the blobs this sender took while they were still arriving: the
     /// bytes written, and how many of those went out before their blob
     /// was whole (cut-through).
@@ -865,7 +869,7 @@ async fn write_chunk<W: tokio::io::AsyncWrite + Unpin>(
     loop {
         let (k, whole) = match c.offer() {
             Offer::Wait(blob, seen, g) => {
-                Sender::wait_for_bytes(me, &blob, seen, &g).await;
+                me.wait_for_bytes(&blob, seen, &g).await;
                 continue;
             }
             Offer::Bytes { bytes, whole } => {
@@ -952,7 +956,7 @@ pub fn spawn_writer(half: WriteHalf, max_frame: usize) -> Sender {
                     Ok(None) => {}
                     // The next bytes are still arriving (cut-through).
                     Ok(Some((blob, taken, g))) => {
-                        Sender::wait_for_bytes(&me, &blob, taken, &g).await;
+                        me.wait_for_bytes(&blob, taken, &g).await;
                     }
                     Err(e) => {
                         if e.kind() != std::io::ErrorKind::WouldBlock
