@@ -862,7 +862,7 @@ impl GpuConsumer {
         own.fill_(v).map_err(tensor_err)?;
         own.cuda_ready().await.map_err(tensor_err)?;
         let uuid = match own.device() {
-            Device::Cuda { uuid, .. } => uuid.clone(),
+            Device::Cuda { uuid, .. } => uuid.to_string(),
             Device::Cpu => "cpu".into(),
         };
         let mine = rdt::data::cuda::gpu(0)
@@ -998,7 +998,7 @@ impl GpuConsumer {
             .to_vec::<f32>()
             .map_err(tensor_err)?;
         let uuid = match t.device() {
-            Device::Cuda { uuid, .. } => uuid.clone(),
+            Device::Cuda { uuid, .. } => uuid.to_string(),
             Device::Cpu => "cpu".into(),
         };
         Ok((uuid, v))

@@ -102,6 +102,7 @@ use futures::future::BoxFuture;
 use memfd::{FileSeal, Memfd, MemfdOptions};
 use memmap2::MmapRaw;
 use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::transport::{
@@ -183,42 +184,38 @@ impl ShmTransport {
         // Lay out every tensor that is not in shared memory yet in one
         // fresh memfd. A tensor that already is (or becomes so concurrently)
         // keeps a slot it does not use: harmless, and it keeps this simple.
-        let mut slots: Vec<Option<usize>> = Vec::with_capacity(tensors.len());
+        let mut slots: Vec<Result<(Arc<Region>, usize), usize>> = Vec::with_capacity(tensors.len());
         let mut total = 0usize;
         for t in tensors {
-            if Self::is_shm(t) {
-                slots.push(None);
+            if let Some(place) = shm_place(t) {
+                slots.push(Ok(place));
                 continue;
             }
             let offset = align_up(total).ok_or_else(too_big)?;
             total = offset.checked_add(t.nbytes()).ok_or_else(too_big)?;
-            slots.push(Some(offset));
+            slots.push(Err(offset));
         }
-        let fresh = if slots.iter().any(Option::is_some) {
+        let fresh = if slots.iter().any(Result::is_err) {
             Some(Region::create(&format!("rdt-shm-{key}"), total)?)
         } else {
             None
         };
 
         let mut places = Vec::with_capacity(tensors.len());
-        for (i, (t, slot)) in tensors.iter().zip(&slots).enumerate() {
+        for (i, (t, slot)) in tensors.iter().zip(slots).enumerate() {
             let place = match (slot, &fresh) {
-                (Some(offset), Some(region)) => place_in(region, *offset, i, t)?,
-                // Was in shared memory when laid out, and shm memory is
-                // never migrated away (invariant 6).
-                _ => shm_place(t).ok_or_else(|| {
-                    TransportError::new(
-                        NAME,
-                        format!("tensor #{i} left its shared memory during export"),
-                    )
-                })?,
+                // In shared memory when laid out, and shm memory is never
+                // migrated away (invariant 6).
+                (Ok(place), _) => place,
+                (Err(offset), Some(region)) => place_in(region, offset, i, t)?,
+                (Err(_), None) => unreachable!("a fresh region is made for every slot"),
             };
             places.push(place);
         }
 
         // One table entry per distinct memfd, in order of first use.
         let mut regions: Vec<Arc<Region>> = Vec::new();
-        let mut index: HashMap<*const Region, u32> = HashMap::new();
+        let mut index: FxHashMap<*const Region, u32> = FxHashMap::default();
         let mut handles = Handles {
             boot_id: host.boot_id.clone(),
             pid_ns: host.pid_ns,
@@ -1024,7 +1021,7 @@ mod tests {
         );
 
         let mut huge = e.clone();
-        huge.metas[0].shape = vec![usize::MAX, 2];
+        huge.metas[0].shape = vec![usize::MAX, 2].into();
         fails(&huge, "more bytes than fit");
         let mut wrong = e.clone();
         wrong.metas[1].dtype = DType::I32;
@@ -1063,7 +1060,7 @@ mod tests {
     fn cuda_tensors_are_refused() {
         let shm = ShmTransport::new();
         let cuda = Device::Cuda {
-            uuid: "GPU-0".into(),
+            uuid: crate::GpuUuid::from_bytes([0; 16]),
             ordinal: 0,
         };
         let err = shm.check_device(&cuda).unwrap_err();

@@ -22,7 +22,7 @@ use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
 use crate::cuda::{self, DeviceBuffer};
-use crate::{DType, Device, Element};
+use crate::{DType, Device, Element, Shape};
 
 /// Errors of tensor construction and access.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -152,7 +152,7 @@ pub struct TensorMeta {
     /// Element type.
     pub dtype: DType,
     /// Shape (row-major, contiguous).
-    pub shape: Vec<usize>,
+    pub shape: Shape,
     /// Where the storage is.
     pub device: Device,
 }
@@ -201,7 +201,7 @@ impl TensorMeta {
 #[derive(Clone)]
 pub struct Tensor {
     dtype: DType,
-    shape: Arc<[usize]>,
+    shape: Shape,
     storage: Arc<Storage>,
 }
 
@@ -343,8 +343,8 @@ impl Tensor {
     pub fn meta(&self) -> TensorMeta {
         TensorMeta {
             dtype: self.dtype,
-            shape: self.shape.to_vec(),
-            device: self.storage.device.clone(),
+            shape: self.shape.clone(),
+            device: self.storage.device,
         }
     }
 
@@ -562,7 +562,7 @@ impl Tensor {
 
     fn require_host(&self) -> Result<(), TensorError> {
         if !self.storage.device.is_cpu() {
-            return Err(TensorError::NotHost(self.storage.device.clone()));
+            return Err(TensorError::NotHost(self.storage.device));
         }
         debug_assert_eq!(self.storage.len(), self.nbytes());
         Ok(())
@@ -775,7 +775,7 @@ impl Tensor {
         let ev = {
             let mem = self.storage.mem.read();
             let Memory::Cuda(d) = &*mem else {
-                return Err(TensorError::NotHost(self.storage.device.clone()));
+                return Err(TensorError::NotHost(self.storage.device));
             };
             // SAFETY: forwarded from the caller.
             unsafe { d.gpu().record_on_stream(stream) }?

@@ -17,13 +17,14 @@
 //!    re-entrant and never observed by another thread.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+
+use rustc_hash::FxHashMap;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::{DType, Tensor};
+use crate::{DType, Shape, Tensor};
 
 /// A value split into its serialized non-tensor part and its tensors.
 #[derive(Clone, Debug, Default)]
@@ -55,25 +56,73 @@ const PLACEHOLDER: &str = "__rdt_tensor";
 /// What identifies a collected tensor (invariant 1): its storage (the sink
 /// holds a clone, so the address is not reused while encoding), dtype and
 /// shape.
-type SinkKey = (usize, DType, Vec<usize>);
+type SinkKey = (usize, DType, Shape);
 
+/// The tensors met while encoding, and where each went.
+///
+/// A weights object has thousands of tensors and this lookup is on each
+/// one's path, so: the common case (one tensor per storage) is a map from
+/// the storage's address alone, hashed with FxHash rather than SipHash
+/// (the keys are addresses in this process, not input anyone chooses); and
+/// that map is kept by the thread between encodes, cleared, so that a
+/// large one is not allocated (and its pages faulted in) on every call.
 #[derive(Default)]
 struct Sink {
     /// The tensors, in placeholder order.
     tensors: Vec<Tensor>,
-    /// Placeholder index of each collected tensor.
-    index: HashMap<SinkKey, u32>,
+    /// Placeholder index of the first tensor collected for each storage.
+    by_storage: FxHashMap<usize, u32>,
+    /// Other views (dtype or shape) of a storage already collected: rare.
+    views: FxHashMap<SinkKey, u32>,
+}
+
+/// The largest `Sink::by_storage` a thread keeps between encodes (entries).
+const KEEP_SINK_MAP: usize = 1 << 20;
+
+thread_local! {
+    static SPARE_SINK_MAP: RefCell<FxHashMap<usize, u32>> = RefCell::default();
 }
 
 impl Sink {
+    fn new() -> Self {
+        Sink {
+            by_storage: SPARE_SINK_MAP.with(|m| std::mem::take(&mut *m.borrow_mut())),
+            ..Sink::default()
+        }
+    }
+
     /// The placeholder index of `t`, collecting it if it is new.
     fn collect(&mut self, t: &Tensor) -> u32 {
-        let key = (t.storage_id(), t.dtype(), t.shape().to_vec());
+        use std::collections::hash_map::Entry;
         let next = self.tensors.len() as u32;
-        *self.index.entry(key).or_insert_with(|| {
-            self.tensors.push(t.clone());
-            next
-        })
+        match self.by_storage.entry(t.storage_id()) {
+            Entry::Vacant(e) => {
+                e.insert(next);
+                self.tensors.push(t.clone());
+                next
+            }
+            Entry::Occupied(e) => {
+                let first = &self.tensors[*e.get() as usize];
+                if first.dtype() == t.dtype() && first.shape() == t.shape() {
+                    return *e.get();
+                }
+                let key = (t.storage_id(), t.dtype(), Shape::from(t.shape()));
+                *self.views.entry(key).or_insert_with(|| {
+                    self.tensors.push(t.clone());
+                    next
+                })
+            }
+        }
+    }
+
+    /// The tensors; the map goes back to the thread for the next encode.
+    fn finish(self) -> Vec<Tensor> {
+        let mut map = self.by_storage;
+        if map.capacity() <= KEEP_SINK_MAP {
+            map.clear();
+            SPARE_SINK_MAP.with(|m| *m.borrow_mut() = map);
+        }
+        self.tensors
     }
 }
 
@@ -106,10 +155,10 @@ fn take_ctx() -> Option<Ctx> {
 
 /// Serializes `value`, pulling its tensors out.
 pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Payload, ValueError> {
-    let guard = enter(Ctx::Sink(Sink::default()));
+    let guard = enter(Ctx::Sink(Sink::new()));
     let data = postcard::to_stdvec(value).map_err(|e| ValueError::Serde(e.to_string()));
     let tensors = match take_ctx() {
-        Some(Ctx::Sink(sink)) => sink.tensors,
+        Some(Ctx::Sink(sink)) => sink.finish(),
         _ => Vec::new(),
     };
     drop(guard);

@@ -73,7 +73,9 @@ gpu_test!(nixl_gpu_to_the_drivers_host_and_gpu, async {
     assert!(v.iter().enumerate().all(|(i, &x)| x == i as f32));
     let gpu: Tensor = rt.get(&r).await.unwrap();
     match gpu.device() {
-        Device::Cuda { uuid, .. } => assert_eq!(*uuid, producer, "the same GPU, in the driver"),
+        Device::Cuda { uuid, .. } => {
+            assert_eq!(uuid.to_string(), producer, "the same GPU, in the driver")
+        }
         d => panic!("expected a CUDA tensor, got one on {d}"),
     }
     assert_eq!(gpu.sum().unwrap(), (0..1u64 << 20).sum::<u64>() as f64);

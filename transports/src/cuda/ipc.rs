@@ -70,7 +70,7 @@ use super::{cuda_trace, CudaError, DeviceBuffer, Event, Gpu, IpcEvent};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
-use crate::{Device, Exported, Tensor};
+use crate::{Device, Exported, GpuUuid, Tensor};
 
 /// Name of this transport in attributes and errors.
 pub const NAME: &str = "cuda_ipc";
@@ -122,7 +122,7 @@ struct Handles {
     counters_fd: i32,
     counters_id: (u64, u64),
     /// Per producer device: UUID and event handle.
-    events: Vec<(String, Vec<u8>)>,
+    events: Vec<(GpuUuid, Vec<u8>)>,
     tensors: Vec<TensorHandle>,
 }
 
@@ -238,10 +238,7 @@ impl CudaIpcTransport {
             // No handle: the producer's stream was idle, nothing to wait for.
             match g.record_ipc_event() {
                 Ok(ev) => {
-                    events.push((
-                        g.uuid().to_string(),
-                        ev.map(|e| e.handle.to_vec()).unwrap_or_default(),
-                    ));
+                    events.push((g.uuid(), ev.map(|e| e.handle.to_vec()).unwrap_or_default()));
                     recorded.extend(ev.map(|e| (g.clone(), e)));
                 }
                 Err(e) => {
@@ -310,7 +307,7 @@ impl CudaIpcTransport {
         close_retired_mappings();
 
         // Order this process's stream after the producer's work.
-        let mut local: HashMap<String, Arc<Gpu>> = HashMap::new();
+        let mut local: HashMap<GpuUuid, Arc<Gpu>> = HashMap::new();
         for (uuid, ev) in &h.events {
             let g = local_gpu(uuid).map_err(|e| perr(e.to_string()))?;
             if !ev.is_empty() {
@@ -326,7 +323,7 @@ impl CudaIpcTransport {
                     g.wait_event(ev.event).map_err(|e| perr(e.to_string()))?;
                 }
             }
-            local.insert(uuid.clone(), g);
+            local.insert(*uuid, g);
         }
         let mut out = Vec::with_capacity(h.tensors.len());
         for (meta, th) in exported.metas.iter().zip(&h.tensors) {
@@ -365,7 +362,7 @@ impl CudaIpcTransport {
                 stream_passed: false,
             };
             let device = Device::Cuda {
-                uuid: uuid.clone(),
+                uuid: *uuid,
                 ordinal: g.ordinal() as u32,
             };
             out.push(
@@ -380,7 +377,7 @@ impl CudaIpcTransport {
 
 /// The local GPU to use for memory on device `uuid`: that device if this
 /// process sees it, else the first visible device (peer access).
-fn local_gpu(uuid: &str) -> Result<Arc<Gpu>, CudaError> {
+fn local_gpu(uuid: &GpuUuid) -> Result<Arc<Gpu>, CudaError> {
     match super::ordinal_of(uuid) {
         Some(i) => super::gpu(i),
         None => super::gpu(0),
@@ -425,7 +422,7 @@ type ExportEvents = Vec<(Arc<Gpu>, IpcEvent)>;
 
 /// A producer's event: its process, its records file, its device, its
 /// handle (each export has an event of its own, from a pool).
-type EventKey = (u32, (u64, u64), String, Vec<u8>);
+type EventKey = (u32, (u64, u64), GpuUuid, Vec<u8>);
 
 /// A producer's event, opened in this process; destroyed when the last
 /// holder (the cache, a receive using it) drops it.
@@ -456,11 +453,11 @@ fn events() -> &'static Mutex<HashMap<EventKey, Arc<OpenedEvent>>> {
 
 fn open_event(
     h: &Handles,
-    uuid: &str,
+    uuid: &GpuUuid,
     handle: &[u8],
     g: &Arc<Gpu>,
 ) -> Result<Arc<OpenedEvent>, CudaError> {
-    let key = (h.pid, h.counters_id, uuid.to_string(), handle.to_vec());
+    let key = (h.pid, h.counters_id, *uuid, handle.to_vec());
     let mut cache = events().lock();
     if let Some(e) = cache.get(&key) {
         return Ok(e.clone());

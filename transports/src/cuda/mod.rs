@@ -53,7 +53,7 @@ use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 use parking_lot::Mutex;
 
-use crate::Device;
+use crate::{Device, GpuUuid};
 
 /// A CUDA operation failed, or CUDA is not usable in this process.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -346,7 +346,7 @@ pub(crate) struct IpcEvent {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     ordinal: usize,
-    uuid: String,
+    uuid: GpuUuid,
     stream: Stream,
     /// Interprocess events free for the next export (each export records
     /// one of its own, returned here when the object is released).
@@ -363,17 +363,8 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
-fn format_uuid(u: &sys::CUuuid) -> String {
-    let b: Vec<u8> = u.bytes.iter().map(|&c| c as u8).collect();
-    let h = hex::encode(&b);
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        &h[0..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..32]
-    )
+fn gpu_uuid(u: &sys::CUuuid) -> GpuUuid {
+    GpuUuid::from_bytes(u.bytes.map(|c| c as u8))
 }
 
 /// The devices this process has set up, by local ordinal.
@@ -406,7 +397,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
     }
     cuda_trace!("creating the context of local device {ordinal}");
     let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::call("creating a context", e))?;
-    let uuid = format_uuid(
+    let uuid = gpu_uuid(
         &ctx.uuid()
             .map_err(|e| CudaError::call("cuDeviceGetUuid", e))?,
     );
@@ -435,12 +426,22 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
 }
 
 /// The local ordinal whose device has `uuid`, if this process sees it.
-pub fn ordinal_of(uuid: &str) -> Option<usize> {
-    (0..device_count()).find(|&i| gpu(i).map(|g| g.uuid == uuid).unwrap_or(false))
+///
+/// Asked per tensor on receive paths, so the answer is a lookup in a table
+/// made on the first call (which sets up every visible device, as finding
+/// a UUID needs).
+pub fn ordinal_of(uuid: &GpuUuid) -> Option<usize> {
+    static UUIDS: OnceLock<Vec<Option<GpuUuid>>> = OnceLock::new();
+    let uuids = UUIDS.get_or_init(|| {
+        (0..device_count())
+            .map(|i| gpu(i).ok().map(|g| g.uuid))
+            .collect()
+    });
+    uuids.iter().position(|u| u.as_ref() == Some(uuid))
 }
 
 /// The [`Gpu`] whose device has `uuid`.
-pub fn gpu_by_uuid(uuid: &str) -> Result<Arc<Gpu>, CudaError> {
+pub fn gpu_by_uuid(uuid: &GpuUuid) -> Result<Arc<Gpu>, CudaError> {
     available()?;
     match ordinal_of(uuid) {
         Some(i) => gpu(i),
@@ -457,8 +458,8 @@ impl Gpu {
         self.ordinal
     }
     /// The device UUID (`GPU-...`).
-    pub fn uuid(&self) -> &str {
-        &self.uuid
+    pub fn uuid(&self) -> GpuUuid {
+        self.uuid
     }
     /// The device's product name (e.g. `NVIDIA H100 80GB HBM3`).
     pub fn name(&self) -> String {
@@ -469,7 +470,7 @@ impl Gpu {
     /// The [`Device`] value for tensors on this GPU.
     pub fn device(&self) -> Device {
         Device::Cuda {
-            uuid: self.uuid.clone(),
+            uuid: self.uuid,
             ordinal: self.ordinal as u32,
         }
     }
@@ -952,7 +953,7 @@ mod tests {
             let e = gpu(0).unwrap_err();
             assert!(e.0.contains("libcuda") || e.0.contains("device"), "{e}");
             assert_eq!(device_count(), 0);
-            assert!(gpu_by_uuid("GPU-x").is_err());
+            assert!(gpu_by_uuid(&GpuUuid::from_bytes([0xee; 16])).is_err());
         }
     }
 
@@ -976,6 +977,9 @@ mod tests {
         let u = sys::CUuuid {
             bytes: [1i8; 16].map(|c| c),
         };
-        assert_eq!(format_uuid(&u), "GPU-01010101-0101-0101-0101-010101010101");
+        assert_eq!(
+            gpu_uuid(&u).to_string(),
+            "GPU-01010101-0101-0101-0101-010101010101"
+        );
     }
 }
