@@ -120,6 +120,17 @@ async fn soak(t: Transport) {
         0,
         "the consumer's store is empty"
     );
+    // A consumer keeps its `shm` mappings while their producer publishes
+    // the memfd, and lets go of them within about 200 ms of the producer's
+    // free (shm invariant 7): wait that long, not forever, for them.
+    let back = |(b_rss, b_fds): (u64, usize), pid: u32| {
+        let (e_rss, e_fds) = usage(pid);
+        e_rss <= b_rss + 32 * 1024 && e_fds <= b_fds + 4
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !(back(base.0, pp) && back(base.1, cp)) && std::time::Instant::now() < until {
+        tokio::task::yield_now().await;
+    }
     let end = (usage(pp), usage(cp));
     for ((b_rss, b_fds), (e_rss, e_fds), who) in
         [(base.0, end.0, "producer"), (base.1, end.1, "consumer")]

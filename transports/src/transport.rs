@@ -431,7 +431,17 @@ pub trait TensorTransport: Send + Sync + 'static {
     fn peer_gone(&self, actor: u64) {
         let _ = actor;
     }
+
+    /// Periodic upkeep: drop what a cache keeps for things that went away
+    /// without a message (`shm` lets go of mappings of memfds their
+    /// producer no longer publishes). The rdt worker calls it every
+    /// [`HOUSEKEEPING_PERIOD`]. Must be cheap (a few system calls at most)
+    /// and must not block; the default does nothing.
+    fn housekeeping(&self) {}
 }
+
+/// How often the rdt worker calls [`TensorTransport::housekeeping`].
+pub const HOUSEKEEPING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Checks that `got` matches `expected` (contract point 2), as every
 /// transport's `receive` must.

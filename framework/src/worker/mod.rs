@@ -731,6 +731,17 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
                 if ipc::housekeeping_due() {
                     let _ = tokio::task::spawn_blocking(ipc::housekeeping).await;
                 }
+                // Every transport's own upkeep (shm: mappings of memfds
+                // their producer freed), on the blocking pool too: it may
+                // unmap large files.
+                let _ = tokio::task::spawn_blocking(|| {
+                    for t in Transport::registered() {
+                        if let Some(inst) = t.existing_instance() {
+                            inst.housekeeping();
+                        }
+                    }
+                })
+                .await;
             }
         });
         handle.spawn(async move {
