@@ -22,6 +22,9 @@
 //! * `memcpy_dtod`: a raw `cuMemcpyDtoDAsync` of the same bytes in the
 //!   driver process (GPU 0 → GPU 0, or GPU 0 → GPU 1 with peer access),
 //!   waited for the same way.
+//! * `many10000_pass_cached` and `one40M_pass_cached`: the per-tensor
+//!   cost, a kept object of 10 000 tensors of 4 KiB against one kept
+//!   tensor of the same 40.96 MB, passed over `cuda_ipc` in turn.
 //!
 //! and the control plane in the same run: `actor_call_rtt` (a tiny call to
 //! the consumer) and `ref_chain_rtt` (a tiny value passed by ref from the
@@ -50,6 +53,7 @@ use rdt_examples::{median_of, Kind, Row};
 #[rdt::actor]
 pub struct CudaSource {
     kept: HashMap<usize, Tensor>,
+    many: Vec<Tensor>,
 }
 
 #[rdt::actor]
@@ -57,6 +61,7 @@ impl CudaSource {
     fn new() -> Self {
         CudaSource {
             kept: HashMap::new(),
+            many: Vec::new(),
         }
     }
 
@@ -80,6 +85,20 @@ impl CudaSource {
     /// A tiny value (for the ref-chain round trip).
     async fn tiny(&mut self, x: u64) -> u64 {
         x
+    }
+
+    /// `n` tensors of `each` bytes, made once (a model's parameters) and
+    /// handed out again.
+    async fn many(&mut self, n: usize, each: usize) -> rdt::Result<Vec<Tensor>> {
+        if self.many.len() != n {
+            self.many = (0..n)
+                .map(|_| Tensor::cuda_full(1u8, &[each], 0))
+                .collect::<rdt::Result<_, _>>()?;
+            for t in &self.many {
+                t.cuda_ready().await?;
+            }
+        }
+        Ok(self.many.clone())
     }
 }
 // ANCHOR_END: source
@@ -107,6 +126,16 @@ impl CudaSink {
         let own = t.deep_copy()?;
         own.cuda_ready().await?;
         Ok(own.nbytes())
+    }
+
+    /// Waits until every tensor is usable here; their bytes.
+    async fn touch_all(&mut self, ts: Vec<Tensor>) -> rdt::Result<usize> {
+        let mut n = 0;
+        for t in &ts {
+            t.cuda_ready().await?;
+            n += t.nbytes();
+        }
+        Ok(n)
     }
 
     /// A tiny call.
@@ -370,6 +399,63 @@ async fn main() -> rdt::Result<()> {
             }
             rows.push(row(&cx, "memcpy_dtod", "raw", Kind::Bandwidth, bytes, us));
             drop((a, b));
+            kill_and_wait(&[&p], &[&c]).await;
+        }
+
+        // Per-tensor cost: 10 000 tensors of 4 KiB against one tensor of
+        // their 40.96 MB, both kept and passed again (cached mappings).
+        {
+            const N: usize = 10_000;
+            const EACH: usize = 4 << 10;
+            let p = rt.spawn::<CudaSource>(()).on_gpus([pg]).await?;
+            let c = rt.spawn::<CudaSink>(()).on_gpus([cg]).await?;
+            rt.get(p.prepare(N * EACH).remote()).await?;
+            rt.get(c.warm().remote()).await?;
+            let (mut one, mut many) = (Vec::new(), Vec::new());
+            for i in 0..(iters / 5).max(5) + 1 {
+                let o = pass(&rt, &p, &c, N * EACH, Transport::CudaIpc).await?;
+                let t0 = Instant::now();
+                let r = p.many(N, EACH).transport(Transport::CudaIpc).remote();
+                let n = rt.get(c.touch_all(&r).remote()).await?;
+                let m = us_since(t0);
+                assert_eq!(n, N * EACH);
+                // The first pass makes the tensors and maps the slabs.
+                if i > 0 {
+                    one.push(o);
+                    many.push(m);
+                }
+            }
+            rows.push(row(
+                &cx,
+                "one40M_pass_cached",
+                "cuda_ipc",
+                Kind::HandoffLatency,
+                N * EACH,
+                one,
+            ));
+            rows.push(row(
+                &cx,
+                "many10000_pass_cached",
+                "cuda_ipc",
+                Kind::HandoffLatency,
+                N * EACH,
+                many,
+            ));
+            let (o, m) = (
+                median(&rows, placement, "one40M_pass_cached", "cuda_ipc", N * EACH),
+                median(
+                    &rows,
+                    placement,
+                    "many10000_pass_cached",
+                    "cuda_ipc",
+                    N * EACH,
+                ),
+            );
+            println!(
+                "  {placement}: 10 000 tensors of 4 KiB {m:.0} us, one of 40.96 MB {o:.0} us: {:.1}x, {:.0} ns per tensor more",
+                m / o,
+                (m - o) * 1000.0 / N as f64
+            );
             kill_and_wait(&[&p], &[&c]).await;
         }
     }
