@@ -3,7 +3,9 @@
 //! one is still arriving, refs dropped while their receive runs, producers
 //! killed with objects on the way); afterwards the owner table and the
 //! workers' stores are empty, no transfer is in flight, and the workers'
-//! memory and open descriptors are back to where they started.
+//! memory and open descriptors are back to where they started (within
+//! 5 s: an `shm` consumer lets go of the mappings it keeps within about
+//! 200 ms of their producer's free, shm invariant 7).
 
 use rdt::prelude::*;
 use rdt_integration_tests::actors::*;
