@@ -176,9 +176,9 @@ struct Mapped {
     actor: u64,
 }
 
-/// How often a receive sweeps the mapping cache (the rdt worker also
-/// sweeps it at every housekeeping tick).
-const SWEEP_PERIOD: Duration = Duration::from_millis(200);
+/// How often a receive sweeps the mapping cache: as often as the rdt
+/// worker's housekeeping tick, which sweeps it too.
+const SWEEP_PERIOD: Duration = crate::transport::HOUSEKEEPING_PERIOD;
 /// A receive sweeps the mapping cache at once when it holds more memfds.
 const SWEEP_ABOVE: usize = 64;
 
@@ -354,15 +354,7 @@ impl ShmTransport {
         let key = (f.dev, f.ino);
         let cached = self.mapped.lock().get(&key).map(|m| m.region.clone());
         if let Some(region) = cached {
-            let path = format!("/proc/{pid}/fd/{}", f.fd);
-            let named = std::fs::metadata(&path).map_err(|e| open_error(&e, pid, f.fd, &path))?;
-            if (named.dev(), named.ino()) != key {
-                return Err(format!(
-                    "descriptor {} of process {pid} no longer is the memfd that was published \
-                     (the object was freed, or the handle is stale)",
-                    f.fd
-                ));
-            }
+            Region::published(pid, f)?;
             // The publisher to look at from now on (a consumer may publish
             // what it received).
             if let Some(m) = self.mapped.lock().get_mut(&key) {
@@ -405,20 +397,17 @@ impl ShmTransport {
     /// producer no longer publishes (it freed the object and its tensors):
     /// kept, they would hold the memory and a descriptor for nothing.
     fn sweep(&self) {
-        let idle: Vec<((u64, u64), u32, RawFd)> = self
+        let idle: Vec<((u64, u64), u32, FileHandle)> = self
             .mapped
             .lock()
             .iter()
             .filter(|(_, m)| Arc::strong_count(&m.region) == 1)
-            .map(|(k, m)| (*k, m.pid, m.fd))
+            .map(|(&(dev, ino), m)| ((dev, ino), m.pid, FileHandle { fd: m.fd, dev, ino }))
             .collect();
         // Looked at outside the lock: a stat of /proc per memfd.
         let stale: Vec<(u64, u64)> = idle
             .into_iter()
-            .filter(|((dev, ino), pid, fd)| {
-                std::fs::metadata(format!("/proc/{pid}/fd/{fd}"))
-                    .map_or(true, |m| (m.dev(), m.ino()) != (*dev, *ino))
-            })
+            .filter(|(_, pid, h)| Region::published(*pid, h).is_err())
             .map(|(k, _, _)| k)
             .collect();
         if stale.is_empty() {
@@ -605,21 +594,11 @@ impl Region {
     /// Opens and maps the memfd `h` of process `pid`, checking that it is
     /// the one published (invariants 3 and 4).
     fn open(pid: u32, h: &FileHandle) -> Result<Arc<Region>, String> {
-        let path = format!("/proc/{pid}/fd/{}", h.fd);
-        let stale = || {
-            format!(
-                "descriptor {} of process {pid} no longer is the memfd that was published \
-                 (the object was freed, or the handle is stale)",
-                h.fd
-            )
-        };
         // Look before opening: a stale or malformed handle may name any
         // file of the producer (a device, a socket), and opening some files
         // has effects of its own.
-        let target = std::fs::metadata(&path).map_err(|e| open_error(&e, pid, h.fd, &path))?;
-        if (target.dev(), target.ino()) != (h.dev, h.ino) {
-            return Err(stale());
-        }
+        let path = Self::published(pid, h)?;
+        let stale = || stale_handle(pid, h);
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -643,6 +622,17 @@ impl Region {
             ));
         }
         Region::map(memfd.into_file()).map_err(|e| format!("cannot map {path}: {e}"))
+    }
+
+    /// Does `/proc/<pid>/fd/<fd>` name the memfd `h` (invariant 3)? Its
+    /// path if so; why not, if not. Looks (`stat`), opens nothing.
+    fn published(pid: u32, h: &FileHandle) -> Result<String, String> {
+        let path = format!("/proc/{pid}/fd/{}", h.fd);
+        let target = std::fs::metadata(&path).map_err(|e| open_error(&e, pid, h.fd, &path))?;
+        if (target.dev(), target.ino()) != (h.dev, h.ino) {
+            return Err(stale_handle(pid, h));
+        }
+        Ok(path)
     }
 
     /// Maps all of `file`, shared and writable.
@@ -684,6 +674,15 @@ impl Region {
             )),
         }
     }
+}
+
+/// The error of a handle whose descriptor names another file now.
+fn stale_handle(pid: u32, h: &FileHandle) -> String {
+    format!(
+        "descriptor {} of process {pid} no longer is the memfd that was published \
+         (the object was freed, or the handle is stale)",
+        h.fd
+    )
 }
 
 /// Says why `/proc/<pid>/fd/<fd>` (`path`) could not be looked at or opened.

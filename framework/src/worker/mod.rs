@@ -722,19 +722,19 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         // something to look at (never in a process that did not use CUDA
         // IPC), and on the blocking pool: freeing device memory may wait
         // for the GPU.
+        // Then every transport's own upkeep (shm: mappings of memfds their
+        // producer freed), in the same trip to the blocking pool: it may
+        // unmap large files.
         handle.spawn(async {
             use rdt_transport::cuda::ipc;
-            let mut tick = tokio::time::interval(ipc::HOUSEKEEPING_PERIOD);
+            let mut tick = tokio::time::interval(rdt_transport::transport::HOUSEKEEPING_PERIOD);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                if ipc::housekeeping_due() {
-                    let _ = tokio::task::spawn_blocking(ipc::housekeeping).await;
-                }
-                // Every transport's own upkeep (shm: mappings of memfds
-                // their producer freed), on the blocking pool too: it may
-                // unmap large files.
                 let _ = tokio::task::spawn_blocking(|| {
+                    if ipc::housekeeping_due() {
+                        ipc::housekeeping();
+                    }
                     for t in Transport::registered() {
                         if let Some(inst) = t.existing_instance() {
                             inst.housekeeping();

@@ -667,7 +667,7 @@ pub fn housekeeping_due() -> bool {
 }
 
 /// How often the rdt worker runs [`housekeeping`].
-pub const HOUSEKEEPING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);
+pub use crate::transport::HOUSEKEEPING_PERIOD;
 
 /// A range of a producer's slab, as this consumer maps it.
 struct ImportedRange {
