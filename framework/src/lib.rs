@@ -15,6 +15,7 @@
 
 mod actor;
 mod client;
+mod deadlines;
 mod error;
 mod object_ref;
 mod owner;

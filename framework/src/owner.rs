@@ -771,6 +771,7 @@ fn start_direct(
             }
         }
     }
+    rdt_transport::cuda::timeline("driver deliver", xfer);
     let msg = ToWorker::Deliver {
         object: id,
         value: Ok(Delivery {

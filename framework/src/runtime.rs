@@ -185,12 +185,44 @@ impl RuntimeBuilder {
             control_addr,
             volunteer_joined: tokio::sync::Notify::new(),
             settled: tokio::sync::Notify::new(),
+            deadline_wake: Arc::new(tokio::sync::Notify::new()),
         });
+        tokio::spawn(deadline_keeper(
+            Arc::downgrade(&inner),
+            inner.deadline_wake.clone(),
+        ));
         tokio::spawn(accept_loop(listener, Arc::downgrade(&inner)));
         if let Some(l) = tcp {
             tokio::spawn(accept_tcp_loop(l, tls, Arc::downgrade(&inner)));
         }
         Ok(Runtime { inner })
+    }
+}
+
+/// The one task that watches every transfer deadline (XF-6; the
+/// `deadlines` module says why not a timer per transfer). It sleeps until
+/// the earliest deadline, or until woken for an earlier one (DL-1), and
+/// ends with the runtime.
+async fn deadline_keeper(rt: Weak<Inner>, wake: Arc<tokio::sync::Notify>) {
+    loop {
+        let next = match rt.upgrade() {
+            Some(inner) => inner.lock().deadlines.next(),
+            None => return,
+        };
+        // A wake sent since `next` was read is kept as a permit.
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(at) => {}
+                    _ = wake.notified() => {}
+                }
+            }
+            None => wake.notified().await,
+        }
+        match rt.upgrade() {
+            Some(inner) => inner.expire_due(),
+            None => return,
+        }
     }
 }
 
@@ -218,6 +250,16 @@ pub(crate) struct Inner {
     volunteer_joined: tokio::sync::Notify,
     /// Woken whenever transfers end (see `Runtime::transfers_settled`).
     settled: tokio::sync::Notify,
+    /// Wakes the deadline keeper (DL-1).
+    deadline_wake: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The deadline keeper holds the runtime weakly: woken, it sees it
+        // gone and ends.
+        self.deadline_wake.notify_one();
+    }
 }
 
 /// The driver's state, locked (see [`Inner::lock`]).
@@ -369,8 +411,8 @@ pub(crate) struct State {
     fetches: HashMap<u64, (u64, oneshot::Sender<Result<WireValue>>)>,
     groups: HashMap<u64, Group>,
     volunteers: std::collections::VecDeque<Volunteer>,
-    /// Deadline timers of transfers in flight (XF-6), by transfer id.
-    timers: HashMap<u64, tokio::task::AbortHandle>,
+    /// Deadlines of transfers in flight (XF-6).
+    deadlines: crate::deadlines::Deadlines,
     /// Group creates and destroys waiting for acknowledgements.
     group_ops: HashMap<u64, GroupOp>,
     /// `shutdown` asked every worker to stop: their exits are expected,
@@ -1242,39 +1284,42 @@ impl Inner {
     }
 
     /// Follows the owner table's transfers (XF-6), after every change to
-    /// it: arms a deadline timer for each transfer that started (when one
-    /// passes, both ends are aborted and the calls involved fail with a
-    /// timeout), cancels the timers of those that ended, and wakes
-    /// `transfers_settled` when any did.
+    /// it: arms a deadline for each transfer that started (when one passes,
+    /// both ends are aborted and the calls involved fail with a timeout),
+    /// and wakes `transfers_settled` when any ended. An ended transfer's
+    /// deadline needs no cancelling (DL-2).
     fn sync_transfers(&self, st: &mut State) {
         let (started, ended) = st.table.take_transfer_changes();
-        let timeout = self.config.transfer_timeout;
-        for xfer in started {
-            let me = self.me.clone();
-            let timer = self.tokio.spawn(async move {
-                tokio::time::sleep(timeout).await;
-                if let Some(inner) = me.upgrade() {
-                    inner.transfer_expired(xfer, timeout);
-                }
-            });
-            st.timers.insert(xfer, timer.abort_handle());
-        }
-        if ended.is_empty() {
-            return;
-        }
-        for xfer in ended {
-            if let Some(t) = st.timers.remove(&xfer) {
-                t.abort();
+        if !started.is_empty() {
+            let at = tokio::time::Instant::now() + self.config.transfer_timeout;
+            let mut wake = false;
+            for xfer in started {
+                wake |= st.deadlines.arm(xfer, at);
+            }
+            let table = &st.table;
+            st.deadlines
+                .prune(table.transfers_in_flight(), |x| table.transfer(x).is_some());
+            if wake {
+                self.deadline_wake.notify_one();
             }
         }
-        self.settled.notify_waiters();
+        if !ended.is_empty() {
+            self.settled.notify_waiters();
+        }
+    }
+
+    /// Expires the transfers whose deadlines have passed (the keeper's
+    /// work; DL-2: ended ones are skipped by `transfer_expired`).
+    fn expire_due(&self) {
+        let due = self.lock().deadlines.due(tokio::time::Instant::now());
+        for xfer in due {
+            self.transfer_expired(xfer, self.config.transfer_timeout);
+        }
     }
 
     fn transfer_expired(&self, xfer: u64, after: Duration) {
         let mut st = self.lock();
         let st = &mut *st;
-        // This timer has fired: it is not cancelled below.
-        st.timers.remove(&xfer);
         let Some(t) = st.table.transfer(xfer).cloned() else {
             return;
         };
@@ -1353,6 +1398,7 @@ impl Inner {
             // (rdt_transport::hot): a value that arrives within the window
             // is seen at once, not after this thread is woken.
             hot(rx).await.map_err(|_| Error::Shutdown)?;
+            rdt_transport::cuda::timeline("driver getter woke", id);
         }
     }
 
@@ -1396,6 +1442,7 @@ impl Inner {
             error,
         } = msg;
         let call = self.next_id();
+        rdt_transport::cuda::timeline("driver submit", call);
         let mut arg_ids = Vec::new();
         let mut nested = Vec::new();
         for a in &wire_args {
@@ -1696,6 +1743,7 @@ impl Inner {
                 xfer,
                 result,
             } => {
+                rdt_transport::cuda::timeline("driver got received", xfer);
                 let done = st.table.received(xfer, actor, &result, &st.actors);
                 match (done, result) {
                     (Some(t), Err(e)) => {

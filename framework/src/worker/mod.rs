@@ -793,6 +793,7 @@ async fn control_loop<A: RdtActor>(
                 // The actor replies itself, from its own thread (no hop back
                 // here); a full or closed mailbox fails the call at once.
                 let id = call.call;
+                rdt_transport::cuda::timeline("call received", id);
                 shared.call_arrived.notify_waiters();
                 if let Err(e) = addr.try_send(Invoke(call)) {
                     let _ = tx.send(&ToDriver::CallDone {
@@ -967,6 +968,7 @@ fn on_deliver(
     let group = d.group;
     let job = Box::pin(
         async move {
+            rdt_transport::cuda::timeline("receive job start", xfer);
             let t0 = std::time::Instant::now();
             let cx = rdt_transport::TransferCtx {
                 xfer,
@@ -1030,6 +1032,7 @@ fn on_deliver(
                 if !freed {
                     shared.store.insert(object, slot);
                 }
+                rdt_transport::cuda::timeline("receive stored", xfer);
             }
             // The acknowledgement comes after the value is stored, off the
             // path of the call waiting for it; a call that ran with it

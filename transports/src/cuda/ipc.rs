@@ -28,7 +28,11 @@
 //!    The tensors it returns share the producer's memory: a write by the
 //!    consumer is seen by the producer (Ray's semantics). Each tensor counts
 //!    itself in the range's shared import record while it lives.
-//! 3. **Release (producer).** Drops the copies made at export. The
+//! 3. **Release.** A consumer's dropped tensor counts itself out of its
+//!    range's import record once this process's stream passed every use
+//!    enqueued before the drop ([`super::ordered_drop`]: queued, released
+//!    in batches behind one stream mark). The producer's release drops the
+//!    copies made at export. The
 //!    producer's own tensors give their ranges back to the slab when they
 //!    are dropped, but a range that a live importer still holds waits until
 //!    every importer dropped its tensors (see `alloc` for the lifetime
@@ -303,8 +307,7 @@ impl CudaIpcTransport {
             .entry(from.actor)
             .or_default()
             .insert((h.pid, h.counters_id));
-        release_deferred();
-        close_retired_mappings();
+        close_retired_now();
 
         // Order this process's stream after the producer's work.
         let mut local: HashMap<GpuUuid, Arc<Gpu>> = HashMap::new();
@@ -626,8 +629,10 @@ fn forget_producer(key: ProducerKey) {
 }
 
 /// Closes every cached mapping no tensor of this process uses any more.
-/// Returns how many were closed.
+/// Returns how many were closed. Tensors dropped before the call are
+/// counted out first (see [`settle_drops`]).
 pub fn close_unused_mappings() -> usize {
+    settle_drops();
     let mut cache = mappings().lock();
     let before = cache.len();
     cache.retain(|_, m| Arc::strong_count(m) > 1);
@@ -636,8 +641,29 @@ pub fn close_unused_mappings() -> usize {
 
 /// Closes every cached mapping that no tensor of this process uses and
 /// whose slab the producer retired, so that the producer can free it.
-/// Returns how many were closed. Cheap when nothing is mapped.
+/// Returns how many were closed. Tensors dropped before the call are
+/// counted out first (see [`settle_drops`]), so a tensor the caller dropped
+/// no longer keeps its slab mapped.
 pub fn close_retired_mappings() -> usize {
+    settle_drops();
+    close_retired_now()
+}
+
+/// Waits, up to 10 s, until the imported tensors dropped so far have gone
+/// back to their producers: their release waits for this process's stream
+/// to pass their last uses ([`super::ordered_drop`]).
+fn settle_drops() {
+    if !super::ordered_drop::settle(std::time::Duration::from_secs(10)) {
+        tracing::warn!(
+            "imported CUDA tensors dropped here still wait for this process's stream after 10 s; their mappings stay open for now"
+        );
+    }
+}
+
+/// [`close_retired_mappings`] without waiting for queued drops (the
+/// receive path and the housekeeping tick never wait for the GPU). Cheap
+/// when nothing is mapped.
+fn close_retired_now() -> usize {
     let mut cache = mappings().lock();
     if cache.is_empty() {
         return 0;
@@ -653,8 +679,7 @@ pub fn close_retired_mappings() -> usize {
 /// importer maps any more. Touches no CUDA state in a process that never
 /// used CUDA.
 pub fn housekeeping() {
-    release_deferred();
-    close_retired_mappings();
+    close_retired_now();
     alloc::reclaim();
 }
 
@@ -663,7 +688,7 @@ pub fn housekeeping() {
 /// Cheap (two locks, no system call), so that a process that never used
 /// CUDA IPC does not run the upkeep at all.
 pub fn housekeeping_due() -> bool {
-    !mappings().lock().is_empty() || alloc::waiting_for_importers() || !deferred().lock().is_empty()
+    !mappings().lock().is_empty() || alloc::waiting_for_importers()
 }
 
 /// How often the rdt worker runs [`housekeeping`].
@@ -676,61 +701,26 @@ struct ImportedRange {
     len: usize,
     counters: Arc<Counters>,
     slot: u32,
-    /// The stream has passed every use of it (a deferred release).
+    /// The stream has passed every use of it: dropping it releases it at
+    /// once (it went through `ordered_drop`).
     stream_passed: bool,
-}
-
-/// Imported ranges dropped while this process's stream may still read
-/// them: each is released once the GPU passed the point marked when it was
-/// dropped (stream-ordered free, as PyTorch's `record_stream`).
-struct Deferred {
-    after: super::Completion,
-    /// Released (dropped) once `after` passed.
-    _range: ImportedRange,
-}
-
-fn deferred() -> &'static Mutex<Vec<Deferred>> {
-    static DEFERRED: OnceLock<Mutex<Vec<Deferred>>> = OnceLock::new();
-    DEFERRED.get_or_init(Default::default)
-}
-
-/// Releases the deferred ranges the GPU has passed (at every receive and
-/// housekeeping tick). A range whose query fails is released too: its
-/// stream is broken and reads nothing any more.
-fn release_deferred() {
-    let due: Vec<Deferred> = {
-        let mut d = deferred().lock();
-        let (due, keep): (Vec<Deferred>, Vec<Deferred>) =
-            d.drain(..).partition(|x| x.after.passed().unwrap_or(true));
-        *d = keep;
-        due
-    };
-    drop(due); // each range releases in its own drop, outside the lock
 }
 
 impl Drop for ImportedRange {
     fn drop(&mut self) {
-        // Stream-ordered free: while this process's stream may still read
-        // the range, hand it to the deferred list instead (released once
-        // the GPU passed what is pending now).
+        // Stream-ordered free (ordered_drop): the range goes back once this
+        // process's stream passed every use enqueued before this drop.
         if !self.stream_passed {
-            if let Ok(after) = self.map.gpu.completion() {
-                if !after.passed().unwrap_or(true) {
-                    let range = ImportedRange {
-                        map: self.map.clone(),
-                        offset: self.offset,
-                        len: self.len,
-                        counters: self.counters.clone(),
-                        slot: self.slot,
-                        stream_passed: true,
-                    };
-                    deferred().lock().push(Deferred {
-                        after,
-                        _range: range,
-                    });
-                    return;
-                }
-            }
+            let range = ImportedRange {
+                map: self.map.clone(),
+                offset: self.offset,
+                len: self.len,
+                counters: self.counters.clone(),
+                slot: self.slot,
+                stream_passed: true,
+            };
+            super::ordered_drop::drop_after_stream(self.map.gpu.clone(), Box::new(range));
+            return;
         }
         self.counters.unhold(Region::Range, self.slot);
         // The last tensor in a slab the producer retires: close the mapping

@@ -44,6 +44,7 @@
 pub mod alloc;
 pub mod ipc;
 pub mod ops;
+pub mod ordered_drop;
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
