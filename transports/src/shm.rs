@@ -456,6 +456,11 @@ impl TensorTransport for ShmTransport {
         Sidedness::OneSided
     }
 
+    /// It opens a published memory and returns: nothing to wait for.
+    fn receive_runs_inline(&self) -> bool {
+        true
+    }
+
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {
         match device {
             Device::Cpu => Ok(()),

@@ -406,6 +406,21 @@ pub trait TensorTransport: Send + Sync + 'static {
         None
     }
 
+    /// Does [`receive`](Self::receive) return without waiting for anything
+    /// (no bytes to come, no peer to answer: it opens memory the producer
+    /// published, usually a mapping kept from an earlier pass)? The worker
+    /// then runs it on its control loop at once, up to its first wait,
+    /// instead of in a task that starts only when the loop next yields: a
+    /// hand-off is stored, and the call waiting for it free to start,
+    /// before the loop reads its next frame. A receive that does wait is
+    /// moved to a task at that point. The first receive from a new source
+    /// holds the loop while it maps (`shm`: an `mmap`; `cuda_ipc`: a
+    /// `cuIpcOpenMemHandle`, about a millisecond). The default: false, the
+    /// receive runs in a task of its own.
+    fn receive_runs_inline(&self) -> bool {
+        false
+    }
+
     /// Can the driver read this transport's objects itself (`Runtime::get`
     /// with no worker involved) and hold objects of its own
     /// (`Runtime::put_with`)? One-sided transports whose receive needs no

@@ -966,6 +966,7 @@ fn on_deliver(
         side = "receive",
     );
     let group = d.group;
+    let inline = group.is_none() && transport.1.receive_runs_inline();
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1068,7 +1069,21 @@ fn on_deliver(
         }
         .instrument(span),
     );
+    if inline {
+        return run_now_or_spawn(job);
+    }
     run_transfer(shared, group, job, xfer);
+}
+
+/// Runs `job` here, on the control loop, up to its first wait, and spawns
+/// the rest as a task (polled again at once there, with a real waker).
+/// For a receive that does not wait (`receive_runs_inline`), that is all
+/// of it: the value is stored before the loop reads its next frame.
+fn run_now_or_spawn(mut job: Job) {
+    let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
+    if job.as_mut().poll(&mut cx).is_pending() {
+        tokio::spawn(job);
+    }
 }
 
 /// Stores a value delivered through the driver. One whose large blobs

@@ -767,6 +767,11 @@ impl TensorTransport for CudaIpcTransport {
         Sidedness::OneSided
     }
 
+    /// It opens a published memory and returns: nothing to wait for.
+    fn receive_runs_inline(&self) -> bool {
+        true
+    }
+
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {
         match device {
             Device::Cuda { .. } => Ok(()),
