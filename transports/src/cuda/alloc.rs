@@ -534,7 +534,7 @@ impl Counters {
 
     /// Counts one more of this process's holds on a record (consumer).
     pub(crate) fn hold(&self, region: Region, index: u32) {
-        let me = std::process::id() as u64;
+        let me = this_pid();
         // Our own cell if we have one, else a free one.
         for want_empty in [false, true] {
             for i in 1..RECORD_CELLS {
@@ -557,7 +557,7 @@ impl Counters {
     }
     /// Counts one of this process's holds on a record fewer.
     pub(crate) fn unhold(&self, region: Region, index: u32) {
-        let me = std::process::id() as u64;
+        let me = this_pid();
         for i in 1..RECORD_CELLS {
             let c = self.cell(region, index, i);
             let mut v = c.load(Ordering::Acquire);
@@ -696,6 +696,15 @@ pub(crate) fn counters() -> Result<&'static Counters, CudaError> {
     C.get_or_init(Counters::create)
         .as_ref()
         .map_err(|e| CudaError(e.clone()))
+}
+
+/// This process's pid, asked once: a hold and its release run per tensor,
+/// and `getpid` is a system call each time. A process forked after it
+/// asked would see its parent's pid, but CUDA cannot be used in such a
+/// child anyway, so no holder of imports ever is one.
+fn this_pid() -> u64 {
+    static PID: OnceLock<u64> = OnceLock::new();
+    *PID.get_or_init(|| std::process::id() as u64)
 }
 
 #[cfg(test)]

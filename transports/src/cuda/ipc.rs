@@ -4,9 +4,10 @@
 //! # Protocol
 //! 1. **Export (producer).** Every CUDA tensor rdt allocates lives in a
 //!    range of a `cuMemAlloc` slab ([`super::alloc`]). Export
-//!    publishes, per tensor, its slab's `cuIpcGetMemHandle` (made once per
-//!    slab), the slab id, the range's offset and length, and the range's
-//!    import record slot; and, per device, the handle of an interprocess
+//!    publishes a table of the slabs the tensors lie in (each slab's
+//!    `cuIpcGetMemHandle`, made once per slab, its id, length and record),
+//!    and per tensor its slab's index in that table, the range's offset and
+//!    length, and the range's import record slot; and, per device, the handle of an interprocess
 //!    event of this export's own (from a pool, given back at release),
 //!    recorded on rdt's stream at export, so it completes when the work
 //!    that produced the tensors does and never covers work the producer
@@ -127,16 +128,29 @@ struct Handles {
     counters_id: (u64, u64),
     /// Per producer device: UUID and event handle.
     events: Vec<(GpuUuid, Vec<u8>)>,
+    /// The slabs the tensors lie in, each once: a weights sync's thousands
+    /// of tensors share a few slabs, so their 64-byte memory handles travel
+    /// and are looked up once per slab, not per tensor.
+    slabs: Vec<SlabHandle>,
     tensors: Vec<TensorHandle>,
+}
+
+/// One slab of the producer's, as its tensors' handles refer to it.
+#[derive(Serialize, Deserialize)]
+struct SlabHandle {
+    /// The producer's slab id.
+    id: u64,
+    /// `cuIpcGetMemHandle` of the slab (64 bytes).
+    handle: Vec<u8>,
+    len: u64,
+    /// The slab's shared record (retiring flag, importer pids).
+    record: u32,
 }
 
 #[derive(Serialize, Deserialize)]
 struct TensorHandle {
-    slab: u64,
-    slab_handle: Vec<u8>,
-    slab_len: u64,
-    /// The slab's shared record (retiring flag, importer pids).
-    slab_record: u32,
+    /// Index of its slab in [`Handles::slabs`].
+    slab: u32,
     offset: u64,
     len: u64,
     slot: u32,
@@ -199,41 +213,62 @@ impl CudaIpcTransport {
         let mut out = Exported::default();
         let mut gpus: Vec<Arc<Gpu>> = Vec::new();
         let mut handles = Vec::with_capacity(tensors.len());
+        let mut slabs: Vec<SlabHandle> = Vec::new();
+        // Slab id -> index in `slabs`.
+        let mut slab_index: rustc_hash::FxHashMap<u64, u32> = Default::default();
         let mut copies = Vec::new();
         for t in tensors {
             self.check_device(t.device())?;
-            let own = t
-                .with_device_buffer(|d| d.as_any().is::<SlabRange>())
-                .map_err(err)?;
-            let t = if own {
-                t.clone()
-            } else {
-                // Memory this process did not allocate: copy it into a range.
-                let ord = t.with_device_buffer(|d| d.gpu().ordinal()).map_err(err)?;
-                let c = t.to_device(ord).map_err(err)?;
-                copies.push(c.clone());
-                c
-            };
-            let h = t
-                .with_device_buffer(|d| -> Result<TensorHandle, CudaError> {
-                    let r = d.as_any().downcast_ref::<SlabRange>().expect("checked");
+            // The handle of a range of ours; `None` for memory this process
+            // did not allocate, which is copied into a range first.
+            let mut handle = |t: &Tensor| {
+                t.with_device_buffer(|d| -> Result<Option<TensorHandle>, CudaError> {
+                    let Some(r) = d.as_any().downcast_ref::<SlabRange>() else {
+                        return Ok(None);
+                    };
                     if !gpus.iter().any(|g| Arc::ptr_eq(g, d.gpu())) {
                         gpus.push(d.gpu().clone());
                     }
-                    let (slab_handle, slab_record) = r.slab.ipc_handle()?;
-                    Ok(TensorHandle {
-                        slab: r.slab.id,
-                        slab_handle: slab_handle.to_vec(),
-                        slab_len: r.slab.len as u64,
-                        slab_record,
+                    let slab = match slab_index.get(&r.slab.id) {
+                        Some(&i) => i,
+                        None => {
+                            let (handle, record) = r.slab.ipc_handle()?;
+                            slabs.push(SlabHandle {
+                                id: r.slab.id,
+                                handle: handle.to_vec(),
+                                len: r.slab.len as u64,
+                                record,
+                            });
+                            let i = (slabs.len() - 1) as u32;
+                            slab_index.insert(r.slab.id, i);
+                            i
+                        }
+                    };
+                    Ok(Some(TensorHandle {
+                        slab,
                         offset: r.offset as u64,
                         len: d.len() as u64,
                         slot: r.counter_slot()?,
-                    })
+                    }))
                 })
-                .map_err(err)?
-                .map_err(err)?;
-            out.metas.push(t.meta());
+            };
+            let h = match handle(t).map_err(err)?.map_err(err)? {
+                Some(h) => {
+                    out.metas.push(t.meta());
+                    h
+                }
+                None => {
+                    let ord = t.with_device_buffer(|d| d.gpu().ordinal()).map_err(err)?;
+                    let c = t.to_device(ord).map_err(err)?;
+                    let h = handle(&c)
+                        .map_err(err)?
+                        .map_err(err)?
+                        .expect("a fresh copy lies in a range of ours");
+                    out.metas.push(c.meta());
+                    copies.push(c);
+                    h
+                }
+            };
             handles.push(h);
         }
         let mut events = Vec::with_capacity(gpus.len());
@@ -263,6 +298,7 @@ impl CudaIpcTransport {
             counters_fd: counters.fd(),
             counters_id: counters.id,
             events,
+            slabs,
             tensors: handles,
         };
         out.handles = postcard::to_allocvec(&h).map_err(err)?;
@@ -291,13 +327,23 @@ impl CudaIpcTransport {
                 exported.metas.len()
             )));
         }
+        if let Some(sh) = h
+            .slabs
+            .iter()
+            .find(|sh| sh.record as usize >= alloc::SLAB_RECORDS || sh.handle.len() != 64)
+        {
+            return Err(perr(format!(
+                "malformed handles: slab record {} out of range, or a {}-byte memory handle",
+                sh.record,
+                sh.handle.len()
+            )));
+        }
         if let Some(th) = h.tensors.iter().find(|th| {
-            th.slot as usize >= alloc::COUNTER_SLOTS
-                || th.slab_record as usize >= alloc::SLAB_RECORDS
+            th.slot as usize >= alloc::COUNTER_SLOTS || th.slab as usize >= h.slabs.len()
         }) {
             return Err(perr(format!(
-                "malformed handles: record index {} / slab record {} out of range",
-                th.slot, th.slab_record
+                "malformed handles: record index {} or slab #{} out of range",
+                th.slot, th.slab
             )));
         }
         super::available().map_err(|e| perr(format!("this consumer cannot use CUDA: {e}")))?;
@@ -310,7 +356,7 @@ impl CudaIpcTransport {
         close_retired_now();
 
         // Order this process's stream after the producer's work.
-        let mut local: HashMap<GpuUuid, Arc<Gpu>> = HashMap::new();
+        let mut local: rustc_hash::FxHashMap<GpuUuid, Arc<Gpu>> = Default::default();
         for (uuid, ev) in &h.events {
             let g = local_gpu(uuid).map_err(|e| perr(e.to_string()))?;
             if !ev.is_empty() {
@@ -329,6 +375,8 @@ impl CudaIpcTransport {
             local.insert(*uuid, g);
         }
         let mut out = Vec::with_capacity(h.tensors.len());
+        // Each slab's mapping, looked up once (its tensors share it).
+        let mut mapped: Vec<Option<Arc<Mapping>>> = vec![None; h.slabs.len()];
         for (meta, th) in exported.metas.iter().zip(&h.tensors) {
             let Device::Cuda { uuid, .. } = &meta.device else {
                 return Err(perr(format!(
@@ -347,7 +395,15 @@ impl CudaIpcTransport {
                 Some(g) => g.clone(),
                 None => local_gpu(uuid).map_err(|e| perr(e.to_string()))?,
             };
-            let map = open_slab(&h, th, &g, &counters).map_err(|e| perr(e.to_string()))?;
+            let map = match &mapped[th.slab as usize] {
+                Some(m) if Arc::ptr_eq(&m.gpu, &g) => m.clone(),
+                _ => {
+                    let m = open_slab(&h, &h.slabs[th.slab as usize], &g, &counters)
+                        .map_err(|e| perr(e.to_string()))?;
+                    mapped[th.slab as usize] = Some(m.clone());
+                    m
+                }
+            };
             if th
                 .offset
                 .checked_add(th.len)
@@ -553,29 +609,29 @@ fn mappings() -> &'static Mutex<HashMap<SlabKey, Arc<Mapping>>> {
 
 fn open_slab(
     h: &Handles,
-    th: &TensorHandle,
+    sh: &SlabHandle,
     g: &Arc<Gpu>,
     counters: &Arc<Counters>,
 ) -> Result<Arc<Mapping>, CudaError> {
-    let key = (h.pid, h.counters_id, th.slab, g.ordinal());
+    let key = (h.pid, h.counters_id, sh.id, g.ordinal());
     let mut cache = mappings().lock();
     if let Some(m) = cache.get(&key) {
         CACHED.fetch_add(1, Ordering::Relaxed);
         return Ok(m.clone());
     }
-    if th.slab_handle.len() != 64 {
+    if sh.handle.len() != 64 {
         return Err(CudaError("malformed memory handle".into()));
     }
     let mut raw = sys::CUipcMemHandle { reserved: [0; 64] };
-    for (d, s) in raw.reserved.iter_mut().zip(&th.slab_handle) {
+    for (d, s) in raw.reserved.iter_mut().zip(&sh.handle) {
         *d = *s as _;
     }
     g.bind()?;
     cuda_trace!(
         "mapping slab {} of pid {} ({} B) in local device {} ({})",
-        th.slab,
+        sh.id,
         h.pid,
-        th.slab_len,
+        sh.len,
         g.ordinal(),
         g.uuid()
     );
@@ -596,18 +652,18 @@ fn open_slab(
         );
         c
     })?;
-    // `slab_record` was checked against SLAB_RECORDS by `receive_now`.
-    counters.hold(Region::Slab, th.slab_record);
+    // `record` was checked against SLAB_RECORDS by `receive_now`.
+    counters.hold(Region::Slab, sh.record);
     let m = Arc::new(Mapping {
         key,
         ptr,
-        len: th.slab_len as usize,
+        len: sh.len as usize,
         gpu: g.clone(),
-        describe: format!("pid {} slab {}", h.pid, th.slab),
+        describe: format!("pid {} slab {}", h.pid, sh.id),
         counters: counters.clone(),
-        record: th.slab_record,
+        record: sh.record,
     });
-    cuda_trace!("slab {} of pid {} mapped at {ptr:#x}", th.slab, h.pid);
+    cuda_trace!("slab {} of pid {} mapped at {ptr:#x}", sh.id, h.pid);
     OPENED.fetch_add(1, Ordering::Relaxed);
     cache.insert(key, m.clone());
     Ok(m)
@@ -873,6 +929,12 @@ mod tests {
             counters_fd: 0,
             counters_id: (0, 0),
             events: vec![],
+            slabs: vec![SlabHandle {
+                id: 1,
+                handle: vec![0; 64],
+                len: 1024,
+                record: 0,
+            }],
             tensors,
         }
     }
@@ -907,10 +969,7 @@ mod tests {
     #[test]
     fn out_of_range_record_indices_are_refused() {
         let mut h = handles_here(vec![TensorHandle {
-            slab: 1,
-            slab_handle: vec![0; 64],
-            slab_len: 1024,
-            slab_record: 0,
+            slab: 0,
             offset: 0,
             len: 16,
             slot: alloc::COUNTER_SLOTS as u32,
@@ -919,9 +978,17 @@ mod tests {
         let e = receive_error(&h, vec![meta.clone()]);
         assert!(e.message.contains("out of range"), "{e}");
         h.tensors[0].slot = 0;
-        h.tensors[0].slab_record = u32::MAX;
-        let e = receive_error(&h, vec![meta]);
+        h.tensors[0].slab = 1; // one slab only
+        let e = receive_error(&h, vec![meta.clone()]);
         assert!(e.message.contains("out of range"), "{e}");
+        h.tensors[0].slab = 0;
+        h.slabs[0].record = u32::MAX;
+        let e = receive_error(&h, vec![meta.clone()]);
+        assert!(e.message.contains("out of range"), "{e}");
+        h.slabs[0].record = 0;
+        h.slabs[0].handle = vec![0; 3];
+        let e = receive_error(&h, vec![meta]);
+        assert!(e.message.contains("3-byte memory handle"), "{e}");
     }
 
     /// Defect 8: the caches of producers' records, events and mappings
