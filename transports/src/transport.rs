@@ -102,7 +102,9 @@ pub struct Exported {
     pub metas: Vec<TensorMeta>,
     /// Transport-specific handles (one-sided transports).
     pub handles: Vec<u8>,
-    /// Tensor bytes (through-driver transports), one per tensor.
+    /// Tensor bytes (through-driver transports): one blob per tensor, or,
+    /// where `handles` says so, chunks that several small tensors share
+    /// (`object_store`).
     pub inline: Vec<Blob>,
 }
 
