@@ -401,6 +401,16 @@ gpu_test!(object_store_cuda_passes_reuse_pinned_pool_buffers, async {
     );
 });
 
+// Several small CUDA tensors over the object store share chunk blobs on
+// the host (object_store::SMALL); each comes back whole, on a device.
+gpu_test!(object_store_small_cuda_tensors_travel_in_chunks, async {
+    let (rt, p, c) = setup().await;
+    let r = p.many(300, 100).transport(Transport::ObjectStore).remote();
+    let sums = rt.get(c.sums(&r).remote()).await.unwrap();
+    let want: Vec<f64> = (0..300).map(|i| i as f64 * 100.0).collect();
+    assert_eq!(sums, want);
+});
+
 // A tensor written on another library's stream carries the event after
 // which it is valid (`produced_on_stream`): the export waits for it on the
 // GPU, so the consumer reads the final values, not the memory before.
