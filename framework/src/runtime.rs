@@ -1290,8 +1290,10 @@ impl Inner {
     /// deadline needs no cancelling (DL-2).
     fn sync_transfers(&self, st: &mut State) {
         let (started, ended) = st.table.take_transfer_changes();
-        if !started.is_empty() {
-            let at = tokio::time::Instant::now() + self.config.transfer_timeout;
+        // A timeout too long to add to now (`Duration::MAX`) arms nothing:
+        // it is never reached.
+        let at = tokio::time::Instant::now().checked_add(self.config.transfer_timeout);
+        if let (false, Some(at)) = (started.is_empty(), at) {
             let mut wake = false;
             for xfer in started {
                 wake |= st.deadlines.arm(xfer, at);

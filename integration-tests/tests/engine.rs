@@ -293,3 +293,27 @@ async fn hot_window_reaches_workers_and_changes_no_result() {
     })
     .await;
 }
+
+/// XF-6 / DL-1: a transfer timeout too long to add to the clock
+/// (`Duration::MAX`, "no deadline") arms nothing and breaks nothing: a
+/// direct pass, whose delivery arms a deadline, completes and settles.
+#[tokio::test]
+async fn xf_6_an_endless_transfer_timeout_is_no_deadline() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(Duration::MAX)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        for i in 0..3 {
+            let r = p.make(i as f32, 1024).transport(Transport::Shm).remote();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 1024.0 * i as f64);
+        }
+        rt.transfers_settled().await;
+        assert_eq!(rt.live_objects(), 0);
+    })
+    .await;
+}
