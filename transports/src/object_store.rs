@@ -222,13 +222,15 @@ fn pack_chunked(tensors: &[Tensor]) -> Result<Exported, TransportError> {
     Ok(out)
 }
 
-/// Where each tensor of `exported` lies, checked against the blobs: one
-/// blob per tensor without handles, else the packed layout.
-fn places(exported: &Exported) -> Result<Vec<(usize, usize)>, TransportError> {
+/// Where each tensor of `exported` lies: its blob, and its offset in a
+/// chunk (`None`: the whole blob is the tensor's, the plain layout; its
+/// size is checked against the tensor's when the tensor is built). A chunk
+/// range is checked here against its blob.
+fn places(exported: &Exported) -> Result<Vec<(usize, Option<usize>)>, TransportError> {
     let err = |m: String| TransportError::new(NAME, m);
     if exported.handles.is_empty() {
         check_counts(exported)?;
-        return Ok((0..exported.metas.len()).map(|i| (i, 0)).collect());
+        return Ok((0..exported.metas.len()).map(|i| (i, None)).collect());
     }
     let layout: Layout = postcard::from_bytes(&exported.handles)
         .map_err(|e| err(format!("malformed object-store layout: {e}")))?;
@@ -253,7 +255,7 @@ fn places(exported: &Exported) -> Result<Vec<(usize, usize)>, TransportError> {
             })?;
             let offset = usize::try_from(offset).unwrap_or(usize::MAX);
             match offset.checked_add(m.nbytes()) {
-                Some(end) if end <= len => Ok((blob, offset)),
+                Some(end) if end <= len => Ok((blob, Some(offset))),
                 _ => Err(err(format!(
                     "a {}-byte tensor at offset {offset} reaches past its {len}-byte blob",
                     m.nbytes()
@@ -281,13 +283,12 @@ pub fn unpack(exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
     Ok(tensors)
 }
 
-/// `m`'s bytes at `offset` of a blob (all of it in the plain layout; the
-/// bounds were checked by `places`).
-fn slice_of(bytes: bytes::Bytes, offset: usize, m: &TensorMeta) -> bytes::Bytes {
-    if offset == 0 && bytes.len() == m.nbytes() {
-        bytes
-    } else {
-        bytes.slice(offset..offset + m.nbytes())
+/// `m`'s bytes: all of the blob in the plain layout, else its range of a
+/// chunk (in bounds: `places` checked it).
+fn slice_of(bytes: bytes::Bytes, offset: Option<usize>, m: &TensorMeta) -> bytes::Bytes {
+    match offset {
+        None => bytes,
+        Some(o) => bytes.slice(o..o + m.nbytes()),
     }
 }
 
@@ -345,7 +346,7 @@ pub async fn unpack_arriving(exported: &Exported) -> Result<Vec<Tensor>, Transpo
     for (m, (blob, offset)) in exported.metas.iter().zip(places) {
         let b = &exported.inline[blob];
         // Stepwise only for a CUDA tensor with a blob of its own.
-        let alone = offset == 0 && b.len() == m.nbytes();
+        let alone = offset.is_none();
         let (Device::Cuda { uuid, .. }, Some(a), true) = (&m.device, b.still_arriving(), alone)
         else {
             let bytes = b.arrived().await.map_err(not_arrived)?;
@@ -446,6 +447,19 @@ mod tests {
         assert!(ex.handles.is_empty());
         assert_eq!(ex.inline.len(), 2);
         assert!(unpack(&ex).unwrap()[0].equal(&ts[0]).unwrap());
+    }
+
+    /// Found by the `tensor_value` fuzz target: in the plain layout, a
+    /// blob shorter than its tensor was sliced (a panic) instead of
+    /// refused.
+    #[test]
+    fn a_short_blob_in_the_plain_layout_is_an_error_not_a_panic() {
+        let ex = Exported {
+            metas: vec![Tensor::full(1.0f32, &[]).meta()],
+            handles: vec![],
+            inline: vec![Blob::new(bytes::Bytes::new())],
+        };
+        assert!(unpack(&ex).is_err());
     }
 
     #[test]
