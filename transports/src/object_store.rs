@@ -255,6 +255,9 @@ fn places(exported: &Exported) -> Result<Vec<(usize, Option<usize>)>, TransportE
             })?;
             let offset = usize::try_from(offset).unwrap_or(usize::MAX);
             match offset.checked_add(m.nbytes()) {
+                // A blob that is exactly this tensor (a large one): its own,
+                // as in the plain layout (a CUDA tensor lands step by step).
+                Some(end) if offset == 0 && end == len => Ok((blob, None)),
                 Some(end) if end <= len => Ok((blob, Some(offset))),
                 _ => Err(err(format!(
                     "a {}-byte tensor at offset {offset} reaches past its {len}-byte blob",
@@ -422,6 +425,12 @@ mod tests {
         let chunk = ex.inline[0].bytes().unwrap();
         let first = back[0].with_bytes(|b| b.as_ptr() as usize).unwrap();
         assert_eq!(first, chunk.as_ptr() as usize);
+        // The large tensor has its blob to itself (a CUDA one lands step
+        // by step); the small ones lie in the chunk.
+        let at = places(&ex).unwrap();
+        assert_eq!(at[150], (1, None));
+        assert_eq!(at[0], (0, Some(0)));
+        assert!(at[151].1.is_some());
         // Every offset in a chunk is aligned.
         let layout: Layout = postcard::from_bytes(&ex.handles).unwrap();
         assert!(layout.places.iter().all(|&(_, o)| o as usize % ALIGN == 0));
