@@ -236,7 +236,8 @@ pub struct Runtime {
 pub(crate) struct Inner {
     /// This runtime, weakly (DR: background tasks never keep it alive).
     me: Weak<Inner>,
-    /// Where deadline timers run (calls may be submitted from any thread).
+    /// Where the driver's background tasks run (settle watches, kills),
+    /// since messages and calls may come from any thread.
     tokio: tokio::runtime::Handle,
     config: RuntimeBuilder,
     secret: [u8; 32],
@@ -1291,9 +1292,12 @@ impl Inner {
     fn sync_transfers(&self, st: &mut State) {
         let (started, ended) = st.table.take_transfer_changes();
         // A timeout too long to add to now (`Duration::MAX`) arms nothing:
-        // it is never reached.
-        let at = tokio::time::Instant::now().checked_add(self.config.transfer_timeout);
-        if let (false, Some(at)) = (started.is_empty(), at) {
+        // it is never reached. The clock is read only when a transfer
+        // started (this runs after every message).
+        let at = (!started.is_empty())
+            .then(|| tokio::time::Instant::now().checked_add(self.config.transfer_timeout))
+            .flatten();
+        if let Some(at) = at {
             let mut wake = false;
             for xfer in started {
                 wake |= st.deadlines.arm(xfer, at);

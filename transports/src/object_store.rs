@@ -125,27 +125,34 @@ pub fn pack(tensors: &[Tensor]) -> Result<Exported, TransportError> {
     if small > 1 {
         return pack_chunked(tensors);
     }
-    let err = |e: &dyn std::fmt::Display| TransportError::new(NAME, e.to_string());
     let mut out = Exported::default();
     for t in tensors {
         out.metas.push(t.meta());
-        let bytes = if t.is_cuda() && t.nbytes() >= crate::host_pool::MIN_POOLED {
-            let mut staging = crate::host_pool::HostBuf::new(t.nbytes()).map_err(|e| {
-                err(&format!(
-                    "allocating {} bytes of host staging: {e}",
-                    t.nbytes()
-                ))
-            })?;
-            t.with_device_buffer(|d| d.gpu().copy_dtoh(staging.as_mut_slice(), d.device_ptr()))
-                .map_err(|e| err(&e))?
-                .map_err(|e| err(&e))?;
-            staging.freeze()
-        } else {
-            t.to_cpu().and_then(|c| c.to_bytes()).map_err(|e| err(&e))?
-        };
-        out.inline.push(Blob::new(bytes));
+        out.inline.push(own_blob(t)?);
     }
     Ok(out)
+}
+
+/// The blob of a tensor that travels in a blob of its own: its bytes taken
+/// as they are (a CPU tensor), or copied into a pinned pool buffer (a large
+/// CUDA tensor).
+fn own_blob(t: &Tensor) -> Result<Blob, TransportError> {
+    let err = |e: &dyn std::fmt::Display| TransportError::new(NAME, e.to_string());
+    let bytes = if t.is_cuda() && t.nbytes() >= crate::host_pool::MIN_POOLED {
+        let mut staging = crate::host_pool::HostBuf::new(t.nbytes()).map_err(|e| {
+            err(&format!(
+                "allocating {} bytes of host staging: {e}",
+                t.nbytes()
+            ))
+        })?;
+        t.with_device_buffer(|d| d.gpu().copy_dtoh(staging.as_mut_slice(), d.device_ptr()))
+            .map_err(|e| err(&e))?
+            .map_err(|e| err(&e))?;
+        staging.freeze()
+    } else {
+        t.to_cpu().and_then(|c| c.to_bytes()).map_err(|e| err(&e))?
+    };
+    Ok(Blob::new(bytes))
 }
 
 /// [`pack`] for a value with several small tensors: each small tensor's
@@ -191,7 +198,7 @@ fn pack_chunked(tensors: &[Tensor]) -> Result<Exported, TransportError> {
     for (t, to) in tensors.iter().zip(&plan) {
         out.metas.push(t.meta());
         let Some((at, offset)) = *to else {
-            out.inline.extend(pack(std::slice::from_ref(t))?.inline);
+            out.inline.push(own_blob(t)?);
             places.push(((chunks.len() + out.inline.len() - 1) as u32, 0));
             continue;
         };

@@ -107,7 +107,8 @@ pub fn settle(deadline: Duration) -> bool {
 }
 
 /// Items queued or being dropped now.
-pub fn pending() -> usize {
+#[cfg(test)]
+fn pending() -> usize {
     started().map_or(0, |q| {
         let st = q.state.lock();
         st.queued.len() + usize::from(st.busy)
