@@ -96,11 +96,17 @@ pub fn settle(deadline: Duration) -> bool {
     let Some(q) = started() else {
         return true;
     };
-    let until = Instant::now() + deadline;
+    // A deadline too long to add to now (`Duration::MAX`) is no deadline.
+    let until = Instant::now().checked_add(deadline);
     let mut st = q.state.lock();
     while st.busy || !st.queued.is_empty() {
-        if q.idle.wait_until(&mut st, until).timed_out() {
-            return !st.busy && st.queued.is_empty();
+        match until {
+            Some(until) => {
+                if q.idle.wait_until(&mut st, until).timed_out() {
+                    return !st.busy && st.queued.is_empty();
+                }
+            }
+            None => q.idle.wait(&mut st),
         }
     }
     true
