@@ -37,6 +37,8 @@
 //!   a hand-off look like a copy. Both cases read one byte in every
 //!   4 KiB (the first of each small tensor, every 4 KiB of the big one),
 //!   so both fault in the same pages of a fresh mapping.
+//! - `timeline`: no rows; a few tiny calls and cached `cuda_ipc` hand-offs
+//!   with `RDT_TIMELINE` on everywhere (where each one's time goes).
 //! - `soak`: the long form of the soak test: `--passes N` (default
 //!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
 //!   the per-pass latency and checks at the end that the owner table is
@@ -841,6 +843,9 @@ async fn main() -> rdt::Result<()> {
         .and_then(|i| args.get(i + 1))
         .and_then(|n| n.parse().ok())
         .unwrap_or(100_000);
+    if suite == "timeline" {
+        return timeline().await;
+    }
     let rt = Runtime::start().await?;
     let rows = match suite.as_str() {
         "control" => control(&rt, quick).await?,
@@ -852,7 +857,7 @@ async fn main() -> rdt::Result<()> {
             r
         }
         other => {
-            eprintln!("unknown suite {other:?}; suites: control, transports, soak, all");
+            eprintln!("unknown suite {other:?}; suites: control, transports, soak, all, timeline");
             std::process::exit(2);
         }
     };
@@ -861,6 +866,51 @@ async fn main() -> rdt::Result<()> {
         std::fs::write(&path, serde_json::to_string_pretty(&rows).unwrap()).expect("write JSON");
         println!("wrote {path}");
     }
+    rt.shutdown().await;
+    Ok(())
+}
+
+/// `timeline`: a few tiny calls and, where a GPU is visible, cached
+/// `cuda_ipc` hand-offs, with `RDT_TIMELINE` on in the driver and the
+/// workers (every step on one clock, on stderr); no rows.
+async fn timeline() -> rdt::Result<()> {
+    // Before any worker starts: they inherit it.
+    std::env::set_var("RDT_TIMELINE", "1");
+    let rt = Runtime::start().await?;
+    let gpu = rdt::data::cuda::available().is_ok();
+    let (src, sink) = if gpu {
+        (
+            rt.spawn::<Source>(()).on_gpus([0]).await?,
+            rt.spawn::<Sink>(()).on_gpus([0]).await?,
+        )
+    } else {
+        (rt.spawn::<Source>(()).await?, rt.spawn::<Sink>(()).await?)
+    };
+    for i in 0..200 {
+        rt.get(src.ping(i).remote()).await?;
+    }
+    for i in 0..8 {
+        rdt::data::cuda::timeline("driver tiny call start", i);
+        rt.get(src.ping(i).remote()).await?;
+        rdt::data::cuda::timeline("driver tiny call end", i);
+    }
+    if gpu {
+        for i in 0..208 {
+            let timed = i >= 200;
+            if timed {
+                rdt::data::cuda::timeline("driver hand-off start", i);
+            }
+            let r = src.cuda_tensor(4096).transport(Transport::CudaIpc).remote();
+            rt.get(sink.touch_cuda(&r).remote()).await?;
+            drop(r);
+            if timed {
+                rdt::data::cuda::timeline("driver hand-off end", i);
+            }
+        }
+    }
+    // Every process prints its points every 20 ms.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    rdt::data::cuda::timeline_flush();
     rt.shutdown().await;
     Ok(())
 }

@@ -837,5 +837,8 @@ async fn timeline_passes() -> rdt::Result<()> {
             rdt::data::cuda::timeline("driver pass end", bytes as u64);
         }
     }
+    // Every process prints its points every 20 ms.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    rdt::data::cuda::timeline_flush();
     Ok(())
 }

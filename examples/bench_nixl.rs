@@ -94,7 +94,9 @@ impl NixlSink {
 
     /// The tensors are usable here once the read returned.
     async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
+        rdt::data::cuda::timeline("touch start", 0);
         t.cuda_ready().await?;
+        rdt::data::cuda::timeline("touch ready", 0);
         Ok(t.nbytes())
     }
 
@@ -208,28 +210,42 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
             off += r.1 as u64;
         }
         let iters = iters_for(total, plan.quick);
-        let mut us = Vec::new();
-        for i in 0..iters + 3 {
-            let t0 = Instant::now();
-            agent
-                .read(
-                    (Memory::Cuda(0), &local),
-                    (Memory::Cuda(0), &c.ranges),
-                    &peer,
-                )
-                .map_err(|e| e.0)?;
-            let t = us_since(t0);
-            if first.is_nan() {
-                first = t;
+        // At 4 KiB also with an 8-byte notification, as rdt's reads carry.
+        let notifs: &[&[u8]] = if c.case == "pass" && total == 4 << 10 {
+            &[&[], &[7u8; 8]]
+        } else {
+            &[&[]]
+        };
+        for notif in notifs {
+            let mut us = Vec::new();
+            for i in 0..iters + 3 {
+                let t0 = Instant::now();
+                agent
+                    .read(
+                        (Memory::Cuda(0), &local),
+                        (Memory::Cuda(0), &c.ranges),
+                        &peer,
+                        notif,
+                    )
+                    .map_err(|e| e.0)?;
+                let t = us_since(t0);
+                if first.is_nan() {
+                    first = t;
+                }
+                if i >= 3 {
+                    us.push(t);
+                }
             }
-            if i >= 3 {
-                us.push(t);
-            }
+            let case = if notif.is_empty() {
+                c.case.clone()
+            } else {
+                format!("{}_notif", c.case)
+            };
+            out.push((case, total, us));
         }
         agent
             .deregister(Memory::Cuda(0), base, total)
             .map_err(|e| e.0)?;
-        out.push((c.case.clone(), total, us));
     }
     Ok((out, first))
 }
@@ -513,6 +529,9 @@ async fn main() -> rdt::Result<()> {
         println!("RAW {}", serde_json::to_string(&r).map_err(err)?);
         return Ok(());
     }
+    if args.iter().any(|a| a == "--timeline") {
+        return timeline_passes().await;
+    }
     let json = args
         .iter()
         .position(|a| a == "--json")
@@ -611,5 +630,35 @@ async fn main() -> rdt::Result<()> {
         println!("== wrote {path}");
     }
     rt.shutdown().await;
+    Ok(())
+}
+
+/// `--timeline`: a few 4 KiB passes (across GPUs where two are visible)
+/// with `RDT_TIMELINE` on in the driver and both workers (every step of
+/// every pass on one clock); no rows.
+async fn timeline_passes() -> rdt::Result<()> {
+    // Before any worker starts: they inherit it.
+    std::env::set_var("RDT_TIMELINE", "1");
+    let rt = Runtime::start().await?;
+    let consumer_gpu = if rdt::data::cuda::device_count() >= 2 {
+        1
+    } else {
+        0
+    };
+    let p = rt.spawn::<NixlSource>(()).on_gpus([0]).await?;
+    let c = rt.spawn::<NixlSink>(()).on_gpus([consumer_gpu]).await?;
+    rt.get(c.warm().remote()).await?;
+    let bytes = 4usize << 10;
+    rt.get(p.prepare(bytes).remote()).await?;
+    let r = p.tensor(bytes).transport(Transport::Nixl).remote();
+    rt.wait(&r).await?;
+    for _ in 0..8 {
+        rdt::data::cuda::timeline("driver pass start", bytes as u64);
+        rt.get(c.touch(&r).remote()).await?;
+        rdt::data::cuda::timeline("driver pass end", bytes as u64);
+    }
+    // Every process prints its points every 20 ms.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    rdt::data::cuda::timeline_flush();
     Ok(())
 }

@@ -85,6 +85,11 @@ export RDT_COMMIT="$(cat "$here/COMMIT" 2>/dev/null || echo unknown)"
 if [ -f "$here/nixl.tar.zst" ] && [ ! -d "$here/nixl" ]; then
   "$here/zstd" -dc "$here/nixl.tar.zst" | tar -C "$here" -xf - || echo "== could not unpack NIXL"
 fi
+# So do the programs (five stripped binaries are about 50 MB; packed they
+# leave the bundle well under the 64 MiB a device call carries).
+if [ -f "$here/bin.tar.zst" ] && [ ! -d "$here/bin" ]; then
+  "$here/zstd" -dc "$here/bin.tar.zst" | tar -C "$here" -xf - || { echo "== could not unpack the programs"; exit 1; }
+fi
 [ -d "$here/nixl" ] && export RDT_NIXL_DIR="$here/nixl"
 echo "== host: $(hostname)  date: $(date -u +%FT%TZ)  rdt commit: $RDT_COMMIT  RDT_EXPECT_GPUS=${RDT_EXPECT_GPUS:-}"
 # cuRAND and NVRTC (on-device random fill, sum and compare) and cuBLAS
@@ -174,4 +179,7 @@ RUN
 chmod +x "$out/run.sh" "$out/bin/"*
 # Debug info is not needed on the GPU host and would double the size.
 command -v strip >/dev/null && strip --strip-debug "$out/bin/"*
+# Packed for the trip (run.sh unpacks them).
+tar -C "$out" -cf - bin | zstd -19 -T0 -q -o "$out/bin.tar.zst"
+rm -rf "$out/bin"
 du -sh "$out"

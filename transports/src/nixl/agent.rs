@@ -339,6 +339,24 @@ impl Agent {
         }
     }
 
+    /// Sends `msg` to `peer` as a NIXL notification, on its own (not
+    /// attached to a transfer).
+    pub fn gen_notif(&self, peer: &str, msg: &[u8]) -> Result<(), NixlError> {
+        let raw = self.raw.lock();
+        let peer_c = c_string(peer)?;
+        // SAFETY: live agent; the name and message outlive the call (NIXL
+        // copies the message).
+        check("nixl_capi_gen_notif", unsafe {
+            (self.api.gen_notif)(
+                raw.agent,
+                peer_c.as_ptr(),
+                msg.as_ptr().cast(),
+                msg.len(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
     /// Where `req` stands.
     pub fn progress(&self, req: &Request) -> Progress {
         let raw = self.raw.lock();
