@@ -530,7 +530,15 @@ async fn main() -> rdt::Result<()> {
         return Ok(());
     }
     if args.iter().any(|a| a == "--timeline") {
-        return timeline_passes().await;
+        return timeline_passes(8).await;
+    }
+    if let Some(n) = args
+        .iter()
+        .position(|a| a == "--small-passes")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|n| n.parse().ok())
+    {
+        return small_passes(n).await;
     }
     let json = args
         .iter()
@@ -636,9 +644,15 @@ async fn main() -> rdt::Result<()> {
 /// `--timeline`: a few 4 KiB passes (across GPUs where two are visible)
 /// with `RDT_TIMELINE` on in the driver and both workers (every step of
 /// every pass on one clock); no rows.
-async fn timeline_passes() -> rdt::Result<()> {
+async fn timeline_passes(n: usize) -> rdt::Result<()> {
     // Before any worker starts: they inherit it.
     std::env::set_var("RDT_TIMELINE", "1");
+    small_passes(n).await
+}
+
+/// `--small-passes N`: N passes of 4 KiB (across GPUs where two are
+/// visible), nothing else (for a profiler); prints the median.
+async fn small_passes(n: usize) -> rdt::Result<()> {
     let rt = Runtime::start().await?;
     let consumer_gpu = if rdt::data::cuda::device_count() >= 2 {
         1
@@ -652,11 +666,24 @@ async fn timeline_passes() -> rdt::Result<()> {
     rt.get(p.prepare(bytes).remote()).await?;
     let r = p.tensor(bytes).transport(Transport::Nixl).remote();
     rt.wait(&r).await?;
-    for _ in 0..8 {
+    let s0 = rt.get(c.nixl_stats().remote()).await?;
+    let mut us = Vec::with_capacity(n);
+    for _ in 0..n {
         rdt::data::cuda::timeline("driver pass start", bytes as u64);
+        let t0 = Instant::now();
         rt.get(c.touch(&r).remote()).await?;
+        us.push(us_since(t0));
         rdt::data::cuda::timeline("driver pass end", bytes as u64);
     }
+    let s1 = rt.get(c.nixl_stats().remote()).await?;
+    let reads = (s1.reads_posted - s0.reads_posted).max(1) as f64;
+    us.sort_by(f64::total_cmp);
+    println!(
+        "{n} passes of 4 KiB: median {:.1} us; per read: post {:.1} us, post to end {:.1} us",
+        us[n / 2],
+        (s1.post_nanos - s0.post_nanos) as f64 / reads / 1e3,
+        (s1.read_nanos - s0.read_nanos) as f64 / reads / 1e3,
+    );
     // Every process prints its points every 20 ms.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     rdt::data::cuda::timeline_flush();
