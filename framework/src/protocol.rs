@@ -789,7 +789,9 @@ impl Sender {
     /// for bytes still arriving, goes to the writer task. Shared by an
     /// inline `send` and `flush`.
     fn write_queued(&self, mut q: parking_lot::MutexGuard<'_, WriteQueue>) {
-        match write_ready(&self.inner, &mut q.chunks) {
+        let written = write_ready(&self.inner, &mut q.chunks);
+        rdt_transport::cuda::timeline("socket written", q.chunks.len() as u64);
+        match written {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => {
@@ -1063,6 +1065,7 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
             .read_buf(&mut self.buf)
             .await
             .map_err(|e| Error::Io(e.to_string()))?;
+        rdt_transport::cuda::timeline("socket read", n as u64);
         Ok(n > 0)
     }
 
