@@ -145,6 +145,15 @@ pub enum Error {
     /// The runtime was shut down.
     #[error("the runtime is shut down")]
     Shutdown,
+    /// A method that runs alone waited for a call its own actor had not
+    /// run yet.
+    #[error("{actor} waited, inside a method that runs alone (every method of an actor without max_concurrency, and &mut self methods), for object {object}: the result of a call to {actor} itself, which starts only after this method returns, so the wait would never end; return the ref instead of waiting for it, or make the method &self on an actor with max_concurrency > 1")]
+    WouldDeadlock {
+        /// The actor.
+        actor: String,
+        /// The object waited for.
+        object: u64,
+    },
 }
 
 impl From<std::io::Error> for Error {

@@ -504,6 +504,18 @@ impl Juggler {
         self.finished.borrow().clone()
     }
 
+    /// Calls `nap` on itself (through its own handle) and waits for it:
+    /// a `&self` method of a concurrent actor, so the nap runs beside it.
+    async fn nap_via_self(&self, me: JugglerHandle, tag: u32) -> rdt::Result<u32> {
+        rdt::runtime().get(me.nap(1, tag).remote()).await
+    }
+
+    /// The same from a `&mut self` method, which runs alone: the nap could
+    /// not start before it returns.
+    async fn exclusive_nap_via_self(&mut self, me: JugglerHandle, tag: u32) -> rdt::Result<u32> {
+        rdt::runtime().get(me.nap(1, tag).remote()).await
+    }
+
     /// Exclusive: how many other calls ran when it started; resets the
     /// counters.
     async fn reset(&mut self) -> u32 {
@@ -1192,5 +1204,44 @@ impl RefInConstructor {
     /// The ref's id.
     async fn id_of(&mut self) -> u64 {
         self.r.id()
+    }
+}
+
+/// A serial actor that calls itself.
+#[rdt::actor]
+pub struct SelfCaller {
+    pings: u32,
+}
+
+#[rdt::actor]
+impl SelfCaller {
+    fn new() -> Self {
+        SelfCaller { pings: 0 }
+    }
+
+    /// How many pings ran, this one included.
+    async fn ping(&mut self) -> u32 {
+        self.pings += 1;
+        self.pings
+    }
+
+    /// Calls `ping` on itself and waits for it inside this method: a
+    /// serial actor runs the ping only after this method returned.
+    async fn ping_self_and_wait(&mut self, me: SelfCallerHandle) -> rdt::Result<u32> {
+        rdt::runtime().get(me.ping().remote()).await
+    }
+
+    /// The same, waiting with `wait` and a deadline of `ms`.
+    async fn ping_self_and_wait_for(&mut self, me: SelfCallerHandle, ms: u64) -> rdt::Result<()> {
+        let r = me.ping().remote();
+        rdt::runtime()
+            .get_timeout(&r, std::time::Duration::from_millis(ms))
+            .await
+            .map(|_| ())
+    }
+
+    /// Calls `ping` on itself and hands the ref back without waiting.
+    async fn ping_self_later(&mut self, me: SelfCallerHandle) -> ObjectRef<u32> {
+        me.ping().remote()
     }
 }

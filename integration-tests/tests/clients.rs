@@ -274,3 +274,54 @@ async fn a_handle_in_a_constructor_argument_calls_its_actor() {
     })
     .await
 }
+
+/// Within 20 s, or the test fails (the wait it guards would be endless).
+async fn within_20s<F: std::future::Future>(f: F) -> F::Output {
+    tokio::time::timeout(std::time::Duration::from_secs(20), f)
+        .await
+        .expect("waiting for one's own call ends at once, not never")
+}
+
+/// A method that runs alone (any method of a serial actor, a `&mut self`
+/// method of a concurrent one) and waits for a call it made to its own
+/// actor would wait forever: that call starts only after the method
+/// returns. The wait fails at once with an error that says so, the call
+/// itself still runs afterwards (nothing is lost), and a `&self` method
+/// of a concurrent actor may wait for its own calls.
+#[tokio::test(flavor = "multi_thread")]
+async fn waiting_inside_a_method_for_a_call_to_the_same_actor_is_an_error_not_a_hang() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let s = rt.spawn::<SelfCaller>(()).await.unwrap();
+        let e = within_20s(rt.get(s.ping_self_and_wait(s.clone()).remote()))
+            .await
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("would never end"), "{text}");
+        assert!(text.contains("SelfCaller"), "{text}");
+        // With a deadline too: the error, not the deadline.
+        let e = within_20s(rt.get(s.ping_self_and_wait_for(s.clone(), 60_000).remote()))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("would never end"), "{e}");
+        // Both pings ran once their methods returned; this is the third.
+        assert_eq!(rt.get(s.ping().remote()).await.unwrap(), 3);
+        // A ref to its own call, handed back without waiting, is fine.
+        let later = rt.get(s.ping_self_later(s.clone()).remote()).await.unwrap();
+        assert_eq!(rt.get(&later).await.unwrap(), 4);
+
+        let j = rt.spawn::<Juggler>(()).await.unwrap();
+        assert_eq!(
+            within_20s(rt.get(j.nap_via_self(j.clone(), 41).remote()))
+                .await
+                .unwrap(),
+            41
+        );
+        let e = within_20s(rt.get(j.exclusive_nap_via_self(j.clone(), 42).remote()))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("would never end"), "{e}");
+        rt.shutdown().await;
+    })
+    .await
+}

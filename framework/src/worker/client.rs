@@ -179,6 +179,10 @@ impl WorkerShared {
         transport: Transport,
     ) -> u64 {
         let id = self.new_object();
+        if actor == self.actor {
+            // HO-6: a wait for it inside a method that runs alone fails.
+            self.self_calls.lock().insert(id);
+        }
         let (wire_args, error) = crate::object_ref::wire_args(&args);
         let msg = |args, error| {
             ToDriver::Submit(SubmitMsg {
@@ -269,6 +273,7 @@ impl ActorRuntime {
                 return self.decode(id, &v);
             }
         }
+        self.refuse_endless_wait(id)?;
         self.w.tx.send(&ToDriver::Get { object: id })?;
         let _done = GetGuard {
             w: &self.w,
@@ -284,6 +289,19 @@ impl ActorRuntime {
             l.await.map_err(Error::from)?;
         }
         self.decode(id, &v)
+    }
+
+    /// HO-6: inside a method that runs alone, a wait for the result of a
+    /// call this actor made to itself (not run yet) would never end: that
+    /// call starts only after the method returns.
+    fn refuse_endless_wait(&self, id: u64) -> Result<()> {
+        if super::host::in_method_that_runs_alone() && self.w.self_calls.lock().contains(&id) {
+            return Err(Error::WouldDeadlock {
+                actor: self.w.name.to_string(),
+                object: id,
+            });
+        }
+        Ok(())
     }
 
     fn decode<T: DeserializeOwned>(&self, id: u64, v: &StoredValue) -> Result<T> {
@@ -312,7 +330,11 @@ impl ActorRuntime {
     /// Waits until an object is ready (`Ok`) or failed (its error),
     /// without moving its value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
-        self.wait_id(r.borrow().id).await
+        let id = r.borrow().id;
+        if !matches!(self.w.store.get(id), Some(Slot::Ready(_))) {
+            self.refuse_endless_wait(id)?;
+        }
+        self.wait_id(id).await
     }
 
     async fn wait_id(&self, id: u64) -> Result<()> {

@@ -20,6 +20,13 @@
 //!   alone, so a borrow never fails.
 //! - **HO-5 Panics.** A method's panic is caught and becomes the call's
 //!   error; the actor keeps the state it had at the panic.
+//! - **HO-6 No endless wait for oneself.** A method that runs alone (every
+//!   call of a serial actor, a `&mut self` call) cannot wait for a call
+//!   its own actor has not run: by HO-2 and HO-3 that call starts only
+//!   after the method returns. Such a `get` or `wait` inside the method
+//!   (polled within the method's own future) fails at once with
+//!   `Error::WouldDeadlock`; the call itself still runs afterwards. A task
+//!   the method spawns is polled on its own and may wait.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -261,6 +268,7 @@ async fn run_and_reply<A: RdtActor>(
     exclusive: bool,
 ) {
     let call = q.msg.call;
+    let result_id = q.msg.result;
     let t0 = std::time::Instant::now();
     rdt_transport::cuda::timeline("call start", call);
     // CL-2: the refs in the return value, released after the reply.
@@ -270,6 +278,13 @@ async fn run_and_reply<A: RdtActor>(
         Err(e) => Err(e),
     };
     rdt_transport::cuda::timeline("call done", call);
+    // HO-6: it ran (a call of this actor to itself, or any other).
+    {
+        let mut own = shared.self_calls.lock();
+        if !own.is_empty() {
+            own.remove(&result_id);
+        }
+    }
     let sent = std::time::Instant::now();
     tracing::debug!(
         micros = t0.elapsed().as_micros() as u64,
@@ -328,10 +343,10 @@ async fn run_call<A: RdtActor>(
     let ran = if exclusive {
         // HO-4: nothing else runs, so nothing else borrows.
         let mut a = actor.borrow_mut();
-        dispatch(A::__dispatch(&mut a, msg.method, call_args)).await
+        dispatch(A::__dispatch(&mut a, msg.method, call_args), true).await
     } else {
         let a = actor.borrow();
-        dispatch(A::__dispatch_shared(&a, msg.method, call_args)).await
+        dispatch(A::__dispatch_shared(&a, msg.method, call_args), false).await
     };
     let payload = match ran {
         Ok(r) => r,
@@ -401,6 +416,47 @@ async fn run_call<A: RdtActor>(
 /// HO-5: a panic in the method becomes an error, not the worker's end.
 async fn dispatch(
     f: LocalBoxFuture<'_, Result<rdt_transport::value::Payload>>,
+    alone: bool,
 ) -> std::result::Result<Result<rdt_transport::value::Payload>, Box<dyn std::any::Any + Send>> {
-    AssertUnwindSafe(f).catch_unwind().await
+    AssertUnwindSafe(MethodPolls { f, alone })
+        .catch_unwind()
+        .await
+}
+
+thread_local! {
+    /// Set while this thread polls the future of a method that runs alone
+    /// (HO-6).
+    static IN_METHOD_ALONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Is this thread polling a method that runs alone (HO-6)?
+pub(super) fn in_method_that_runs_alone() -> bool {
+    IN_METHOD_ALONE.with(|c| c.get())
+}
+
+/// A method's future, marking the thread while it is polled (HO-6).
+struct MethodPolls<F> {
+    f: F,
+    alone: bool,
+}
+
+impl<F: std::future::Future + Unpin> std::future::Future for MethodPolls<F> {
+    type Output = F::Output;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<F::Output> {
+        let alone = self.alone;
+        let before = IN_METHOD_ALONE.with(|c| c.replace(alone));
+        // Restored however the poll ends (a panic included).
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                IN_METHOD_ALONE.with(|c| c.set(self.0));
+            }
+        }
+        let _restore = Restore(before);
+        std::pin::Pin::new(&mut self.f).poll(cx)
+    }
 }

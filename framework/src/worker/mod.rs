@@ -357,6 +357,11 @@ pub(crate) struct WorkerShared {
     /// `wait` inside the actor: answers the driver owes, by request.
     watches: Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>,
     next_req: std::sync::atomic::AtomicU64,
+    /// This actor's id.
+    actor: u64,
+    /// Results of calls this actor made to itself that have not run yet
+    /// (HO-6).
+    self_calls: Mutex<std::collections::HashSet<u64>>,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -671,6 +676,8 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             next_object: id_space.into(),
             watches: Mutex::new(HashMap::new()),
             next_req: 1.into(),
+            actor: order.worker,
+            self_calls: Mutex::new(Default::default()),
         });
         // Before the constructor: its argument may carry actor handles,
         // which read this worker's client.
