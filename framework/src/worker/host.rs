@@ -192,6 +192,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
     type Result = ();
 
     fn handle(&mut self, Invoke(msg): Invoke, ctx: &mut Self::Context) {
+        rdt_transport::cuda::timeline("call on the actor's thread", msg.call);
         let seq = self.next_seq;
         self.next_seq += 1;
         let info = A::__method_info(msg.method).unwrap_or(MethodInfo {
