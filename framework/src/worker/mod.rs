@@ -801,8 +801,12 @@ async fn control_loop<A: RdtActor>(
                 // here); a full or closed mailbox fails the call at once.
                 let id = call.call;
                 rdt_transport::cuda::timeline("call received", id);
+                let sent = addr.try_send(Invoke(call));
+                // After the call is in the mailbox: each wake of the actor's
+                // thread costs a system call here, and the call's own wake
+                // (try_send) is the one the actor waits for.
                 shared.call_arrived.notify_waiters();
-                if let Err(e) = addr.try_send(Invoke(call)) {
+                if let Err(e) = sent {
                     let _ = tx.send(&ToDriver::CallDone {
                         call: id,
                         result: Err(Error::Protocol(format!(
