@@ -1240,6 +1240,18 @@ impl SelfCaller {
             .map(|_| ())
     }
 
+    /// Calls `ping` on itself twice and waits, with no deadline, for
+    /// `n` of the two.
+    async fn ping_self_and_wait_many(
+        &mut self,
+        me: SelfCallerHandle,
+        n: usize,
+    ) -> rdt::Result<usize> {
+        let refs = vec![me.ping().remote(), me.ping().remote()];
+        let (done, _) = rdt::runtime().wait_many(&refs, n, None).await?;
+        Ok(done.len())
+    }
+
     /// Calls `ping` on itself and hands the ref back without waiting.
     async fn ping_self_later(&mut self, me: SelfCallerHandle) -> ObjectRef<u32> {
         me.ping().remote()

@@ -304,11 +304,16 @@ async fn waiting_inside_a_method_for_a_call_to_the_same_actor_is_an_error_not_a_
             .await
             .unwrap_err();
         assert!(e.to_string().contains("would never end"), "{e}");
-        // Both pings ran once their methods returned; this is the third.
-        assert_eq!(rt.get(s.ping().remote()).await.unwrap(), 3);
+        // wait_many with no deadline, too.
+        let e = within_20s(rt.get(s.ping_self_and_wait_many(s.clone(), 1).remote()))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("would never end"), "{e}");
+        // Every ping ran once its method returned (1 + 1 + 2); this is the fifth.
+        assert_eq!(rt.get(s.ping().remote()).await.unwrap(), 5);
         // A ref to its own call, handed back without waiting, is fine.
         let later = rt.get(s.ping_self_later(s.clone()).remote()).await.unwrap();
-        assert_eq!(rt.get(&later).await.unwrap(), 4);
+        assert_eq!(rt.get(&later).await.unwrap(), 6);
 
         let j = rt.spawn::<Juggler>(()).await.unwrap();
         assert_eq!(

@@ -361,6 +361,28 @@ impl ActorRuntime {
         num_returns: usize,
         timeout: Option<Duration>,
     ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
+        if timeout.is_none() && super::host::in_method_that_runs_alone() {
+            // HO-6: without a deadline, a wait that needs more of them than
+            // are not pending calls of this actor to itself never ends.
+            let own: Vec<u64> = {
+                let pending = self.w.self_calls.lock();
+                refs.iter()
+                    .map(|r| r.id)
+                    .filter(|id| {
+                        pending.contains(id)
+                            && !matches!(self.w.store.get(*id), Some(Slot::Ready(_)))
+                    })
+                    .collect()
+            };
+            if let Some(&object) = own.first() {
+                if refs.len() - own.len() < num_returns {
+                    return Err(Error::WouldDeadlock {
+                        actor: self.w.name.to_string(),
+                        object,
+                    });
+                }
+            }
+        }
         crate::client::wait_many(refs, num_returns, timeout, |id| self.wait_id(id)).await
     }
 

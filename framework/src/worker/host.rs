@@ -25,8 +25,9 @@
 //!   its own actor has not run: by HO-2 and HO-3 that call starts only
 //!   after the method returns. Such a `get` or `wait` inside the method
 //!   (polled within the method's own future) fails at once with
-//!   `Error::WouldDeadlock`; the call itself still runs afterwards. A task
-//!   the method spawns is polled on its own and may wait.
+//!   `Error::WouldDeadlock`, as does a `wait_many` without a timeout that
+//!   needs such a call; the call itself still runs afterwards. A task the
+//!   method spawns is polled on its own and may wait.
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
