@@ -1207,6 +1207,23 @@ impl RefInConstructor {
     }
 }
 
+/// A value whose encoding always fails (decoding is a unit).
+pub struct Unencodable;
+
+impl Serialize for Unencodable {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        Err(serde::ser::Error::custom(
+            "this value refuses to be encoded",
+        ))
+    }
+}
+
+impl<'de> Deserialize<'de> for Unencodable {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <()>::deserialize(d).map(|()| Unencodable)
+    }
+}
+
 /// A serial actor that calls itself.
 #[rdt::actor]
 pub struct SelfCaller {
@@ -1250,6 +1267,17 @@ impl SelfCaller {
         let refs = vec![me.ping().remote(), me.ping().remote()];
         let (done, _) = rdt::runtime().wait_many(&refs, n, None).await?;
         Ok(done.len())
+    }
+
+    /// Takes a value that cannot be sent.
+    async fn take(&mut self, _x: Unencodable) -> u32 {
+        0
+    }
+
+    /// Calls `take` on itself with a value that does not encode, and
+    /// waits: the call fails at submission, so the wait ends with that.
+    async fn bad_self_call_and_wait(&mut self, me: SelfCallerHandle) -> rdt::Result<u32> {
+        rdt::runtime().get(me.take(Unencodable).remote()).await
     }
 
     /// Calls `ping` on itself and hands the ref back without waiting.

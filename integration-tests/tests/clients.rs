@@ -304,6 +304,14 @@ async fn waiting_inside_a_method_for_a_call_to_the_same_actor_is_an_error_not_a_
             .await
             .unwrap_err();
         assert!(e.to_string().contains("would never end"), "{e}");
+        // A call to itself that fails at submission is no endless wait:
+        // its own error comes back.
+        let e = within_20s(rt.get(s.bad_self_call_and_wait(s.clone()).remote()))
+            .await
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("an argument of SelfCaller#1.take"), "{text}");
+        assert!(!text.contains("would never end"), "{text}");
         // wait_many with no deadline, too.
         let e = within_20s(rt.get(s.ping_self_and_wait_many(s.clone(), 1).remote()))
             .await

@@ -179,11 +179,13 @@ impl WorkerShared {
         transport: Transport,
     ) -> u64 {
         let id = self.new_object();
-        if actor == self.actor {
-            // HO-6: a wait for it inside a method that runs alone fails.
+        let (wire_args, error) = crate::object_ref::wire_args(&args);
+        // HO-6: a call to itself that will run (not one failed at
+        // submission); a wait for it inside a method that runs alone fails.
+        let own = actor == self.actor && error.is_none();
+        if own {
             self.self_calls.lock().insert(id);
         }
-        let (wire_args, error) = crate::object_ref::wire_args(&args);
         let msg = |args, error| {
             ToDriver::Submit(SubmitMsg {
                 actor,
@@ -198,6 +200,9 @@ impl WorkerShared {
             // Too large for a frame: the call fails instead (OW-6).
             tracing::debug!(method = method_name, "submit failed: {e}");
             let _ = self.tx.send(&msg(Vec::new(), Some(e)));
+            if own {
+                self.self_calls.lock().remove(&id);
+            }
         }
         // CL-2: the refs in the arguments are released after the message.
         drop(args);
