@@ -1319,11 +1319,11 @@ impl Inner {
     fn expire_due(&self) {
         let due = self.lock().deadlines.due(tokio::time::Instant::now());
         for xfer in due {
-            self.transfer_expired(xfer, self.config.transfer_timeout);
+            self.transfer_expired(xfer);
         }
     }
 
-    fn transfer_expired(&self, xfer: u64, after: Duration) {
+    fn transfer_expired(&self, xfer: u64) {
         let mut st = self.lock();
         let st = &mut *st;
         let Some(t) = st.table.transfer(xfer).cloned() else {
@@ -1339,7 +1339,7 @@ impl Inner {
                     .unwrap_or_else(|| "the driver".into()),
                 actor_name(&st.actors, t.consumer)
             ),
-            after_ms: after.as_millis() as u64,
+            after_ms: self.config.transfer_timeout.as_millis() as u64,
         };
         tracing::warn!(xfer, object = t.object, "{err}; aborting both ends");
         st.table.abort(xfer, err.clone(), &st.actors);

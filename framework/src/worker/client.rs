@@ -298,7 +298,9 @@ impl ActorRuntime {
 
     /// HO-6: inside a method that runs alone, a wait for the result of a
     /// call this actor made to itself (not run yet) would never end: that
-    /// call starts only after the method returns.
+    /// call starts only after the method returns. (While such a method
+    /// runs, no call of this actor runs beside it, so every entry of
+    /// `self_calls` is a call that has not run: no store lookup needed.)
     fn refuse_endless_wait(&self, id: u64) -> Result<()> {
         if super::host::in_method_that_runs_alone() && self.w.self_calls.lock().contains(&id) {
             return Err(Error::WouldDeadlock {
@@ -336,9 +338,7 @@ impl ActorRuntime {
     /// without moving its value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
         let id = r.borrow().id;
-        if !matches!(self.w.store.get(id), Some(Slot::Ready(_))) {
-            self.refuse_endless_wait(id)?;
-        }
+        self.refuse_endless_wait(id)?;
         self.wait_id(id).await
     }
 
@@ -373,10 +373,7 @@ impl ActorRuntime {
                 let pending = self.w.self_calls.lock();
                 refs.iter()
                     .map(|r| r.id)
-                    .filter(|id| {
-                        pending.contains(id)
-                            && !matches!(self.w.store.get(*id), Some(Slot::Ready(_)))
-                    })
+                    .filter(|id| pending.contains(id))
                     .collect()
             };
             if let Some(&object) = own.first() {

@@ -281,12 +281,7 @@ async fn run_and_reply<A: RdtActor>(
     };
     rdt_transport::cuda::timeline("call done", call);
     // HO-6: it ran (a call of this actor to itself, or any other).
-    {
-        let mut own = shared.self_calls.lock();
-        if !own.is_empty() {
-            own.remove(&result_id);
-        }
-    }
+    shared.self_calls.lock().remove(&result_id);
     let sent = std::time::Instant::now();
     tracing::debug!(
         micros = t0.elapsed().as_micros() as u64,

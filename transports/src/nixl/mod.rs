@@ -1729,34 +1729,25 @@ mod tests {
         // SAFETY: the read is released; nothing writes the region.
         let got = unsafe { std::slice::from_raw_parts(dst.ptr(), len) };
         assert!(got.iter().enumerate().all(|(i, &v)| v == (i % 251) as u8));
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let n = a.take_notifications().unwrap();
-            if !n.is_empty() {
-                assert_eq!(
-                    n,
-                    vec![("rdt-unit-b".to_string(), 42u64.to_le_bytes().to_vec())]
-                );
-                break;
-            }
-            assert!(Instant::now() < deadline, "no notification within 20 s");
-            std::thread::yield_now();
-        }
+        expect_notification(&a, "rdt-unit-b", &42u64.to_le_bytes());
         // A notification on its own (rdt's reads send theirs so).
         b.gen_notif("rdt-unit-a", &7u64.to_le_bytes()).unwrap();
+        expect_notification(&a, "rdt-unit-b", &7u64.to_le_bytes());
+    }
+
+    /// Waits (20 s at most) for `agent`'s next notifications: exactly one,
+    /// `msg` from `from`.
+    fn expect_notification(agent: &Agent, from: &str, msg: &[u8]) {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let n = a.take_notifications().unwrap();
+            let n = agent.take_notifications().unwrap();
             if !n.is_empty() {
-                assert_eq!(
-                    n,
-                    vec![("rdt-unit-b".to_string(), 7u64.to_le_bytes().to_vec())]
-                );
-                break;
+                assert_eq!(n, vec![(from.to_string(), msg.to_vec())]);
+                return;
             }
             assert!(
                 Instant::now() < deadline,
-                "no lone notification within 20 s"
+                "no notification from {from} within 20 s"
             );
             std::thread::yield_now();
         }
