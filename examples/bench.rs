@@ -585,7 +585,7 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
         }
     }
     // `--size 40960000` selects this case alone.
-    if only_size.is_none_or(|s| s == MANY_N * MANY_EACH) {
+    if only_size.is_none_or(|s| s == MANY_N * many_each()) {
         rows.extend(many_tensors(rt, &src, &sink, only_transport.as_deref(), quick).await?);
     }
     Ok(rows)
@@ -593,6 +593,14 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
 
 const MANY_N: usize = 10_000;
 const MANY_EACH: usize = 4 << 10;
+
+/// Bytes per tensor of the many-tensor case: 4 KiB, or `--many-each N`
+/// (tiny tensors leave only the per-tensor cost, without the bytes).
+fn many_each() -> usize {
+    arg_value("--many-each")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(MANY_EACH)
+}
 
 /// Per-tensor cost: one object of 10 000 tensors of 4 KiB against one
 /// tensor of the same 40.96 MB, both kept by the producer and passed again
@@ -609,6 +617,7 @@ async fn many_tensors(
         .unwrap_or(if quick { 5 } else { 20 });
     // What `touch_all` returns for `Source::many`'s tensors.
     let first_bytes: u64 = (0..MANY_N).map(|i| i as u8 as u64).sum();
+    let each = many_each();
     let mut rows = Vec::new();
     for transport in cpu_transports() {
         if only_transport.is_some_and(|t| t != transport.name()) {
@@ -619,13 +628,13 @@ async fn many_tensors(
         // The first pass of each allocates (unmeasured).
         for i in 0..iters + 1 {
             let t = Instant::now();
-            let r = src.tensor(MANY_N * MANY_EACH).transport(transport).remote();
-            let sum = rt.get(sink.touch_strided(&r, MANY_EACH).remote()).await?;
+            let r = src.tensor(MANY_N * each).transport(transport).remote();
+            let sum = rt.get(sink.touch_strided(&r, each).remote()).await?;
             assert_eq!(sum, MANY_N as u64, "one byte of 1 read per tensor's worth");
             drop(r);
             let one_took = t.elapsed();
             let t = Instant::now();
-            let r = src.many(MANY_N, MANY_EACH).transport(transport).remote();
+            let r = src.many(MANY_N, each).transport(transport).remote();
             let sum = rt.get(sink.touch_all(&r).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
@@ -640,7 +649,7 @@ async fn many_tensors(
             "1 tensor of 10000x4 KiB",
             transport.name(),
             kind,
-            (MANY_N * MANY_EACH) as u64,
+            (MANY_N * each) as u64,
             one,
         ));
         rows.push(row(
@@ -648,7 +657,7 @@ async fn many_tensors(
             "10000 tensors of 4 KiB",
             transport.name(),
             kind,
-            (MANY_N * MANY_EACH) as u64,
+            (MANY_N * each) as u64,
             many,
         ));
     }
