@@ -17,6 +17,7 @@ mod actor;
 mod client;
 mod deadlines;
 mod error;
+mod heap;
 mod object_ref;
 mod owner;
 mod protocol;
