@@ -17,6 +17,7 @@ mod dynlib;
 mod free_list;
 pub mod host_pool;
 pub mod hot;
+mod metas_wire;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 #[cfg(feature = "nixl")]

@@ -98,7 +98,8 @@ pub enum Sidedness {
 /// What a producer publishes about an object's tensors.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Exported {
-    /// One entry per tensor.
+    /// One entry per tensor (on the wire as columns: `metas_wire`).
+    #[serde(with = "crate::metas_wire")]
     pub metas: Vec<TensorMeta>,
     /// Transport-specific handles (one-sided transports).
     pub handles: Vec<u8>,

@@ -1,0 +1,192 @@
+//! How an object's tensor metadata travels ([`crate::Exported::metas`]).
+//!
+//! A weights object has thousands of tensors, and its metadata crosses
+//! three processes (producer, driver, consumer) every pass. Written as a
+//! list of [`TensorMeta`]s, each tensor carried its device whole (a tag,
+//! a 16-byte UUID and an ordinal: 18 fields to encode and decode one by
+//! one) for the one or two devices an object is on. Here the devices are
+//! listed once and the tensors go as columns that postcard moves as runs
+//! of bytes and integers:
+//!
+//! - `devices`: each distinct device, in order of first use;
+//! - `dtypes`, `on`, `ranks`: per tensor, its dtype, its device (index in
+//!   `devices`) and its number of dimensions;
+//! - `dims`: every tensor's dimensions, back to back.
+//!
+//! Decoding checks that the columns agree (a malformed frame is an error,
+//! never a panic).
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::{DType, Device, Shape, TensorMeta};
+
+#[derive(Serialize, Deserialize)]
+struct Columns {
+    devices: Vec<Device>,
+    dtypes: Vec<DType>,
+    on: Vec<u8>,
+    ranks: Vec<u8>,
+    dims: Vec<usize>,
+}
+
+/// At most this many distinct devices in one object (indices are bytes).
+const MAX_DEVICES: usize = u8::MAX as usize + 1;
+
+pub(crate) fn serialize<S: Serializer>(metas: &[TensorMeta], s: S) -> Result<S::Ok, S::Error> {
+    let mut c = Columns {
+        devices: Vec::new(),
+        dtypes: Vec::with_capacity(metas.len()),
+        on: Vec::with_capacity(metas.len()),
+        ranks: Vec::with_capacity(metas.len()),
+        dims: Vec::with_capacity(metas.len() * 2),
+    };
+    for m in metas {
+        // The device of the previous tensor, usually.
+        let at = match c.devices.iter().rposition(|d| *d == m.device) {
+            Some(i) => i,
+            None => {
+                c.devices.push(m.device);
+                c.devices.len() - 1
+            }
+        };
+        if at >= MAX_DEVICES || m.shape.len() > u8::MAX as usize {
+            return Err(serde::ser::Error::custom(format!(
+                "an object's tensors span more than {MAX_DEVICES} devices, or one has more than \
+                 255 dimensions"
+            )));
+        }
+        c.dtypes.push(m.dtype);
+        c.on.push(at as u8);
+        c.ranks.push(m.shape.len() as u8);
+        c.dims.extend_from_slice(&m.shape);
+    }
+    c.serialize(s)
+}
+
+pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<TensorMeta>, D::Error> {
+    let c = Columns::deserialize(d)?;
+    let n = c.dtypes.len();
+    if c.on.len() != n || c.ranks.len() != n {
+        return Err(D::Error::custom(format!(
+            "tensor metadata: {n} dtypes, {} devices, {} ranks",
+            c.on.len(),
+            c.ranks.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut dims = &c.dims[..];
+    for i in 0..n {
+        let device = *c.devices.get(c.on[i] as usize).ok_or_else(|| {
+            D::Error::custom(format!(
+                "tensor metadata: device #{} of {}",
+                c.on[i],
+                c.devices.len()
+            ))
+        })?;
+        let rank = c.ranks[i] as usize;
+        if dims.len() < rank {
+            return Err(D::Error::custom(
+                "tensor metadata: fewer dimensions than ranks",
+            ));
+        }
+        let (shape, rest) = dims.split_at(rank);
+        dims = rest;
+        out.push(TensorMeta {
+            dtype: c.dtypes[i],
+            shape: Shape::from(shape),
+            device,
+        });
+    }
+    if !dims.is_empty() {
+        return Err(D::Error::custom(
+            "tensor metadata: more dimensions than ranks",
+        ));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::GpuUuid;
+
+    #[derive(Serialize, Deserialize, PartialEq, Debug)]
+    struct Holder(#[serde(with = "super")] Vec<TensorMeta>);
+
+    fn meta(dtype: DType, shape: &[usize], device: Device) -> TensorMeta {
+        TensorMeta {
+            dtype,
+            shape: shape.into(),
+            device,
+        }
+    }
+
+    #[test]
+    fn metadata_comes_back_as_it_went() {
+        let gpu = |o| Device::Cuda {
+            uuid: GpuUuid::from_bytes([o as u8; 16]),
+            ordinal: o,
+        };
+        let metas = vec![
+            meta(DType::F32, &[4, 5], gpu(0)),
+            meta(DType::U8, &[], Device::Cpu),
+            meta(DType::BF16, &[1, 2, 3, 4, 5, 6], gpu(1)),
+            meta(DType::I64, &[7], gpu(0)),
+        ];
+        let bytes = postcard::to_allocvec(&Holder(metas.clone())).unwrap();
+        let back: Holder = postcard::from_bytes(&bytes).unwrap();
+        assert_eq!(back.0, metas);
+    }
+
+    #[test]
+    fn many_tensors_on_one_device_cost_a_few_bytes_each() {
+        let d = Device::Cuda {
+            uuid: GpuUuid::from_bytes([9; 16]),
+            ordinal: 0,
+        };
+        let metas = vec![meta(DType::BF16, &[1024, 64], d); 10_000];
+        let bytes = postcard::to_allocvec(&Holder(metas)).unwrap();
+        // dtype, device, rank, two dimensions (2 + 1 bytes).
+        assert!(bytes.len() < 10_000 * 7, "{} bytes", bytes.len());
+    }
+
+    #[test]
+    fn columns_that_disagree_are_errors() {
+        let bad = [
+            Columns {
+                devices: vec![Device::Cpu],
+                dtypes: vec![DType::F32],
+                on: vec![1],
+                ranks: vec![0],
+                dims: vec![],
+            },
+            Columns {
+                devices: vec![Device::Cpu],
+                dtypes: vec![DType::F32],
+                on: vec![0],
+                ranks: vec![2],
+                dims: vec![3],
+            },
+            Columns {
+                devices: vec![Device::Cpu],
+                dtypes: vec![DType::F32],
+                on: vec![0],
+                ranks: vec![1],
+                dims: vec![3, 4],
+            },
+            Columns {
+                devices: vec![Device::Cpu],
+                dtypes: vec![DType::F32, DType::F32],
+                on: vec![0],
+                ranks: vec![0, 0],
+                dims: vec![],
+            },
+        ];
+        for c in bad {
+            let bytes = postcard::to_allocvec(&c).unwrap();
+            let err = postcard::from_bytes::<Holder>(&bytes).unwrap_err();
+            assert!(matches!(err, postcard::Error::SerdeDeCustom), "{err:?}");
+        }
+    }
+}
