@@ -542,6 +542,10 @@ pub struct NixlTransport {
 enum Kept {
     Host(#[allow(dead_code)] Arc<HostRegion>),
     Tensor(#[allow(dead_code)] Tensor),
+    /// Target tensors of a receive, all at once.
+    Tensors(#[allow(dead_code)] Vec<Tensor>),
+    /// The device range a receive's new tensors are slices of.
+    Range(#[allow(dead_code)] Arc<crate::cuda::alloc::SlabRange>),
     Slab(#[allow(dead_code)] Arc<Registered>),
 }
 
@@ -560,6 +564,14 @@ struct Pair {
     remote_reg: u64,
     local: Desc,
     local_reg: u64,
+}
+
+/// The slab registrations a receive into target tensors met, each once
+/// (looked up in the transport's table once per slab, not per tensor).
+#[derive(Default)]
+struct SlabRegistrations {
+    /// (slab id, its registration).
+    kept: Vec<(u64, Arc<Registered>)>,
 }
 
 /// Where one tensor goes on the consumer.
@@ -853,19 +865,19 @@ impl NixlTransport {
         let metas = &exported.metas;
         let (out, dests, keep) = self.destinations(&agent, metas, &h, &cx.target, from)?;
         crate::cuda::timeline("nixl destinations ready", cx.xfer);
-        // Pair remote and local ranges, per pair of memory types.
-        let mut groups: HashMap<(Mem, Mem), Vec<Pair>> = HashMap::new();
-        for (i, p) in h.tensors.iter().enumerate() {
-            let Some(d) = &dests[i] else { continue };
+        // Pair remote and local ranges (one pair per tensor, in order: no
+        // map on a path that 10 000 tensors take).
+        let mut pairs: Vec<Pair> = Vec::with_capacity(h.tensors.len());
+        for (p, d) in h.tensors.iter().zip(&dests) {
+            let Some(d) = d else { continue };
             let r = &h.regions[p.region as usize];
-            let remote = Desc {
-                mem: r.mem,
-                addr: (r.base + p.offset) as usize,
-                len: p.len as usize,
-                dev: r.dev,
-            };
-            groups.entry((d.desc.mem, r.mem)).or_default().push(Pair {
-                remote,
+            pairs.push(Pair {
+                remote: Desc {
+                    mem: r.mem,
+                    addr: (r.base + p.offset) as usize,
+                    len: p.len as usize,
+                    dev: r.dev,
+                },
                 remote_reg: r.generation,
                 local: d.desc,
                 local_reg: d.local_reg,
@@ -895,8 +907,7 @@ impl NixlTransport {
             reqs: Vec::new(),
             keep: keep.clone(),
         };
-        for (_, pairs) in groups {
-            let (local, remote) = coalesce(pairs);
+        for (local, remote) in coalesce(pairs) {
             let n = local.len() as u64;
             let t0 = std::time::Instant::now();
             // No notification rides on the READ: NIXL then ends the read
@@ -1097,9 +1108,12 @@ impl NixlTransport {
                         off = (off + t.nbytes()).next_multiple_of(ALIGN);
                     }
                 }
+                keep.push(Kept::Tensors(ts.clone()));
+                let mut regs = SlabRegistrations::default();
                 for t in ts {
-                    dests.push(self.local_dest(agent, t, &mut keep).map_err(err)?);
+                    dests.push(self.local_dest(agent, t, &mut regs).map_err(err)?);
                 }
+                keep.extend(regs.kept.into_iter().map(|(_, r)| Kept::Slab(r)));
                 Ok((ts.clone(), dests, keep))
             }
             Target::Any | Target::Device(_) | Target::Host => {
@@ -1151,60 +1165,116 @@ impl NixlTransport {
                 };
                 // CUDA tensors: one range per GPU for the whole object, laid
                 // out back to back (one allocation, and neighbours for the
-                // coalescer), each tensor a slice of it.
-                let mut ranges: HashMap<usize, (Arc<SlabRange>, usize)> = HashMap::new();
+                // coalescer), each tensor a slice of it. Each GPU's range
+                // and registration are found once, not per tensor.
+                struct Lane {
+                    ordinal: usize,
+                    len: usize,
+                    range: Option<Arc<crate::cuda::alloc::SlabRange>>,
+                    device: Device,
+                    generation: u64,
+                }
+                let mut lanes: Vec<Lane> = Vec::new();
                 let mut cuda_at: Vec<Option<(usize, usize)>> = vec![None; metas.len()];
-                {
-                    let mut need: HashMap<usize, usize> = HashMap::new();
-                    for (i, m) in metas.iter().enumerate() {
-                        if let Some(o) = want_gpu(m) {
-                            let off = need.entry(o).or_default();
-                            cuda_at[i] = Some((o, *off));
-                            *off = (*off + m.nbytes()).next_multiple_of(crate::cuda::alloc::ALIGN);
-                        }
-                    }
-                    for (o, len) in need {
-                        let gpu = crate::cuda::gpu(o)
-                            .map_err(|e| err(format!("CUDA device {o}: {e}")))?;
-                        let r = crate::cuda::alloc::alloc(&gpu, len.max(1)).map_err(|e| {
-                            err(format!("allocating {len} B on CUDA device {o}: {e}"))
-                        })?;
-                        ranges.insert(o, (Arc::new(r), 0));
+                for (i, m) in metas.iter().enumerate() {
+                    if let Some(o) = want_gpu(m) {
+                        let lane = match lanes.iter().position(|l| l.ordinal == o) {
+                            Some(l) => l,
+                            None => {
+                                lanes.push(Lane {
+                                    ordinal: o,
+                                    len: 0,
+                                    range: None,
+                                    device: Device::Cpu,
+                                    generation: 0,
+                                });
+                                lanes.len() - 1
+                            }
+                        };
+                        let len = &mut lanes[lane].len;
+                        cuda_at[i] = Some((lane, *len));
+                        *len = (*len + m.nbytes()).next_multiple_of(crate::cuda::alloc::ALIGN);
                     }
                 }
+                for lane in &mut lanes {
+                    let o = lane.ordinal;
+                    let gpu =
+                        crate::cuda::gpu(o).map_err(|e| err(format!("CUDA device {o}: {e}")))?;
+                    let r = crate::cuda::alloc::alloc(&gpu, lane.len.max(1)).map_err(|e| {
+                        err(format!("allocating {} B on CUDA device {o}: {e}", lane.len))
+                    })?;
+                    let reg = self
+                        .slab_registration(agent, &r.slab)
+                        .map_err(|e| err(e.0))?;
+                    lane.device = r.slab.gpu.device();
+                    lane.generation = reg.generation;
+                    let r = Arc::new(r);
+                    keep.push(Kept::Slab(reg));
+                    keep.push(Kept::Range(r.clone()));
+                    lane.range = Some(r);
+                }
+                let host = region.as_ref().map(|r| {
+                    keep.push(Kept::Host(r.clone()));
+                    (r.ptr() as usize, r.slab.reg.generation)
+                });
                 let mut out = Vec::with_capacity(metas.len());
                 for (i, m) in metas.iter().enumerate() {
-                    let t = match (cuda_at[i], &region, host_at[i]) {
-                        (Some((o, offset)), _, _) => {
-                            let range = ranges[&o].0.clone();
-                            let device = range.slab.gpu.device();
-                            Tensor::from_device_buffer(
+                    let len = m.nbytes();
+                    let (t, dest) = match (cuda_at[i], &region, host_at[i]) {
+                        (Some((lane, offset)), _, _) => {
+                            let lane = &lanes[lane];
+                            let range = lane.range.clone().expect("allocated above");
+                            let addr =
+                                crate::cuda::DeviceBuffer::device_ptr(&*range) as usize + offset;
+                            let t = Tensor::from_device_buffer(
                                 m.dtype,
                                 &m.shape,
-                                device,
-                                Box::new(crate::cuda::alloc::SlabSlice::new(
-                                    range,
-                                    offset,
-                                    m.nbytes(),
-                                )),
+                                lane.device,
+                                Box::new(crate::cuda::alloc::SlabSlice::new(range, offset, len)),
                             )
-                            .map_err(|e| err(e.to_string()))?
+                            .map_err(|e| err(e.to_string()))?;
+                            let dest = Dest {
+                                desc: Desc {
+                                    mem: Mem::Vram,
+                                    addr,
+                                    len,
+                                    dev: lane.ordinal as u64,
+                                },
+                                local_reg: lane.generation,
+                            };
+                            (t, (len > 0).then_some(dest))
                         }
-                        (None, Some(region), Some(offset)) => Tensor::from_external(
-                            m.dtype,
-                            &m.shape,
-                            Device::Cpu,
-                            Box::new(NixlHostMem {
-                                region: region.clone(),
-                                offset,
-                                len: m.nbytes(),
-                            }),
-                        )
-                        .map_err(|e| err(e.to_string()))?,
-                        _ => Tensor::from_bytes(m.dtype, &m.shape, Vec::new())
-                            .map_err(|e| err(e.to_string()))?,
+                        (None, Some(region), Some(offset)) => {
+                            let (base, generation) = host.expect("the region is there");
+                            let t = Tensor::from_external(
+                                m.dtype,
+                                &m.shape,
+                                Device::Cpu,
+                                Box::new(NixlHostMem {
+                                    region: region.clone(),
+                                    offset,
+                                    len,
+                                }),
+                            )
+                            .map_err(|e| err(e.to_string()))?;
+                            let dest = Dest {
+                                desc: Desc {
+                                    mem: Mem::Dram,
+                                    addr: base + offset,
+                                    len,
+                                    dev: 0,
+                                },
+                                local_reg: generation,
+                            };
+                            (t, (len > 0).then_some(dest))
+                        }
+                        _ => (
+                            Tensor::from_bytes(m.dtype, &m.shape, Vec::new())
+                                .map_err(|e| err(e.to_string()))?,
+                            None,
+                        ),
                     };
-                    dests.push(self.local_dest(agent, &t, &mut keep).map_err(err)?);
+                    dests.push(dest);
                     out.push(t);
                 }
                 Ok((out, dests, keep))
@@ -1217,12 +1287,11 @@ impl NixlTransport {
         &self,
         agent: &Arc<Agent>,
         t: &Tensor,
-        keep: &mut Vec<Kept>,
+        regs: &mut SlabRegistrations,
     ) -> Result<Option<Dest>, String> {
         if t.nbytes() == 0 {
             return Ok(None);
         }
-        keep.push(Kept::Tensor(t.clone()));
         if t.is_cuda() {
             let found = t
                 .with_device_buffer(|d| slab_of(d).map(|(s, o)| (s, o, d.device_ptr())))
@@ -1234,15 +1303,21 @@ impl NixlTransport {
                     t.meta()
                 ));
             };
-            let reg = self.slab_registration(agent, &slab).map_err(|e| e.0)?;
+            let g = match regs.kept.iter().rev().find(|(id, _)| *id == slab.id) {
+                Some((_, reg)) => reg.generation,
+                None => {
+                    let reg = self.slab_registration(agent, &slab).map_err(|e| e.0)?;
+                    let g = reg.generation;
+                    regs.kept.push((slab.id, reg));
+                    g
+                }
+            };
             let d = Desc {
                 mem: Mem::Vram,
                 addr: ptr as usize,
                 len: t.nbytes(),
                 dev: slab.gpu.ordinal() as u64,
             };
-            let g = reg.generation;
-            keep.push(Kept::Slab(reg));
             return Ok(Some(Dest {
                 desc: d,
                 local_reg: g,
@@ -1386,13 +1461,27 @@ fn check_handles(h: &Handles, metas: &[TensorMeta]) -> Result<(), String> {
     Ok(())
 }
 
-/// Orders the pairs by remote address and merges neighbours whose gap is
-/// the same on both sides, within one registration on each side (NX-3).
-/// Returns the local and remote lists.
-fn coalesce(mut pairs: Vec<Pair>) -> (Vec<Desc>, Vec<Desc>) {
-    pairs.sort_by_key(|p| (p.remote_reg, p.remote.addr));
-    let mut local: Vec<Desc> = Vec::with_capacity(pairs.len());
-    let mut remote: Vec<Desc> = Vec::with_capacity(pairs.len());
+/// Orders the pairs by memory types and remote address and merges
+/// neighbours whose gap is at most [`MERGE_GAP`] on both sides (the gap is
+/// read too: cheaper than a descriptor); one (local, remote) list per pair
+/// of memory types, since one READ moves between two types only.
+///
+/// A receive lays its new tensors out in the producer's order, so the pairs
+/// usually come sorted: checking that is one pass, and then they are not
+/// moved at all.
+fn coalesce(mut pairs: Vec<Pair>) -> Vec<(Vec<Desc>, Vec<Desc>)> {
+    let key = |p: &Pair| {
+        (
+            p.local.mem == Mem::Vram,
+            p.remote.mem == Mem::Vram,
+            p.remote_reg,
+            p.remote.addr,
+        )
+    };
+    if !pairs.is_sorted_by_key(key) {
+        pairs.sort_by_key(key);
+    }
+    let mut out: Vec<(Vec<Desc>, Vec<Desc>)> = Vec::new();
     let mut last: Option<(u64, u64)> = None;
     for Pair {
         remote: r,
@@ -1401,6 +1490,14 @@ fn coalesce(mut pairs: Vec<Pair>) -> (Vec<Desc>, Vec<Desc>) {
         local_reg: lg,
     } in pairs
     {
+        let open = out
+            .last_mut()
+            .filter(|(lo, re)| lo[0].mem == l.mem && re[0].mem == r.mem);
+        let Some((local, remote)) = open else {
+            out.push((vec![l], vec![r]));
+            last = Some((rg, lg));
+            continue;
+        };
         if let (Some(pl), Some(pr), Some((prg, plg))) = (local.last_mut(), remote.last_mut(), last)
         {
             let rend = pr.addr + pr.len;
@@ -1419,7 +1516,7 @@ fn coalesce(mut pairs: Vec<Pair>) -> (Vec<Desc>, Vec<Desc>) {
         remote.push(r);
         last = Some((rg, lg));
     }
-    (local, remote)
+    out
 }
 
 fn rand_u32() -> u32 {
@@ -1650,17 +1747,37 @@ mod tests {
             pair(2192, 6192, 100),
             pair(3000, 9000, 10),
         ];
-        let (local, remote) = coalesce(pairs);
-        assert_eq!(remote, vec![desc(0, 2292), desc(3000, 10)]);
-        assert_eq!(local, vec![desc(4000, 2292), desc(9000, 10)]);
+        let lists = coalesce(pairs);
+        assert_eq!(lists.len(), 1, "one pair of memory types");
+        let (local, remote) = &lists[0];
+        assert_eq!(remote, &vec![desc(0, 2292), desc(3000, 10)]);
+        assert_eq!(local, &vec![desc(4000, 2292), desc(9000, 10)]);
+    }
+
+    #[test]
+    fn each_pair_of_memory_types_gets_its_own_list() {
+        // Host and device neighbours never merge, and each list is one
+        // type on each side, whatever order the tensors came in.
+        let mut on_gpu = pair(1000, 2000, 1000);
+        on_gpu.local.mem = Mem::Vram;
+        let lists = coalesce(vec![pair(2000, 1000, 1000), on_gpu, pair(0, 0, 1000)]);
+        assert_eq!(lists.len(), 2);
+        for (local, remote) in &lists {
+            assert!(local.iter().all(|d| d.mem == local[0].mem));
+            assert!(remote.iter().all(|d| d.mem == remote[0].mem));
+        }
+        let host = lists.iter().find(|(l, _)| l[0].mem == Mem::Dram).unwrap();
+        assert_eq!(host.1, vec![desc(0, 1000), desc(2000, 1000)]);
+        let gpu = lists.iter().find(|(l, _)| l[0].mem == Mem::Vram).unwrap();
+        assert_eq!(gpu.1, vec![desc(1000, 1000)]);
     }
 
     #[test]
     fn descriptors_never_span_two_registrations() {
         let mut b = pair(1000, 2000, 10);
         b.remote_reg = 7;
-        let (_, remote) = coalesce(vec![pair(0, 1000, 1000), b]);
-        assert_eq!(remote.len(), 2);
+        let lists = coalesce(vec![pair(0, 1000, 1000), b]);
+        assert_eq!(lists[0].1.len(), 2);
     }
 
     #[test]
