@@ -101,7 +101,10 @@ pub struct Exported {
     /// One entry per tensor (on the wire as columns: `metas_wire`).
     #[serde(with = "crate::metas_wire")]
     pub metas: Vec<TensorMeta>,
-    /// Transport-specific handles (one-sided transports).
+    /// Transport-specific handles (one-sided transports). On the wire as
+    /// one run of bytes, not a sequence of numbers: tens of kilobytes for
+    /// an object of thousands of tensors.
+    #[serde(with = "serde_bytes")]
     pub handles: Vec<u8>,
     /// Tensor bytes (through-driver transports): one blob per tensor, or,
     /// where `handles` says so, chunks that several small tensors share

@@ -185,32 +185,8 @@ pub fn decode<T: DeserializeOwned>(data: &[u8], tensors: &[Tensor]) -> Result<T,
 struct SelfContained {
     dtype: DType,
     shape: Vec<usize>,
-    #[serde(with = "serde_bytes_compat")]
+    #[serde(with = "serde_bytes")]
     bytes: Vec<u8>,
-}
-
-/// Serialize a byte vector as bytes (not as a sequence of numbers).
-mod serde_bytes_compat {
-    use serde::{Deserializer, Serializer};
-    pub fn serialize<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_bytes(b)
-    }
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Vec<u8>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("bytes")
-            }
-            fn visit_bytes<E>(self, v: &[u8]) -> Result<Vec<u8>, E> {
-                Ok(v.to_vec())
-            }
-            fn visit_byte_buf<E>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
-                Ok(v)
-            }
-        }
-        d.deserialize_byte_buf(V)
-    }
 }
 
 impl Serialize for Tensor {

@@ -141,6 +141,7 @@ struct SlabHandle {
     /// The producer's slab id.
     id: u64,
     /// `cuIpcGetMemHandle` of the slab (64 bytes).
+    #[serde(with = "serde_bytes")]
     handle: Vec<u8>,
     len: u64,
     /// The slab's shared record (retiring flag, importer pids).

@@ -498,6 +498,7 @@ struct RegionHandle {
     base: u64,
     len: u64,
     dev: u64,
+    #[serde(with = "serde_bytes")]
     md: Vec<u8>,
 }
 
@@ -513,6 +514,7 @@ struct Piece {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Handles {
     agent: String,
+    #[serde(with = "serde_bytes")]
     conn: Vec<u8>,
     key: ObjectKey,
     regions: Vec<RegionHandle>,
