@@ -43,7 +43,7 @@ pub struct WireValue {
     /// Transport that holds the tensors (`object_store` when there are none).
     pub transport: Transport,
     /// Metadata, handles or inline bytes of the tensors.
-    pub exported: Exported,
+    pub exported: WireExported,
     /// Ids of the objects whose refs the value contains, once per
     /// occurrence: the driver holds a count on each while the value lives
     /// (CL-2).
@@ -71,6 +71,114 @@ impl WireValue {
     /// The serialized non-tensor part; [`arrived`](Self::arrived) first.
     pub fn data_bytes(&self) -> Result<Bytes> {
         self.data.bytes().map_err(lost_bytes)
+    }
+}
+
+/// What a transport exported for a value's tensors, as it travels.
+///
+/// The metadata and handles stay one run of encoded bytes until a process
+/// that moves the tensors reads them ([`get`](Self::get), decoded once per
+/// process and kept). The driver, which only forwards them to consumers,
+/// never decodes them: for an object of 10 000 tensors that was a decode
+/// and an encode of 10 000 entries on every pass. The inline bytes
+/// (object store) travel as blobs beside it, as before.
+#[derive(Clone, Debug, Default)]
+pub struct WireExported {
+    /// postcard of the [`Exported`], its `inline` left empty.
+    head: Bytes,
+    /// [`Exported::inline`].
+    pub inline: Vec<Blob>,
+    /// [`Exported::nbytes`], for accounting without decoding.
+    nbytes: u64,
+    /// The decoded form, once read in this process.
+    decoded: std::sync::OnceLock<Arc<Exported>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireExportedForm {
+    #[serde(with = "serde_bytes")]
+    head: Vec<u8>,
+    inline: Vec<Blob>,
+    nbytes: u64,
+}
+
+impl Serialize for WireExported {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("WireExportedForm", 3)?;
+        st.serialize_field("head", serde_bytes::Bytes::new(&self.head))?;
+        st.serialize_field("inline", &self.inline)?;
+        st.serialize_field("nbytes", &self.nbytes)?;
+        st.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for WireExported {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let f = WireExportedForm::deserialize(d)?;
+        Ok(WireExported {
+            head: Bytes::from(f.head),
+            inline: f.inline,
+            nbytes: f.nbytes,
+            decoded: Default::default(),
+        })
+    }
+}
+
+impl WireExported {
+    /// The wire form of `exported` (encoded here, once).
+    pub fn new(mut exported: Exported) -> Result<WireExported> {
+        let inline = std::mem::take(&mut exported.inline);
+        let head = postcard::to_allocvec(&exported).map_err(|e| Error::Decode {
+            what: "a value's tensor metadata".into(),
+            message: e.to_string(),
+        })?;
+        exported.inline = inline.clone();
+        let nbytes = exported.nbytes() as u64;
+        Ok(WireExported {
+            head: Bytes::from(head),
+            inline,
+            nbytes,
+            decoded: std::sync::OnceLock::from(Arc::new(exported)),
+        })
+    }
+
+    /// The exported metadata, handles and inline bytes (decoded on first
+    /// use in this process).
+    pub fn get(&self) -> Result<&Exported> {
+        if let Some(e) = self.decoded.get() {
+            return Ok(e);
+        }
+        if self.head.is_empty() {
+            // `Default`: a value without tensors.
+            let e = Exported {
+                inline: self.inline.clone(),
+                ..Exported::default()
+            };
+            return Ok(self.decoded.get_or_init(|| Arc::new(e)));
+        }
+        let mut e: Exported = postcard::from_bytes(&self.head).map_err(|e| {
+            Error::Protocol(format!(
+                "malformed tensor metadata in a value ({} bytes): {e}; the producer runs \
+                 another rdt version, or the frame was damaged",
+                self.head.len()
+            ))
+        })?;
+        e.inline = self.inline.clone();
+        Ok(self.decoded.get_or_init(|| Arc::new(e)))
+    }
+
+    /// Total tensor bytes described.
+    pub fn nbytes(&self) -> usize {
+        self.nbytes as usize
+    }
+
+    /// Waits until every inline blob is here.
+    pub async fn arrived(&self) -> std::result::Result<(), rdt_transport::arriving::ArriveError> {
+        for b in &self.inline {
+            b.arrived().await?;
+        }
+        Ok(())
     }
 }
 
@@ -1533,10 +1641,11 @@ mod tests {
                 result: Ok(WireValue {
                     data: small.clone(),
                     transport: Transport::ObjectStore,
-                    exported: Exported {
+                    exported: WireExported::new(Exported {
                         inline: vec![big.clone()],
                         ..Default::default()
-                    },
+                    })
+                    .unwrap(),
                     refs: vec![],
                 }),
             };
@@ -1625,10 +1734,11 @@ mod tests {
             result: Ok(WireValue {
                 data: Blob::new(bytes::Bytes::from_static(b"d")),
                 transport: Transport::ObjectStore,
-                exported: Exported {
+                exported: WireExported::new(Exported {
                     inline: vec![Blob::new(bytes::Bytes::from(blob.clone()))],
                     ..Default::default()
-                },
+                })
+                .unwrap(),
                 refs: vec![],
             }),
         };

@@ -40,7 +40,9 @@ use crate::client::Client;
 use crate::error::{Error, Result};
 use crate::object_ref::{ActorId, ArgOut, ObjectRef, RawHandle};
 use crate::owner::{ActorInfo, Actors, GroupLookup, ObjState, OwnerTable};
-use crate::protocol::{self, CallMsg, SubmitMsg, ToDriver, ToWorker, WireArg, WireValue};
+use crate::protocol::{
+    self, CallMsg, SubmitMsg, ToDriver, ToWorker, WireArg, WireExported, WireValue,
+};
 use crate::transport::Transport;
 use crate::worker::env as wenv;
 
@@ -582,7 +584,7 @@ impl Runtime {
                 let tensors = held.tensors().to_vec();
                 drop(st);
                 let tensors = target
-                    .place(wv.transport.name(), &wv.exported.metas, tensors)
+                    .place(wv.transport.name(), &wv.exported.get()?.metas, tensors)
                     .map_err(Error::Transport)?;
                 return decode(&tensors);
             }
@@ -604,7 +606,8 @@ impl Runtime {
             target,
             ..rdt_transport::TransferCtx::new(0)
         };
-        let read = tokio::time::timeout(deadline, inst.receive(&from, &cx, &wv.exported)).await;
+        let exported = wv.exported.get()?;
+        let read = tokio::time::timeout(deadline, inst.receive(&from, &cx, exported)).await;
         let dead = || {
             let st = self.inner.lock();
             st.actors.get(&producer).and_then(|a| {
@@ -792,7 +795,7 @@ impl Runtime {
         let wv = WireValue {
             data: Blob::new(payload.data),
             transport,
-            exported,
+            exported: WireExported::new(exported)?,
             refs,
         };
         let held = crate::owner::DriverHeld::new(id, payload.tensors, inst);
@@ -1106,7 +1109,7 @@ impl Runtime {
 
 /// Decodes a value whose bytes are all here ([`WireValue::arrived`]).
 fn decode_wire<T: DeserializeOwned>(inner: &Arc<Inner>, wv: &WireValue, id: u64) -> Result<T> {
-    let tensors = object_store::unpack(&wv.exported)?;
+    let tensors = object_store::unpack(wv.exported.get()?)?;
     decode_in_driver(inner, wv, id, &tensors)
 }
 
@@ -1137,7 +1140,7 @@ pub(crate) fn inline_value(p: Payload, refs: Vec<u64>) -> Result<WireValue> {
     Ok(WireValue {
         data: Blob::new(p.data),
         transport: Transport::ObjectStore,
-        exported,
+        exported: WireExported::new(exported)?,
         refs,
     })
 }

@@ -36,7 +36,7 @@ use super::{shared, Slot, StoredValue, WorkerShared};
 use crate::client::{Client, Encoded};
 use crate::error::{Error, Result};
 use crate::object_ref::{ArgOut, ObjectRef};
-use crate::protocol::{SubmitMsg, ToDriver, WireValue};
+use crate::protocol::{SubmitMsg, ToDriver, WireExported, WireValue};
 use crate::runtime::inline_value;
 use crate::transport::Transport;
 use rdt_transport::{Blob, Sidedness};
@@ -442,7 +442,7 @@ impl ActorRuntime {
         let wv = WireValue {
             data: Blob::new(encoded.payload.data.clone()),
             transport,
-            exported,
+            exported: WireExported::new(exported)?,
             refs: encoded.ref_ids(),
         };
         self.w.local_refs.counts.lock().insert(id, 1);

@@ -46,7 +46,7 @@ use tracing::Instrument;
 use super::{panic_message, Landing, Slot, StoredValue, WorkerShared};
 use crate::actor::{Actor as RdtActor, CallArgs, Concurrency, MethodInfo};
 use crate::error::{Error, Result};
-use crate::protocol::{CallMsg, ToDriver, WireArg, WireValue};
+use crate::protocol::{CallMsg, ToDriver, WireArg, WireExported, WireValue};
 use crate::transport::Transport;
 
 /// Calls that may queue at one actor; beyond, a call fails at once with
@@ -405,7 +405,7 @@ async fn run_call<A: RdtActor>(
     Ok(WireValue {
         data: Blob::new(payload.data),
         transport,
-        exported,
+        exported: WireExported::new(exported)?,
         refs,
     })
 }

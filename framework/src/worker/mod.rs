@@ -992,7 +992,7 @@ fn on_deliver(
             let receive = async {
                 let tensors = transport
                     .1
-                    .receive(&from, &cx, &d.value.exported)
+                    .receive(&from, &cx, d.value.exported.get()?)
                     .await
                     .map_err(Error::from)?;
                 // The non-tensor part, large enough to stream, may still
@@ -1132,7 +1132,7 @@ fn on_deliver_inline(
 /// in; a CUDA tensor still arriving is copied to its device step by step
 /// as its bytes land (`object_store::unpack_arriving`).
 pub(crate) async fn unpack_inline(v: &crate::protocol::WireValue) -> Result<(Bytes, Vec<Tensor>)> {
-    let tensors = object_store::unpack_arriving(&v.exported).await?;
+    let tensors = object_store::unpack_arriving(v.exported.get()?).await?;
     v.arrived().await?;
     Ok((v.data_bytes()?, tensors))
 }
