@@ -701,14 +701,29 @@ impl NixlTransport {
         drain_notifications(&agent);
         let err = |m: String| TransportError::new(NAME, m);
         let mut kept: Vec<Kept> = Vec::new();
-        // Where each tensor is published: (registration, offset).
-        let mut at: Vec<Option<(Arc<Registered>, usize)>> = vec![None; tensors.len()];
+        // The registrations the tensors lie in, each once (an object's
+        // tensors share a few slabs: found by a short scan from the most
+        // recent, not a table lookup per tensor), and where each tensor
+        // is: (index in `regs`, offset).
+        let mut regs: Vec<Arc<Registered>> = Vec::new();
+        let mut slab_regs: Vec<(u64, u32)> = Vec::new();
+        let mut at: Vec<Option<(u32, usize)>> = vec![None; tensors.len()];
+        fn reg_index(regs: &mut Vec<Arc<Registered>>, reg: &Arc<Registered>) -> u32 {
+            match regs.iter().rposition(|r| Arc::ptr_eq(r, reg)) {
+                Some(i) => i as u32,
+                None => {
+                    regs.push(reg.clone());
+                    (regs.len() - 1) as u32
+                }
+            }
+        }
         // Host tensors that need a region: plain memory moves in, foreign
         // memory is copied in.
         let mut to_place: Vec<usize> = Vec::new();
-        let mut seen_storage: HashMap<usize, usize> = HashMap::new();
+        let mut seen_storage: rustc_hash::FxHashMap<usize, usize> = Default::default();
         let mut dups: Vec<(usize, usize)> = Vec::new();
         let mut gpus: Vec<Arc<crate::cuda::Gpu>> = Vec::new();
+        let mut last_region: Option<Arc<HostRegion>> = None;
         for (i, t) in tensors.iter().enumerate() {
             if t.is_cuda() {
                 let found = t
@@ -732,12 +747,19 @@ impl NixlTransport {
                         (s, o, Some(copy))
                     }
                 };
-                let reg = self
-                    .slab_registration(&agent, &slab)
-                    .map_err(|e| err(e.0))?;
-                kept.push(Kept::Slab(reg.clone()));
+                let r = match slab_regs.iter().rev().find(|(id, _)| *id == slab.id) {
+                    Some(&(_, r)) => r,
+                    None => {
+                        let reg = self
+                            .slab_registration(&agent, &slab)
+                            .map_err(|e| err(e.0))?;
+                        let r = reg_index(&mut regs, &reg);
+                        slab_regs.push((slab.id, r));
+                        r
+                    }
+                };
                 kept.extend(owner.map(Kept::Tensor));
-                at[i] = Some((reg, offset));
+                at[i] = Some((r, offset));
                 continue;
             }
             if let Some(&j) = seen_storage.get(&t.storage_id()) {
@@ -748,14 +770,26 @@ impl NixlTransport {
             seen_storage.insert(t.storage_id(), i);
             let ours = t.with_external(|e| {
                 e.and_then(|e| e.as_any().downcast_ref::<NixlHostMem>())
-                    .map(|m| (m.region.clone(), m.region.offset + m.offset))
+                    .map(|m| {
+                        let same = last_region
+                            .as_ref()
+                            .is_some_and(|r| Arc::ptr_eq(r, &m.region));
+                        (
+                            (!same).then(|| m.region.clone()),
+                            m.region.offset + m.offset,
+                        )
+                    })
             });
             match ours {
-                Some((region, offset)) => {
+                Some((new_region, offset)) => {
                     // Registered already (exported or received before): no
                     // copy, no registration.
-                    at[i] = Some((region.slab.reg.clone(), offset));
-                    kept.push(Kept::Host(region));
+                    if let Some(region) = new_region {
+                        kept.push(Kept::Host(region.clone()));
+                        last_region = Some(region);
+                    }
+                    let region = last_region.as_ref().expect("set above");
+                    at[i] = Some((reg_index(&mut regs, &region.slab.reg), offset));
                 }
                 None => to_place.push(i),
             }
@@ -769,7 +803,7 @@ impl NixlTransport {
                 len = (len + tensors[i].nbytes()).next_multiple_of(ALIGN);
             }
             let region = HostRegion::new(&agent, len).map_err(|e| err(e.0))?;
-            let reg = region.slab.reg.clone();
+            let r = reg_index(&mut regs, &region.slab.reg);
             for (&i, &offset) in to_place.iter().zip(&offsets) {
                 let t = &tensors[i];
                 let mem = Box::new(NixlHostMem {
@@ -790,12 +824,12 @@ impl NixlTransport {
                         )
                     };
                 }
-                at[i] = Some((reg.clone(), region.offset + offset));
+                at[i] = Some((r, region.offset + offset));
             }
             kept.push(Kept::Host(region));
         }
         for (i, j) in dups {
-            at[i] = at[j].clone();
+            at[i] = at[j];
         }
         // CUDA tensors: the GPU must have passed every write to them before
         // a peer reads.
@@ -807,21 +841,23 @@ impl NixlTransport {
                 .map_err(|e| err(e.to_string()))?;
         }
         let conn = agent.connection_md().to_vec();
-        let mut regions: Vec<RegionHandle> = Vec::new();
-        let mut index: HashMap<u64, u32> = HashMap::new();
+        let regions: Vec<RegionHandle> = regs.iter().map(|r| r.handle()).collect();
         let mut pieces = Vec::with_capacity(tensors.len());
         for (t, a) in tensors.iter().zip(at) {
-            let (reg, offset) = a.expect("every tensor is placed above");
-            let r = *index.entry(reg.generation).or_insert_with(|| {
-                regions.push(reg.handle());
-                (regions.len() - 1) as u32
-            });
+            let (region, offset) = a.expect("every tensor is placed above");
             pieces.push(Piece {
-                region: r,
+                region,
                 offset: offset as u64,
                 len: t.nbytes() as u64,
             });
         }
+        // Device slabs' registrations live as long as the export (host
+        // ones go with their regions, kept above).
+        kept.extend(
+            slab_regs
+                .iter()
+                .map(|&(_, r)| Kept::Slab(regs[r as usize].clone())),
+        );
         let handles = Handles {
             agent: agent.name().to_string(),
             conn,
