@@ -56,8 +56,10 @@ impl WireValue {
     /// `rdt_transport::arriving`). The error says the bytes were lost on
     /// the way.
     pub async fn arrived(&self) -> Result<()> {
-        self.data.arrived().await.map_err(lost_bytes)?;
-        self.exported.arrived().await.map_err(lost_bytes)
+        for b in std::iter::once(&self.data).chain(&self.exported.inline) {
+            b.arrived().await.map_err(lost_bytes)?;
+        }
+        Ok(())
     }
 
     /// Why its bytes will never all be here, if they won't.
@@ -82,47 +84,18 @@ impl WireValue {
 /// never decodes them: for an object of 10 000 tensors that was a decode
 /// and an encode of 10 000 entries on every pass. The inline bytes
 /// (object store) travel as blobs beside it, as before.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct WireExported {
-    /// postcard of the [`Exported`], its `inline` left empty.
+    /// postcard of the [`Exported`], its `inline` left empty (`Bytes`
+    /// travels as one run of bytes).
     head: Bytes,
     /// [`Exported::inline`].
     pub inline: Vec<Blob>,
     /// [`Exported::nbytes`], for accounting without decoding.
     nbytes: u64,
     /// The decoded form, once read in this process.
+    #[serde(skip)]
     decoded: std::sync::OnceLock<Arc<Exported>>,
-}
-
-#[derive(Serialize, Deserialize)]
-struct WireExportedForm {
-    #[serde(with = "serde_bytes")]
-    head: Vec<u8>,
-    inline: Vec<Blob>,
-    nbytes: u64,
-}
-
-impl Serialize for WireExported {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        use serde::ser::SerializeStruct;
-        let mut st = s.serialize_struct("WireExportedForm", 3)?;
-        st.serialize_field("head", serde_bytes::Bytes::new(&self.head))?;
-        st.serialize_field("inline", &self.inline)?;
-        st.serialize_field("nbytes", &self.nbytes)?;
-        st.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for WireExported {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        let f = WireExportedForm::deserialize(d)?;
-        Ok(WireExported {
-            head: Bytes::from(f.head),
-            inline: f.inline,
-            nbytes: f.nbytes,
-            decoded: Default::default(),
-        })
-    }
 }
 
 impl WireExported {
@@ -149,21 +122,18 @@ impl WireExported {
         if let Some(e) = self.decoded.get() {
             return Ok(e);
         }
-        if self.head.is_empty() {
-            // `Default`: a value without tensors.
-            let e = Exported {
-                inline: self.inline.clone(),
-                ..Exported::default()
-            };
-            return Ok(self.decoded.get_or_init(|| Arc::new(e)));
-        }
-        let mut e: Exported = postcard::from_bytes(&self.head).map_err(|e| {
-            Error::Protocol(format!(
-                "malformed tensor metadata in a value ({} bytes): {e}; the producer runs \
-                 another rdt version, or the frame was damaged",
-                self.head.len()
-            ))
-        })?;
+        // An empty head is `Default`'s: a value without tensors.
+        let mut e: Exported = if self.head.is_empty() {
+            Exported::default()
+        } else {
+            postcard::from_bytes(&self.head).map_err(|e| {
+                Error::Protocol(format!(
+                    "malformed tensor metadata in a value ({} bytes): {e}; the producer runs \
+                     another rdt version, or the frame was damaged",
+                    self.head.len()
+                ))
+            })?
+        };
         e.inline = self.inline.clone();
         Ok(self.decoded.get_or_init(|| Arc::new(e)))
     }
@@ -171,14 +141,6 @@ impl WireExported {
     /// Total tensor bytes described.
     pub fn nbytes(&self) -> usize {
         self.nbytes as usize
-    }
-
-    /// Waits until every inline blob is here.
-    pub async fn arrived(&self) -> std::result::Result<(), rdt_transport::arriving::ArriveError> {
-        for b in &self.inline {
-            b.arrived().await?;
-        }
-        Ok(())
     }
 }
 

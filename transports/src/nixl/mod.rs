@@ -568,12 +568,39 @@ struct Pair {
     local_reg: u64,
 }
 
-/// The slab registrations a receive into target tensors met, each once
-/// (looked up in the transport's table once per slab, not per tensor).
+/// The slab registrations an export or a receive into target tensors met,
+/// each once: an object's tensors share a few slabs, so a short scan from
+/// the most recent finds one, not a lookup in the transport's table per
+/// tensor.
 #[derive(Default)]
 struct SlabRegistrations {
     /// (slab id, its registration).
     kept: Vec<(u64, Arc<Registered>)>,
+}
+
+impl SlabRegistrations {
+    /// `slab`'s registration (from `nixl`'s table at its first use here).
+    fn of(
+        &mut self,
+        nixl: &NixlTransport,
+        agent: &Arc<Agent>,
+        slab: &Arc<Slab>,
+    ) -> Result<&Arc<Registered>, NixlError> {
+        let at = match self.kept.iter().rposition(|(id, _)| *id == slab.id) {
+            Some(at) => at,
+            None => {
+                self.kept
+                    .push((slab.id, nixl.slab_registration(agent, slab)?));
+                self.kept.len() - 1
+            }
+        };
+        Ok(&self.kept[at].1)
+    }
+
+    /// What keeps them registered while the export or the read lasts.
+    fn into_kept(self) -> impl Iterator<Item = Kept> {
+        self.kept.into_iter().map(|(_, r)| Kept::Slab(r))
+    }
 }
 
 /// Where one tensor goes on the consumer.
@@ -701,12 +728,10 @@ impl NixlTransport {
         drain_notifications(&agent);
         let err = |m: String| TransportError::new(NAME, m);
         let mut kept: Vec<Kept> = Vec::new();
-        // The registrations the tensors lie in, each once (an object's
-        // tensors share a few slabs: found by a short scan from the most
-        // recent, not a table lookup per tensor), and where each tensor
-        // is: (index in `regs`, offset).
+        // The registrations the tensors lie in, each once, and where each
+        // tensor is: (index in `regs`, offset).
         let mut regs: Vec<Arc<Registered>> = Vec::new();
-        let mut slab_regs: Vec<(u64, u32)> = Vec::new();
+        let mut slab_regs = SlabRegistrations::default();
         let mut at: Vec<Option<(u32, usize)>> = vec![None; tensors.len()];
         fn reg_index(regs: &mut Vec<Arc<Registered>>, reg: &Arc<Registered>) -> u32 {
             match regs.iter().rposition(|r| Arc::ptr_eq(r, reg)) {
@@ -747,17 +772,8 @@ impl NixlTransport {
                         (s, o, Some(copy))
                     }
                 };
-                let r = match slab_regs.iter().rev().find(|(id, _)| *id == slab.id) {
-                    Some(&(_, r)) => r,
-                    None => {
-                        let reg = self
-                            .slab_registration(&agent, &slab)
-                            .map_err(|e| err(e.0))?;
-                        let r = reg_index(&mut regs, &reg);
-                        slab_regs.push((slab.id, r));
-                        r
-                    }
-                };
+                let reg = slab_regs.of(self, &agent, &slab).map_err(|e| err(e.0))?;
+                let r = reg_index(&mut regs, reg);
                 kept.extend(owner.map(Kept::Tensor));
                 at[i] = Some((r, offset));
                 continue;
@@ -853,11 +869,7 @@ impl NixlTransport {
         }
         // Device slabs' registrations live as long as the export (host
         // ones go with their regions, kept above).
-        kept.extend(
-            slab_regs
-                .iter()
-                .map(|&(_, r)| Kept::Slab(regs[r as usize].clone())),
-        );
+        kept.extend(slab_regs.into_kept());
         let handles = Handles {
             agent: agent.name().to_string(),
             conn,
@@ -1151,7 +1163,7 @@ impl NixlTransport {
                 for t in ts {
                     dests.push(self.local_dest(agent, t, &mut regs).map_err(err)?);
                 }
-                keep.extend(regs.kept.into_iter().map(|(_, r)| Kept::Slab(r)));
+                keep.extend(regs.into_kept());
                 Ok((ts.clone(), dests, keep))
             }
             Target::Any | Target::Device(_) | Target::Host => {
@@ -1207,61 +1219,57 @@ impl NixlTransport {
                 // and registration are found once, not per tensor.
                 struct Lane {
                     ordinal: usize,
-                    len: usize,
-                    range: Option<Arc<crate::cuda::alloc::SlabRange>>,
+                    range: Arc<crate::cuda::alloc::SlabRange>,
                     device: Device,
                     generation: u64,
                 }
-                let mut lanes: Vec<Lane> = Vec::new();
+                // Bytes each GPU needs (ordinal, length), and each CUDA
+                // tensor's (lane, offset).
+                let mut need: Vec<(usize, usize)> = Vec::new();
                 let mut cuda_at: Vec<Option<(usize, usize)>> = vec![None; metas.len()];
                 for (i, m) in metas.iter().enumerate() {
                     if let Some(o) = want_gpu(m) {
-                        let lane = match lanes.iter().position(|l| l.ordinal == o) {
+                        let lane = match need.iter().position(|&(n, _)| n == o) {
                             Some(l) => l,
                             None => {
-                                lanes.push(Lane {
-                                    ordinal: o,
-                                    len: 0,
-                                    range: None,
-                                    device: Device::Cpu,
-                                    generation: 0,
-                                });
-                                lanes.len() - 1
+                                need.push((o, 0));
+                                need.len() - 1
                             }
                         };
-                        let len = &mut lanes[lane].len;
+                        let len = &mut need[lane].1;
                         cuda_at[i] = Some((lane, *len));
                         *len = (*len + m.nbytes()).next_multiple_of(crate::cuda::alloc::ALIGN);
                     }
                 }
-                for lane in &mut lanes {
-                    let o = lane.ordinal;
+                let mut lanes: Vec<Lane> = Vec::with_capacity(need.len());
+                for (o, len) in need {
                     let gpu =
                         crate::cuda::gpu(o).map_err(|e| err(format!("CUDA device {o}: {e}")))?;
-                    let r = crate::cuda::alloc::alloc(&gpu, lane.len.max(1)).map_err(|e| {
-                        err(format!("allocating {} B on CUDA device {o}: {e}", lane.len))
-                    })?;
+                    let r = crate::cuda::alloc::alloc(&gpu, len.max(1))
+                        .map_err(|e| err(format!("allocating {len} B on CUDA device {o}: {e}")))?;
                     let reg = self
                         .slab_registration(agent, &r.slab)
                         .map_err(|e| err(e.0))?;
-                    lane.device = r.slab.gpu.device();
-                    lane.generation = reg.generation;
-                    let r = Arc::new(r);
+                    let range = Arc::new(r);
+                    lanes.push(Lane {
+                        ordinal: o,
+                        device: range.slab.gpu.device(),
+                        generation: reg.generation,
+                        range: range.clone(),
+                    });
                     keep.push(Kept::Slab(reg));
-                    keep.push(Kept::Range(r.clone()));
-                    lane.range = Some(r);
+                    keep.push(Kept::Range(range));
                 }
-                let host = region.as_ref().map(|r| {
+                if let Some(r) = &region {
                     keep.push(Kept::Host(r.clone()));
-                    (r.ptr() as usize, r.slab.reg.generation)
-                });
+                }
                 let mut out = Vec::with_capacity(metas.len());
                 for (i, m) in metas.iter().enumerate() {
                     let len = m.nbytes();
                     let (t, dest) = match (cuda_at[i], &region, host_at[i]) {
                         (Some((lane, offset)), _, _) => {
                             let lane = &lanes[lane];
-                            let range = lane.range.clone().expect("allocated above");
+                            let range = lane.range.clone();
                             let addr =
                                 crate::cuda::DeviceBuffer::device_ptr(&*range) as usize + offset;
                             let t = Tensor::from_device_buffer(
@@ -1283,7 +1291,6 @@ impl NixlTransport {
                             (t, (len > 0).then_some(dest))
                         }
                         (None, Some(region), Some(offset)) => {
-                            let (base, generation) = host.expect("the region is there");
                             let t = Tensor::from_external(
                                 m.dtype,
                                 &m.shape,
@@ -1298,11 +1305,11 @@ impl NixlTransport {
                             let dest = Dest {
                                 desc: Desc {
                                     mem: Mem::Dram,
-                                    addr: base + offset,
+                                    addr: region.ptr() as usize + offset,
                                     len,
                                     dev: 0,
                                 },
-                                local_reg: generation,
+                                local_reg: region.slab.reg.generation,
                             };
                             (t, (len > 0).then_some(dest))
                         }
@@ -1341,15 +1348,7 @@ impl NixlTransport {
                     t.meta()
                 ));
             };
-            let g = match regs.kept.iter().rev().find(|(id, _)| *id == slab.id) {
-                Some((_, reg)) => reg.generation,
-                None => {
-                    let reg = self.slab_registration(agent, &slab).map_err(|e| e.0)?;
-                    let g = reg.generation;
-                    regs.kept.push((slab.id, reg));
-                    g
-                }
-            };
+            let g = regs.of(self, agent, &slab).map_err(|e| e.0)?.generation;
             let d = Desc {
                 mem: Mem::Vram,
                 addr: ptr as usize,
