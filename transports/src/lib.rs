@@ -23,6 +23,7 @@ pub mod nccl;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod object_store;
+mod process_watch;
 pub mod registry;
 mod shape;
 pub mod shm;

@@ -19,8 +19,9 @@
 //!    copied into a fresh range first, kept until [`release`].
 //! 2. **Receive (consumer).** The consumer checks it runs on the same host,
 //!    checks the producer is alive (its import-record memfd is still at
-//!    `/proc/<pid>/fd/<fd>` with the same inode: a dead producer is a clear
-//!    error, never a hang), makes its stream wait on the producer's event
+//!    `/proc/<pid>/fd/<fd>` with the same inode at the first receive from
+//!    a process; after it, a pidfd of that process: a dead producer is a
+//!    clear error, never a hang), makes its stream wait on the producer's event
 //!    unless it has already passed (`cuStreamWaitEvent`: no host sync; each
 //!    event handle is opened once per process, in the context of the device
 //!    whose stream waits on it), and maps each slab **once** (`cuIpcOpenMemHandle` with
@@ -71,6 +72,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::alloc::{self, Counters, Region, SlabRange};
+use crate::process_watch::ProcessWatch;
 use super::{cuda_trace, CudaError, DeviceBuffer, Event, Gpu, IpcEvent};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
@@ -309,7 +311,8 @@ impl CudaIpcTransport {
         Ok(out)
     }
 
-    fn receive_now(&self, from: &Peer, exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
+    /// Reads and checks the handles of `exported`.
+    fn handles(&self, from: &Peer, exported: &Exported) -> Result<Handles, TransportError> {
         let perr = |m: String| TransportError::with_peer(NAME, from, m);
         let h: Handles = postcard::from_bytes(&exported.handles)
             .map_err(|e| perr(format!("malformed handles: {e}")))?;
@@ -347,35 +350,47 @@ impl CudaIpcTransport {
                 th.slot, th.slab
             )));
         }
-        super::available().map_err(|e| perr(format!("this consumer cannot use CUDA: {e}")))?;
-        let counters = open_counters(&h).map_err(perr)?;
-        self.producers
-            .lock()
-            .entry(from.actor)
-            .or_default()
-            .insert((h.pid, h.counters_id));
-        close_retired_now();
+        Ok(h)
+    }
 
-        // Order this process's stream after the producer's work.
+    /// Imports the tensors `h` describes. With `opening` false it does not
+    /// wait on the driver: it returns `Ok(None)`, having changed nothing,
+    /// where a producer's event or slab is not open in this process yet or
+    /// a retired mapping is due to close (calls that may take
+    /// milliseconds); the caller then asks again, with `opening`, where
+    /// blocking is allowed.
+    fn receive_now(
+        &self,
+        from: &Peer,
+        exported: &Exported,
+        h: &Handles,
+        opening: bool,
+    ) -> Result<Option<Vec<Tensor>>, TransportError> {
+        let perr = |m: String| TransportError::with_peer(NAME, from, m);
+        super::available().map_err(|e| perr(format!("this consumer cannot use CUDA: {e}")))?;
+        let counters = open_counters(h).map_err(perr)?;
+        if opening {
+            close_retired_now();
+        } else if retired_mapping_unused() {
+            return Ok(None);
+        }
+
+        // Everything this receive uses, from the caches (or opened): no
+        // wait enqueued and no record held until all of it is at hand.
         let mut local: rustc_hash::FxHashMap<GpuUuid, Arc<Gpu>> = Default::default();
+        let mut waits = Vec::new();
         for (uuid, ev) in &h.events {
             let g = local_gpu(uuid).map_err(|e| perr(e.to_string()))?;
             if !ev.is_empty() {
                 // Held while used: `peer_gone` may drop the cache's reference.
-                let ev = open_event(&h, uuid, ev, &g).map_err(|e| perr(e.to_string()))?;
-                // Already passed: the producer's work before this export is
-                // done, no GPU work here.
-                if !event_passed(ev.event, &g).map_err(|e| perr(e.to_string()))? {
-                    cuda_trace!(
-                        "stream of local device {} waits on the event of {uuid}",
-                        g.ordinal()
-                    );
-                    g.wait_event(ev.event).map_err(|e| perr(e.to_string()))?;
+                match open_event(h, uuid, ev, &g, opening).map_err(|e| perr(e.to_string()))? {
+                    Some(ev) => waits.push((g.clone(), ev)),
+                    None => return Ok(None),
                 }
             }
             local.insert(*uuid, g);
         }
-        let mut out = Vec::with_capacity(h.tensors.len());
+        let mut maps = Vec::with_capacity(h.tensors.len());
         // Each slab's mapping, looked up once (its tensors share it).
         let mut mapped: Vec<Option<Arc<Mapping>>> = vec![None; h.slabs.len()];
         for (meta, th) in exported.metas.iter().zip(&h.tensors) {
@@ -399,8 +414,12 @@ impl CudaIpcTransport {
             let map = match &mapped[th.slab as usize] {
                 Some(m) if Arc::ptr_eq(&m.gpu, &g) => m.clone(),
                 _ => {
-                    let m = open_slab(&h, &h.slabs[th.slab as usize], &g, &counters)
-                        .map_err(|e| perr(e.to_string()))?;
+                    let sh = &h.slabs[th.slab as usize];
+                    let Some(m) = open_slab(h, sh, &g, &counters, opening)
+                        .map_err(|e| perr(e.to_string()))?
+                    else {
+                        return Ok(None);
+                    };
                     mapped[th.slab as usize] = Some(m.clone());
                     m
                 }
@@ -412,7 +431,33 @@ impl CudaIpcTransport {
             {
                 return Err(perr("tensor range reaches past its slab".into()));
             }
+            maps.push((map, *uuid));
+        }
+        self.producers
+            .lock()
+            .entry(from.actor)
+            .or_default()
+            .insert((h.pid, h.counters_id));
+
+        // Order this process's stream after the producer's work.
+        for (g, ev) in &waits {
+            // Already passed: the producer's work before this export is
+            // done, no GPU work here.
+            if !event_passed(ev.event, g).map_err(|e| perr(e.to_string()))? {
+                cuda_trace!(
+                    "stream of local device {} waits on a producer's event",
+                    g.ordinal()
+                );
+                g.wait_event(ev.event).map_err(|e| perr(e.to_string()))?;
+            }
+        }
+        let mut out = Vec::with_capacity(h.tensors.len());
+        for ((meta, th), (map, uuid)) in exported.metas.iter().zip(&h.tensors).zip(maps) {
             counters.hold(Region::Range, th.slot);
+            let device = Device::Cuda {
+                uuid,
+                ordinal: map.gpu.ordinal() as u32,
+            };
             let buf = ImportedRange {
                 map,
                 offset: th.offset as usize,
@@ -421,17 +466,13 @@ impl CudaIpcTransport {
                 slot: th.slot,
                 stream_passed: false,
             };
-            let device = Device::Cuda {
-                uuid: *uuid,
-                ordinal: g.ordinal() as u32,
-            };
             out.push(
                 Tensor::from_device_buffer(meta.dtype, &meta.shape, device, Box::new(buf))
                     .map_err(|e| perr(e.to_string()))?,
             );
         }
         check_received(NAME, &exported.metas, &out)?;
-        Ok(out)
+        Ok(Some(out))
     }
 }
 
@@ -448,33 +489,65 @@ fn local_gpu(uuid: &GpuUuid) -> Result<Arc<Gpu>, CudaError> {
 /// (device, inode) of its import-record memfd.
 type ProducerKey = (u32, (u64, u64));
 
-fn counters_cache() -> &'static Mutex<HashMap<ProducerKey, Arc<Counters>>> {
-    static CACHE: OnceLock<Mutex<HashMap<ProducerKey, Arc<Counters>>>> = OnceLock::new();
+/// A producer process this consumer imports from: its import records, and
+/// a watch on its exit.
+struct ProducerProcess {
+    counters: Arc<Counters>,
+    /// `None` where the kernel gives no pidfd: liveness is then checked
+    /// through `/proc` at each receive.
+    watch: Option<ProcessWatch>,
+}
+
+fn counters_cache() -> &'static Mutex<HashMap<ProducerKey, Arc<ProducerProcess>>> {
+    static CACHE: OnceLock<Mutex<HashMap<ProducerKey, Arc<ProducerProcess>>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
+/// Is the producer's import-record memfd still at the descriptor its
+/// handles name (with the same inode)? False once the producer exited.
+fn records_still_there(h: &Handles) -> bool {
+    let path = format!("/proc/{}/fd/{}", h.pid, h.counters_fd);
+    matches!(std::fs::metadata(&path), Ok(md) if (md.dev(), md.ino()) == h.counters_id)
+}
+
+/// The producer's import records, checking that the producer is alive: a
+/// dead producer fails here (cached or not) with a clear message. After
+/// the first receive from a process the check is one `poll` of its pidfd,
+/// no path lookup.
 fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
     let key = (h.pid, h.counters_id);
-    // Liveness: the producer's memfd must still be at its descriptor. A
-    // dead producer fails here (cached or not) with a clear message.
-    let path = format!("/proc/{}/fd/{}", h.pid, h.counters_fd);
-    match std::fs::metadata(&path) {
-        Ok(md) if (md.dev(), md.ino()) == h.counters_id => {}
-        _ => {
-            counters_cache().lock().remove(&key);
-            return Err(format!(
-                "the producer (pid {}) has exited or closed its CUDA memory: the tensors are gone",
-                h.pid
-            ));
-        }
+    let gone = || {
+        counters_cache().lock().remove(&key);
+        format!(
+            "the producer (pid {}) has exited or closed its CUDA memory: the tensors are gone",
+            h.pid
+        )
+    };
+    let cached = counters_cache().lock().get(&key).cloned();
+    if let Some(p) = cached {
+        let alive = match &p.watch {
+            Some(w) => !w.exited(),
+            None => records_still_there(h),
+        };
+        return if alive {
+            Ok(p.counters.clone())
+        } else {
+            Err(gone())
+        };
     }
-    let mut cache = counters_cache().lock();
-    if let Some(c) = cache.get(&key) {
-        return Ok(c.clone());
+    // Watched before its identity is checked: if the pid was reused in
+    // between, the check fails (the new process has no such memfd).
+    let watch = crate::process_watch::watch(h.pid);
+    if !records_still_there(h) {
+        return Err(gone());
     }
-    let c = Arc::new(Counters::open(h.pid, h.counters_fd, h.counters_id)?);
-    cache.insert(key, c.clone());
-    Ok(c)
+    let counters = Arc::new(Counters::open(h.pid, h.counters_fd, h.counters_id)?);
+    let p = counters_cache()
+        .lock()
+        .entry(key)
+        .or_insert_with(|| Arc::new(ProducerProcess { counters, watch }))
+        .clone();
+    Ok(p.counters.clone())
 }
 
 /// The events one export recorded, with their devices.
@@ -516,11 +589,15 @@ fn open_event(
     uuid: &GpuUuid,
     handle: &[u8],
     g: &Arc<Gpu>,
-) -> Result<Arc<OpenedEvent>, CudaError> {
+    opening: bool,
+) -> Result<Option<Arc<OpenedEvent>>, CudaError> {
     let key = (h.pid, h.counters_id, *uuid, handle.to_vec());
     let mut cache = events().lock();
     if let Some(e) = cache.get(&key) {
-        return Ok(e.clone());
+        return Ok(Some(e.clone()));
+    }
+    if !opening {
+        return Ok(None);
     }
     let mut raw = sys::CUipcEventHandle { reserved: [0; 64] };
     if handle.len() != 64 {
@@ -548,7 +625,7 @@ fn open_event(
         gpu: g.clone(),
     });
     cache.insert(key, opened.clone());
-    Ok(opened)
+    Ok(Some(opened))
 }
 
 /// Has the GPU passed the (opened) producer event?
@@ -613,12 +690,16 @@ fn open_slab(
     sh: &SlabHandle,
     g: &Arc<Gpu>,
     counters: &Arc<Counters>,
-) -> Result<Arc<Mapping>, CudaError> {
+    opening: bool,
+) -> Result<Option<Arc<Mapping>>, CudaError> {
     let key = (h.pid, h.counters_id, sh.id, g.ordinal());
     let mut cache = mappings().lock();
     if let Some(m) = cache.get(&key) {
         CACHED.fetch_add(1, Ordering::Relaxed);
-        return Ok(m.clone());
+        return Ok(Some(m.clone()));
+    }
+    if !opening {
+        return Ok(None);
     }
     if sh.handle.len() != 64 {
         return Err(CudaError("malformed memory handle".into()));
@@ -667,7 +748,7 @@ fn open_slab(
     cuda_trace!("slab {} of pid {} mapped at {ptr:#x}", sh.id, h.pid);
     OPENED.fetch_add(1, Ordering::Relaxed);
     cache.insert(key, m.clone());
-    Ok(m)
+    Ok(Some(m))
 }
 
 /// Drops every cache entry of producer `key`: its import records, its
@@ -728,6 +809,16 @@ fn close_retired_now() -> usize {
     let before = cache.len();
     cache.retain(|_, m| Arc::strong_count(m) > 1 || !m.retiring());
     before - cache.len()
+}
+
+/// Is a mapping due to close ([`close_retired_now`] would close one)?
+/// Closing waits on the driver, so a receive that finds one closes it
+/// where blocking is allowed.
+fn retired_mapping_unused() -> bool {
+    mappings()
+        .lock()
+        .values()
+        .any(|m| Arc::strong_count(m) == 1 && m.retiring())
 }
 
 /// Periodic upkeep for a process that uses CUDA IPC (the rdt worker runs it
@@ -857,12 +948,24 @@ impl TensorTransport for CudaIpcTransport {
         // open across GPUs): off the executor's hands where the runtime
         // allows it (contract point 5).
         Box::pin(async move {
-            let mapped = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
-                    tokio::task::block_in_place(|| self.receive_now(from, exported))
+            let h = self.handles(from, exported)?;
+            // From the caches (every pass after the first of a producer's
+            // slab): no call here waits on the driver, so it runs where it
+            // is, without `block_in_place` handing this thread's runtime
+            // to another (several microseconds of a 4 KiB hand-off).
+            let mapped = match self.receive_now(from, exported, &h, false)? {
+                Some(t) => t,
+                None => {
+                    let open = || self.receive_now(from, exported, &h, true);
+                    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                            tokio::task::block_in_place(open)
+                        }
+                        _ => open(),
+                    }?
+                    .expect("a receive that may open does not give up")
                 }
-                _ => self.receive_now(from, exported),
-            }?;
+            };
             cx.target.place(NAME, &exported.metas, mapped)
         })
     }
@@ -1003,7 +1106,11 @@ mod tests {
         let other = (u32::MAX, (u64::MAX, u64::MAX));
         for k in [key, other] {
             let c = Counters::open(key.0, mine.fd(), mine.id).unwrap();
-            counters_cache().lock().insert(k, Arc::new(c));
+            let p = ProducerProcess {
+                counters: Arc::new(c),
+                watch: None,
+            };
+            counters_cache().lock().insert(k, Arc::new(p));
         }
         let cached = |k: &ProducerKey| counters_cache().lock().contains_key(k);
 
@@ -1020,6 +1127,48 @@ mod tests {
         assert!(!cached(&other));
         assert!(t.producers.lock().is_empty());
         t.peer_gone(10); // unknown: nothing to do
+    }
+
+    /// After the first receive from a producer process, its liveness is
+    /// its pidfd's: a producer that exited is a clear error, and leaves
+    /// the cache.
+    #[test]
+    fn a_cached_producer_that_exited_is_an_error() {
+        let mine = alloc::counters().unwrap();
+        let mut h = handles_here(vec![]);
+        h.counters_fd = mine.fd();
+        h.counters_id = mine.id;
+        // This process as its own producer: alive, cached, watched.
+        open_counters(&h).unwrap();
+        let key = (h.pid, h.counters_id);
+        let p = counters_cache().lock().get(&key).cloned().expect("cached");
+        let Some(w) = &p.watch else {
+            eprintln!("skipped: no pidfd on this kernel");
+            return;
+        };
+        assert!(!w.exited());
+        open_counters(&h).expect("alive, from the cache");
+
+        // A process that has exited, cached as if it had sent tensors.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let watch = crate::process_watch::watch(pid);
+        child.wait().unwrap();
+        let Some(watch) = watch else {
+            return; // it was reaped before the watch: nothing to check
+        };
+        let dead = (pid, h.counters_id);
+        counters_cache().lock().insert(
+            dead,
+            Arc::new(ProducerProcess {
+                counters: p.counters.clone(),
+                watch: Some(watch),
+            }),
+        );
+        h.pid = pid;
+        let e = open_counters(&h).err().expect("a dead producer");
+        assert!(e.contains("has exited"), "{e}");
+        assert!(!counters_cache().lock().contains_key(&dead));
     }
 
     #[test]
