@@ -530,13 +530,74 @@ impl AsyncRead for ReadHalf {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            ReadHalf::Unix(r) => std::pin::Pin::new(r).poll_read(cx, buf),
-            ReadHalf::Tcp(r) => std::pin::Pin::new(r).poll_read(cx, buf),
-            ReadHalf::Tls(r) => std::pin::Pin::new(r).poll_read(cx, buf),
+        use std::os::fd::AsRawFd;
+        use std::task::Poll;
+        let (polled, fd) = match self.get_mut() {
+            ReadHalf::Unix(r) => {
+                let fd = r.as_ref().as_raw_fd();
+                (std::pin::Pin::new(r).poll_read(cx, buf), fd)
+            }
+            ReadHalf::Tcp(r) => {
+                let fd = r.as_ref().as_raw_fd();
+                (std::pin::Pin::new(r).poll_read(cx, buf), fd)
+            }
+            ReadHalf::Tls(r) => return std::pin::Pin::new(r).poll_read(cx, buf),
+        };
+        match polled {
+            // Pending, with the waker registered: tokio has not seen the
+            // socket readable. In a process that spins (hot window), ask
+            // the socket itself (see `read_directly`).
+            Poll::Pending if !rdt_transport::hot::window().is_zero() => read_directly(fd, buf),
+            other => other,
         }
     }
 }
+
+/// Reads what the socket `fd` holds now, without waiting and without
+/// asking tokio: `Pending` when it holds nothing.
+///
+/// Why: tokio learns that a socket is readable only when some worker
+/// thread polls its I/O driver, and while one worker sleeps in
+/// `epoll_wait` holding the driver, a thread that spins in a hot wait
+/// (`rdt_transport::hot`) cannot poll it: the bytes are seen only after
+/// the kernel wakes the sleeper, 5–12 µs on the GPU hosts' VMs, on every
+/// hop of a call (timelines of cached `cuda_ipc` hand-offs, 2026-11-24).
+/// A non-blocking `recv` from the spinning thread sees them at once.
+/// Reading behind tokio's back is sound: the waker stays registered, and
+/// the readiness tokio may report later for bytes taken here only costs
+/// one read that finds nothing.
+fn read_directly(
+    fd: std::os::fd::RawFd,
+    buf: &mut tokio::io::ReadBuf<'_>,
+) -> std::task::Poll<std::io::Result<()>> {
+    use std::task::Poll;
+    // SAFETY: the bytes given to recv are the unfilled part of `buf`
+    // (recv writes at most that many); those it reports written are
+    // initialized and then counted as filled.
+    unsafe {
+        let spare = buf.unfilled_mut();
+        let n = libc::recv(
+            fd,
+            spare.as_mut_ptr().cast(),
+            spare.len(),
+            libc::MSG_DONTWAIT,
+        );
+        if n >= 0 {
+            DIRECT_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            buf.assume_init(n as usize);
+            buf.advance(n as usize);
+            return Poll::Ready(Ok(()));
+        }
+    }
+    let e = std::io::Error::last_os_error();
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Poll::Pending,
+        _ => Poll::Ready(Err(e)),
+    }
+}
+
+/// Reads [`read_directly`] answered (for tests).
+static DIRECT_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 struct SenderInner {
     half: WriteHalf,
@@ -1588,6 +1649,42 @@ mod tests {
         })
         .await
         .unwrap();
+    }
+
+    /// In a process that spins (hot window), a poll reads bytes tokio has
+    /// not seen yet (its I/O driver was not polled since they came): on
+    /// a current-thread runtime that never yielded, only the direct read
+    /// can find them.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_hot_poll_reads_bytes_tokio_has_not_seen() {
+        use std::io::Write;
+        use std::task::Poll;
+        let window = rdt_transport::hot::window();
+        rdt_transport::hot::set_window(Duration::from_millis(5));
+        let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+        b.set_nonblocking(true).unwrap();
+        let b = UnixStream::from_std(b).unwrap();
+        let mut rx = Receiver::new(ReadHalf::Unix(b.into_split().0), 1 << 20);
+        let frame = wire::to_frame_with_length(&ToDriver::Pong).unwrap();
+        assert!(frame.blobs.is_empty());
+        a.write_all(&frame.head).unwrap();
+        let before = DIRECT_READS.load(std::sync::atomic::Ordering::Relaxed);
+        let polled = {
+            let mut recv = std::pin::pin!(rx.recv::<ToDriver>());
+            futures::poll!(recv.as_mut())
+        };
+        rdt_transport::hot::set_window(window);
+        assert!(
+            matches!(polled, Poll::Ready(Ok(Some(ToDriver::Pong)))),
+            "the first poll, before tokio saw the socket readable, found the frame"
+        );
+        assert!(DIRECT_READS.load(std::sync::atomic::Ordering::Relaxed) > before);
+        // The end of the stream is read directly too, as an end.
+        drop(a);
+        let end = tokio::time::timeout(Duration::from_secs(10), rx.recv::<ToDriver>())
+            .await
+            .expect("deadline");
+        assert!(matches!(end, Ok(None)));
     }
 
     #[tokio::test]
