@@ -249,6 +249,18 @@ fn send_small(actors: &Actors, to: ActorId, msg: &ToWorker) {
     }
 }
 
+/// Sends a `Free` to `to`, with its next frame (`Sender::send_soon`):
+/// nothing waits for it, and writing it now would put a system call on
+/// the path of what the driver does next.
+fn send_free(actors: &Actors, to: ActorId, object: u64) {
+    let msg = ToWorker::Free { object };
+    if let Some(conn) = actors.get(&to).and_then(|a| a.conn.as_ref()) {
+        if let Err(e) = conn.send_soon(&msg) {
+            tracing::error!("could not send a control message to actor {to}: {e}");
+        }
+    }
+}
+
 fn deliver_error(actors: &Actors, to: ActorId, object: u64, err: Error) {
     send_small(
         actors,
@@ -641,12 +653,12 @@ impl OwnerTable {
                 e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
             if direct {
                 if let Some(p) = e.producer {
-                    send_small(actors, p, &ToWorker::Free { object: id });
+                    send_free(actors, p, id);
                 }
             }
             for (h, _) in e.copies {
                 if Some(h) != e.producer || !direct {
-                    send_small(actors, h, &ToWorker::Free { object: id });
+                    send_free(actors, h, id);
                 }
             }
             for n in e.nested {
@@ -701,7 +713,7 @@ impl OwnerTable {
 fn release_copy(e: &mut Entry, id: u64, consumer: ActorId, actors: &Actors) {
     if e.copies.get(&consumer) == Some(&Copy::Held) && e.producer != Some(consumer) {
         e.copies.remove(&consumer);
-        send_small(actors, consumer, &ToWorker::Free { object: id });
+        send_free(actors, consumer, id);
     }
 }
 

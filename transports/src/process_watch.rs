@@ -82,7 +82,10 @@ mod tests {
         };
         // SAFETY: one valid pollfd; waits up to 10 s for the exit.
         let n = unsafe { libc::poll(&mut p, 1, 10_000) };
-        assert!(n == 1 && std::time::Instant::now() < deadline, "no exit seen");
+        assert!(
+            n == 1 && std::time::Instant::now() < deadline,
+            "no exit seen"
+        );
         assert!(w.exited(), "the killed child has exited");
         child.wait().expect("reap");
         assert!(w.exited(), "and stays exited once reaped");

@@ -72,8 +72,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::alloc::{self, Counters, Region, SlabRange};
-use crate::process_watch::ProcessWatch;
 use super::{cuda_trace, CudaError, DeviceBuffer, Event, Gpu, IpcEvent};
+use crate::process_watch::ProcessWatch;
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
