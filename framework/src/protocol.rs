@@ -596,6 +596,12 @@ fn read_directly(
     }
 }
 
+/// `msg` as a frame, the 8-byte length at the head's front (no allocation
+/// of its own).
+fn encode<T: Serialize>(msg: &T) -> Result<wire::Frame> {
+    wire::to_frame_with_length(msg).map_err(|e| Error::Protocol(e.to_string()))
+}
+
 /// The longest a frame sent with [`Sender::send_soon`] waits for the next
 /// frame on its connection before the writer task writes it.
 pub const SOON: Duration = Duration::from_millis(1);
@@ -805,13 +811,10 @@ impl Sender {
     /// kept: a held frame goes out before any frame sent after it. Over
     /// TLS (whose writer task writes everything) it is [`send`](Self::send).
     pub fn send_soon<T: Serialize>(&self, msg: &T) -> Result<()> {
-        if matches!(self.inner.half, WriteHalf::Tls(_)) {
-            return self.send(msg);
-        }
-        let frame = wire::to_frame_with_length(msg).map_err(|e| Error::Protocol(e.to_string()))?;
-        if !frame.blobs.is_empty() || frame.status {
+        let frame = encode(msg)?;
+        if matches!(self.inner.half, WriteHalf::Tls(_)) || !frame.blobs.is_empty() || frame.status {
             // Only small, whole frames wait.
-            return self.send(msg);
+            return self.send_frame(frame);
         }
         let mut q = self.inner.queue.lock();
         if q.closed {
@@ -843,8 +846,11 @@ impl Sender {
     /// can turn it into an error for the call or object concerned instead
     /// of leaving the other end waiting.
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
-        // The 8-byte length goes at the head's front (no allocation of its own).
-        let frame = wire::to_frame_with_length(msg).map_err(|e| Error::Protocol(e.to_string()))?;
+        self.send_frame(encode(msg)?)
+    }
+
+    /// [`send`](Self::send) of a frame already encoded.
+    fn send_frame(&self, frame: wire::Frame) -> Result<()> {
         let len = frame.len() - 8;
         let max_frame = self
             .inner

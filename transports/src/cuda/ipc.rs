@@ -807,18 +807,21 @@ fn close_retired_now() -> usize {
         return 0;
     }
     let before = cache.len();
-    cache.retain(|_, m| Arc::strong_count(m) > 1 || !m.retiring());
+    cache.retain(|_, m| !closable(m));
     before - cache.len()
+}
+
+/// Does `m` (the cache's entry) map a slab its producer retired, with no
+/// tensor of this process left in it?
+fn closable(m: &Arc<Mapping>) -> bool {
+    Arc::strong_count(m) == 1 && m.retiring()
 }
 
 /// Is a mapping due to close ([`close_retired_now`] would close one)?
 /// Closing waits on the driver, so a receive that finds one closes it
 /// where blocking is allowed.
 fn retired_mapping_unused() -> bool {
-    mappings()
-        .lock()
-        .values()
-        .any(|m| Arc::strong_count(m) == 1 && m.retiring())
+    mappings().lock().values().any(closable)
 }
 
 /// Periodic upkeep for a process that uses CUDA IPC (the rdt worker runs it
