@@ -634,10 +634,12 @@ async fn many_tensors(
             drop(r);
             let one_took = t.elapsed();
             let t = Instant::now();
+            rdt::data::cuda::timeline("driver many start", i as u64);
             let r = src.many(MANY_N, each).transport(transport).remote();
             let sum = rt.get(sink.touch_all(&r).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
+            rdt::data::cuda::timeline("driver many end", i as u64);
             if i > 0 {
                 one.push(one_took);
                 many.push(t.elapsed());

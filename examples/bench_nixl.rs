@@ -218,6 +218,7 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
         };
         for notif in notifs {
             let mut us = Vec::new();
+            let s0 = rdt::data::nixl::stats();
             for i in 0..iters + 3 {
                 let t0 = Instant::now();
                 agent
@@ -241,6 +242,13 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
             } else {
                 format!("{}_notif", c.case)
             };
+            if total == 4 << 10 {
+                let s1 = rdt::data::nixl::stats();
+                eprintln!(
+                    "   raw 4 KiB {case}: per READ {}",
+                    post_split(&s0, &s1, (iters + 3) as f64)
+                );
+            }
             out.push((case, total, us));
         }
         agent
@@ -453,9 +461,10 @@ async fn rdt_passes(
             let read = (s1.read_nanos - s0.read_nanos) as f64 / n / 1e3;
             println!(
                 "   4 KiB pass {label}: post {post:.1} us, read (post to end) {read:.1} us, \
-                 {} of {} READs ended inline",
+                 {} of {} READs ended inline; {}",
                 s1.reads_done_inline - s0.reads_done_inline,
-                s1.reads_posted - s0.reads_posted
+                s1.reads_posted - s0.reads_posted,
+                post_split(&s0, &s1, n)
             );
             rows.push(row(
                 cx,
@@ -506,6 +515,22 @@ async fn rdt_passes(
     Ok(rows)
 }
 
+/// Where posting `reads` READs went, per READ: the agent's lock, making
+/// the request, posting it.
+fn post_split(
+    s0: &rdt::data::nixl::NixlStats,
+    s1: &rdt::data::nixl::NixlStats,
+    reads: f64,
+) -> String {
+    let us = |a: u64, b: u64| (b - a) as f64 / reads / 1e3;
+    format!(
+        "lock {:.1} us, create {:.1} us, post {:.1} us",
+        us(s0.post_lock_nanos, s1.post_lock_nanos),
+        us(s0.post_create_nanos, s1.post_create_nanos),
+        us(s0.post_submit_nanos, s1.post_submit_nanos)
+    )
+}
+
 fn sizes(quick: bool) -> Vec<usize> {
     if quick {
         vec![4 << 10, 1 << 20]
@@ -531,6 +556,9 @@ async fn main() -> rdt::Result<()> {
     }
     if args.iter().any(|a| a == "--timeline") {
         return timeline_passes(8).await;
+    }
+    if args.iter().any(|a| a == "--timeline-many") {
+        return timeline_many(8).await;
     }
     if let Some(n) = args
         .iter()
@@ -650,6 +678,43 @@ async fn timeline_passes(n: usize) -> rdt::Result<()> {
     small_passes(n).await
 }
 
+/// `--timeline-many`: passes of the object of 10 000 tensors of 4 KiB
+/// (across GPUs where two are visible) with `RDT_TIMELINE` on everywhere;
+/// no rows, the median on stdout.
+async fn timeline_many(n: usize) -> rdt::Result<()> {
+    std::env::set_var("RDT_TIMELINE", "1");
+    let rt = Runtime::start().await?;
+    let consumer_gpu = if rdt::data::cuda::device_count() >= 2 {
+        1
+    } else {
+        0
+    };
+    let p = rt.spawn::<NixlSource>(()).on_gpus([0]).await?;
+    let c = rt.spawn::<NixlSink>(()).on_gpus([consumer_gpu]).await?;
+    rt.get(c.warm().remote()).await?;
+    rt.get(p.prepare_many(10_000, 4096).remote()).await?;
+    let r = p.many().transport(Transport::Nixl).remote();
+    rt.wait(&r).await?;
+    let mut us = Vec::with_capacity(n);
+    for i in 0..n + 3 {
+        rdt::data::cuda::timeline("driver pass start", i as u64);
+        let t0 = Instant::now();
+        let got = rt.get(c.touch_all(&r).remote()).await?;
+        assert_eq!(got, 10_000 * 4096);
+        us.push(us_since(t0));
+        rdt::data::cuda::timeline("driver pass end", i as u64);
+    }
+    us.sort_by(f64::total_cmp);
+    println!(
+        "{} passes of 10 000 tensors of 4 KiB: median {:.1} us",
+        us.len(),
+        us[us.len() / 2]
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    rdt::data::cuda::timeline_flush();
+    Ok(())
+}
+
 /// `--small-passes N`: N passes of 4 KiB (across GPUs where two are
 /// visible), nothing else (for a profiler); prints the median.
 async fn small_passes(n: usize) -> rdt::Result<()> {
@@ -679,9 +744,10 @@ async fn small_passes(n: usize) -> rdt::Result<()> {
     let reads = (s1.reads_posted - s0.reads_posted).max(1) as f64;
     us.sort_by(f64::total_cmp);
     println!(
-        "{n} passes of 4 KiB: median {:.1} us; per read: post {:.1} us, post to end {:.1} us",
+        "{n} passes of 4 KiB: median {:.1} us; per read: post {:.1} us ({}), post to end {:.1} us",
         us[n / 2],
         (s1.post_nanos - s0.post_nanos) as f64 / reads / 1e3,
+        post_split(&s0, &s1, reads),
         (s1.read_nanos - s0.read_nanos) as f64 / reads / 1e3,
     );
     // Every process prints its points every 20 ms.

@@ -345,6 +345,7 @@ async fn run_call<A: RdtActor>(
         let a = actor.borrow();
         dispatch(A::__dispatch_shared(&a, msg.method, call_args), false).await
     };
+    rdt_transport::cuda::timeline("method returned", msg.call);
     let payload = match ran {
         Ok(r) => r,
         Err(p) => {
@@ -391,6 +392,7 @@ async fn run_call<A: RdtActor>(
         }
     }
     let exported = inst.export(msg.result, &payload.tensors).await?;
+    rdt_transport::cuda::timeline("exported", msg.call);
     if inst.sidedness() != Sidedness::ThroughDriver {
         shared.store.insert(
             msg.result,

@@ -280,7 +280,13 @@ impl Agent {
         peer: &str,
         notif: &[u8],
     ) -> Result<(Request, bool), NixlError> {
+        let t0 = std::time::Instant::now();
         let raw = self.raw.lock();
+        let t1 = std::time::Instant::now();
+        super::bump(
+            &super::COUNTERS.post_lock_nanos,
+            (t1 - t0).as_nanos() as u64,
+        );
         let l = XferList::new(self.api, local)?;
         let r = XferList::new(self.api, remote)?;
         let opts = OptArgs::new(self.api)?;
@@ -319,8 +325,17 @@ impl Agent {
                 "{e}: the peer's memory is not (or no longer) known to this agent"
             ))
         })?;
+        let t2 = std::time::Instant::now();
+        super::bump(
+            &super::COUNTERS.post_create_nanos,
+            (t2 - t1).as_nanos() as u64,
+        );
         // SAFETY: the request made above.
         let s = unsafe { (self.api.post_xfer_req)(raw.agent, req, std::ptr::null_mut()) };
+        super::bump(
+            &super::COUNTERS.post_submit_nanos,
+            t2.elapsed().as_nanos() as u64,
+        );
         match s {
             api::status::SUCCESS => Ok((Request(req), true)),
             api::status::IN_PROG => Ok((Request(req), false)),

@@ -131,6 +131,13 @@ pub struct NixlStats {
     pub host_bytes_in_use: u64,
     /// Nanoseconds spent posting READs (descriptor lists, request, post).
     pub post_nanos: u64,
+    /// Of `post_nanos`: waiting for the agent's lock.
+    pub post_lock_nanos: u64,
+    /// Of `post_nanos`: making the descriptor lists and the request
+    /// (`nixl_capi_create_xfer_req`).
+    pub post_create_nanos: u64,
+    /// Of `post_nanos`: `nixl_capi_post_xfer_req` itself.
+    pub post_submit_nanos: u64,
     /// Nanoseconds from a receive's first post to its last READ's end.
     pub read_nanos: u64,
     /// READs that ended on the receiving task itself (at post, or polled
@@ -150,6 +157,9 @@ struct Counters {
     host_slabs: AtomicU64,
     host_bytes_in_use: AtomicU64,
     post_nanos: AtomicU64,
+    post_lock_nanos: AtomicU64,
+    post_create_nanos: AtomicU64,
+    post_submit_nanos: AtomicU64,
     read_nanos: AtomicU64,
     reads_done_inline: AtomicU64,
 }
@@ -178,6 +188,9 @@ pub fn stats() -> NixlStats {
         host_slabs: c.host_slabs.load(Ordering::Relaxed),
         host_bytes_in_use: c.host_bytes_in_use.load(Ordering::Relaxed),
         post_nanos: c.post_nanos.load(Ordering::Relaxed),
+        post_lock_nanos: c.post_lock_nanos.load(Ordering::Relaxed),
+        post_create_nanos: c.post_create_nanos.load(Ordering::Relaxed),
+        post_submit_nanos: c.post_submit_nanos.load(Ordering::Relaxed),
         read_nanos: c.read_nanos.load(Ordering::Relaxed),
         reads_done_inline: c.reads_done_inline.load(Ordering::Relaxed),
     }
