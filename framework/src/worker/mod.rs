@@ -492,6 +492,14 @@ impl WorkerShared {
 
 static WORKER: OnceLock<Arc<WorkerShared>> = OnceLock::new();
 
+/// A freed value with at least this many tensors is dropped on the
+/// blocking pool, not in the control loop (a hand-off costs more than
+/// dropping a few tensors).
+const DROP_ASIDE_MIN: usize = 64;
+
+/// ... or at least this many bytes.
+const DROP_ASIDE_BYTES: usize = 1 << 20;
+
 /// This worker's shared state; `None` outside a worker.
 pub(crate) fn shared() -> Option<Arc<WorkerShared>> {
     WORKER.get().cloned()
@@ -875,6 +883,7 @@ async fn control_loop<A: RdtActor>(
                 }
             }
             ToWorker::Free { object } => {
+                rdt_transport::cuda::timeline("free start", object);
                 if let Some(freed) = shared.receiving.lock().get_mut(&object) {
                     // Tombstone (WK-3): the receive in flight drops its data.
                     *freed = true;
@@ -889,7 +898,18 @@ async fn control_loop<A: RdtActor>(
                             });
                         }
                     }
+                    // Dropping thousands of tensors, or unmapping tens of
+                    // MiB, takes the control loop 0.2-1 ms, and every frame
+                    // behind the Free waits (on the 2xH200 host a weights
+                    // pass's delivery waited ~1 ms for the previous pass's
+                    // free): the blocking pool drops them beside it.
+                    let aside = v.tensors.len() >= DROP_ASIDE_MIN
+                        || v.tensors.iter().map(Tensor::nbytes).sum::<usize>() >= DROP_ASIDE_BYTES;
+                    if aside {
+                        drop(tokio::task::spawn_blocking(move || drop(v)));
+                    }
                 }
+                rdt_transport::cuda::timeline("free done", object);
             }
             ToWorker::Fetch { object, req } => {
                 // Captured here, in order (a later Free cannot overtake it);
