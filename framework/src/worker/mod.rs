@@ -1015,6 +1015,7 @@ fn on_deliver(
                     .receive(&from, &cx, d.value.exported.get()?)
                     .await
                     .map_err(Error::from)?;
+                rdt_transport::cuda::timeline("receive returned", xfer);
                 // The non-tensor part, large enough to stream, may still
                 // be arriving.
                 let data = d.value.data.arrived().await.map_err(|e| {

@@ -1024,6 +1024,7 @@ impl NixlTransport {
             Ok(rt) => drop(rt.spawn(async move { notify() })),
             Err(_) => notify(),
         }
+        crate::cuda::timeline("nixl notice spawned", cx.xfer);
         Ok(out)
     }
 
