@@ -683,15 +683,7 @@ async fn timeline_passes(n: usize) -> rdt::Result<()> {
 /// no rows, the median on stdout.
 async fn timeline_many(n: usize) -> rdt::Result<()> {
     std::env::set_var("RDT_TIMELINE", "1");
-    let rt = Runtime::start().await?;
-    let consumer_gpu = if rdt::data::cuda::device_count() >= 2 {
-        1
-    } else {
-        0
-    };
-    let p = rt.spawn::<NixlSource>(()).on_gpus([0]).await?;
-    let c = rt.spawn::<NixlSink>(()).on_gpus([consumer_gpu]).await?;
-    rt.get(c.warm().remote()).await?;
+    let (rt, p, c) = producer_and_consumer().await?;
     rt.get(p.prepare_many(10_000, 4096).remote()).await?;
     let r = p.many().transport(Transport::Nixl).remote();
     rt.wait(&r).await?;
@@ -710,23 +702,14 @@ async fn timeline_many(n: usize) -> rdt::Result<()> {
         us.len(),
         us[us.len() / 2]
     );
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    rdt::data::cuda::timeline_flush();
+    flush_timelines().await;
     Ok(())
 }
 
 /// `--small-passes N`: N passes of 4 KiB (across GPUs where two are
 /// visible), nothing else (for a profiler); prints the median.
 async fn small_passes(n: usize) -> rdt::Result<()> {
-    let rt = Runtime::start().await?;
-    let consumer_gpu = if rdt::data::cuda::device_count() >= 2 {
-        1
-    } else {
-        0
-    };
-    let p = rt.spawn::<NixlSource>(()).on_gpus([0]).await?;
-    let c = rt.spawn::<NixlSink>(()).on_gpus([consumer_gpu]).await?;
-    rt.get(c.warm().remote()).await?;
+    let (rt, p, c) = producer_and_consumer().await?;
     let bytes = 4usize << 10;
     rt.get(p.prepare(bytes).remote()).await?;
     let r = p.tensor(bytes).transport(Transport::Nixl).remote();
@@ -750,8 +733,28 @@ async fn small_passes(n: usize) -> rdt::Result<()> {
         post_split(&s0, &s1, reads),
         (s1.read_nanos - s0.read_nanos) as f64 / reads / 1e3,
     );
-    // Every process prints its points every 20 ms.
+    flush_timelines().await;
+    Ok(())
+}
+
+/// A runtime, a producer on GPU 0 and a warmed-up consumer (on GPU 1
+/// where two are visible, else on GPU 0): the single-case modes' pair.
+async fn producer_and_consumer() -> rdt::Result<(Runtime, NixlSourceHandle, NixlSinkHandle)> {
+    let rt = Runtime::start().await?;
+    let consumer_gpu = if rdt::data::cuda::device_count() >= 2 {
+        1
+    } else {
+        0
+    };
+    let p = rt.spawn::<NixlSource>(()).on_gpus([0]).await?;
+    let c = rt.spawn::<NixlSink>(()).on_gpus([consumer_gpu]).await?;
+    rt.get(c.warm().remote()).await?;
+    Ok((rt, p, c))
+}
+
+/// Lets every process print its timeline points (each does every 20 ms),
+/// then prints the driver's.
+async fn flush_timelines() {
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     rdt::data::cuda::timeline_flush();
-    Ok(())
 }
