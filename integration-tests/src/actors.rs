@@ -240,6 +240,13 @@ impl Producer {
         self.kept[i].clone()
     }
 
+    /// Views of one flat buffer of `arange(1000)` f32 (see
+    /// [`flat_views`]): the flat buffer itself, and views of it, one of
+    /// them overlapping another and one reading its bytes as `i32`.
+    async fn views(&mut self) -> Vec<Tensor> {
+        flat_views(Tensor::arange::<f32>(1000))
+    }
+
     /// One tensor twice in one object (two clones of one storage).
     async fn twice(&mut self, v: f32, n: usize) -> (Tensor, Tensor) {
         let t = Tensor::full(v, &[n]);
@@ -379,6 +386,16 @@ impl Consumer {
             total += s;
         }
         Ok(total)
+    }
+
+    /// Each tensor's dtype, shape and sum, in order.
+    async fn describe_all(
+        &mut self,
+        ts: Vec<Tensor>,
+    ) -> rdt::Result<Vec<(String, Vec<usize>, f64)>> {
+        ts.iter()
+            .map(|t| Ok((t.dtype().to_string(), t.shape().to_vec(), t.sum()?)))
+            .collect()
     }
 
     /// Sums both tensors; tells whether they share storage.
@@ -1284,4 +1301,21 @@ impl SelfCaller {
     async fn ping_self_later(&mut self, me: SelfCallerHandle) -> ObjectRef<u32> {
         me.ping().remote()
     }
+}
+
+/// Views of `flat` (1000 elements of 4 bytes, as `Producer::views` makes
+/// it): `flat` itself; elements 0..100 as 10×10 f32; 100..300 as 200 f32;
+/// 50..150 (overlapping both) as 100 f32; 996..1000 read as i32.
+pub fn flat_views(flat: Tensor) -> Vec<Tensor> {
+    let v = |at: usize, dtype: DType, shape: &[usize]| {
+        flat.view(at * 4, dtype, shape)
+            .expect("a view within the flat buffer")
+    };
+    vec![
+        v(0, DType::F32, &[10, 10]),
+        v(100, DType::F32, &[200]),
+        v(50, DType::F32, &[100]),
+        v(996, DType::I32, &[4]),
+        flat.clone(),
+    ]
 }

@@ -329,6 +329,30 @@ macro_rules! suite {
     };
 }
 
+/// Views of one flat buffer (overlapping ones, one of another dtype, and
+/// the buffer itself) pass as one object and each arrives with its own
+/// bytes.
+pub async fn views_of_one_storage(t: Transport) {
+    let (rt, p, c) = setup(t).await;
+    let r = p.views().transport(t).remote();
+    let got = rt.get(c.describe_all(&r).remote()).await.unwrap();
+    let local = flat_views(Tensor::arange::<f32>(1000));
+    let want: Vec<(String, Vec<usize>, f64)> = local
+        .iter()
+        .map(|x| (x.dtype().to_string(), x.shape().to_vec(), x.sum().unwrap()))
+        .collect();
+    assert_eq!(got, want);
+    // The i32 view reads the f32 bytes of 996.0..=999.0 as integers.
+    assert_eq!(
+        want[3].2,
+        [996f32, 997.0, 998.0, 999.0]
+            .iter()
+            .map(|x| x.to_bits() as i32 as f64)
+            .sum::<f64>()
+    );
+    assert_path(&rt, &c, t, 1).await;
+}
+
 macro_rules! common_suite {
     ($m:ident, $t:expr) => {
         suite!(
@@ -348,6 +372,7 @@ macro_rules! common_suite {
                 actor_dies_before_producing,
                 actor_dies_before_object_is_consumed,
                 unknown_transport_at_run_time,
+                views_of_one_storage,
             ]
         );
     };

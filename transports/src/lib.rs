@@ -40,7 +40,7 @@ pub use object_store::ObjectStoreTransport;
 pub use shape::Shape;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
-pub use tensor::{ExternalMemory, Tensor, TensorError, TensorMeta};
+pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError, TensorMeta};
 pub use transport::{
     Exported, GroupRef, GroupSpec, ObjectKey, Peer, Sidedness, Target, TensorTransport,
     TransferCtx, TransferId, TransportError,

@@ -229,15 +229,28 @@ impl ShmTransport {
         // Lay out every tensor that is not in shared memory yet in one
         // fresh memfd. A tensor that already is (or becomes so concurrently)
         // keeps a slot it does not use: harmless, and it keeps this simple.
+        // A slot holds a whole storage: views of one storage share its
+        // slot (the first to be placed moves the storage there, the others
+        // find it moved).
         let mut slots: Vec<Result<(Arc<Region>, usize), usize>> = Vec::with_capacity(tensors.len());
+        let mut slot_of_storage: FxHashMap<usize, usize> = FxHashMap::default();
         let mut total = 0usize;
         for t in tensors {
             if let Some(place) = shm_place(t) {
                 slots.push(Ok(place));
                 continue;
             }
+            if !t.covers_storage() {
+                if let Some(&offset) = slot_of_storage.get(&t.storage_id()) {
+                    slots.push(Err(offset));
+                    continue;
+                }
+            }
             let offset = align_up(total).ok_or_else(too_big)?;
-            total = offset.checked_add(t.nbytes()).ok_or_else(too_big)?;
+            total = offset.checked_add(t.storage_nbytes()).ok_or_else(too_big)?;
+            if !t.covers_storage() {
+                slot_of_storage.insert(t.storage_id(), offset);
+            }
             slots.push(Err(offset));
         }
         let fresh = if slots.iter().any(Result::is_err) {
@@ -334,10 +347,13 @@ impl ShmTransport {
             .map(|f| self.map_published(from, h.pid, f).map_err(&err))
             .collect::<Result<Vec<_>, _>>()?;
 
+        // The tensors are views of one tensor per memfd: a reference
+        // count each, not an allocation.
+        let mut wholes: Vec<Option<Tensor>> = vec![None; regions.len()];
         let mut tensors = Vec::with_capacity(h.tensors.len());
         for (i, (meta, slot)) in exported.metas.iter().zip(&h.tensors).enumerate() {
-            let t =
-                tensor_over(&regions, meta, slot).map_err(|m| err(format!("tensor #{i}: {m}")))?;
+            let t = tensor_over(&regions, &mut wholes, meta, slot)
+                .map_err(|m| err(format!("tensor #{i}: {m}")))?;
             tensors.push(t);
         }
         check_received(NAME, &exported.metas, &tensors)?;
@@ -771,13 +787,14 @@ impl ExternalMemory for ShmMemory {
 /// The region and offset of `t`'s bytes, if it lives in `shm` memory.
 fn shm_place(t: &Tensor) -> Option<(Arc<Region>, usize)> {
     t.with_external(|mem| {
-        let shm = mem?.as_any().downcast_ref::<ShmMemory>()?;
-        Some((shm.region.clone(), shm.offset))
+        let mem = mem?;
+        let shm = mem.memory().as_any().downcast_ref::<ShmMemory>()?;
+        Some((shm.region.clone(), shm.offset + mem.offset()))
     })
 }
 
-/// Puts tensor #`i` into its slot at `offset` of the fresh `region`, and
-/// says where its bytes are now.
+/// Puts tensor #`i`'s storage into its slot at `offset` of the fresh
+/// `region`, and says where the tensor's bytes are now.
 fn place_in(
     region: &Arc<Region>,
     offset: usize,
@@ -785,11 +802,11 @@ fn place_in(
     t: &Tensor,
 ) -> Result<(Arc<Region>, usize), TransportError> {
     let fail = |m: String| TransportError::new(NAME, format!("tensor #{i}: {m}"));
-    let mem = region.slice(offset, t.nbytes()).map_err(fail)?;
+    let mem = region.slice(offset, t.storage_nbytes()).map_err(fail)?;
     if t.migrate_storage(Box::new(mem))
         .map_err(|e| fail(e.to_string()))?
     {
-        return Ok((region.clone(), offset));
+        return Ok((region.clone(), offset + t.byte_offset()));
     }
     // Already external: ours (another export got there first, or the same
     // tensor appears twice in this object), or another transport's.
@@ -797,41 +814,51 @@ fn place_in(
         return Ok(place);
     }
     let what = t
-        .with_external(|m| m.map(|m| m.describe()))
+        .with_external(|m| m.map(|m| m.memory().describe()))
         .unwrap_or_default();
     tracing::debug!(tensor = i, memory = %what, "shm copies a tensor in foreign memory; the producer will not see consumers' writes");
     t.with_bytes(|src| {
         if src.is_empty() {
             return;
         }
-        // SAFETY: `slice` above checked `offset + src.len()` against the
-        // mapping, and this slot belongs to no storage (the migration did
-        // not take it), so nothing else reads or writes it.
+        // SAFETY: `slice` above checked `offset + t.storage_nbytes()`
+        // against the mapping, and a view's bytes lie within its storage;
+        // this slot belongs to no storage (the migration did not take it),
+        // so nothing else reads or writes it. Views of one foreign storage
+        // share the slot and each writes its own bytes where the storage
+        // has them.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 src.as_ptr(),
-                region.map.as_mut_ptr().add(offset),
+                region.map.as_mut_ptr().add(offset + t.byte_offset()),
                 src.len(),
             )
         }
     })
     .map_err(|e| fail(e.to_string()))?;
-    Ok((region.clone(), offset))
+    Ok((region.clone(), offset + t.byte_offset()))
 }
 
 /// Builds the consumer's tensor for `meta` over `slot`, validating the
-/// slot against the metadata and the mapped memfd (invariant 4).
-fn tensor_over(regions: &[Arc<Region>], meta: &TensorMeta, slot: &Slot) -> Result<Tensor, String> {
+/// slot against the metadata and the mapped memfd (invariant 4): a view of
+/// the tensor over the whole memfd (`wholes`, made on first use).
+fn tensor_over(
+    regions: &[Arc<Region>],
+    wholes: &mut [Option<Tensor>],
+    meta: &TensorMeta,
+    slot: &Slot,
+) -> Result<Tensor, String> {
     if !meta.device.is_cpu() {
         return Err(format!(
             "described on {}, but shm moves CPU tensors only",
             meta.device
         ));
     }
-    let region = usize::try_from(slot.file)
+    let file = usize::try_from(slot.file)
         .ok()
-        .and_then(|f| regions.get(f))
+        .filter(|&f| f < regions.len())
         .ok_or_else(|| format!("names memfd #{} of {}", slot.file, regions.len()))?;
+    let region = &regions[file];
     let expected = nbytes(meta.dtype, &meta.shape)
         .ok_or_else(|| format!("shape {:?} has more bytes than fit in memory", meta.shape))?;
     if slot.len != expected as u64 {
@@ -842,8 +869,21 @@ fn tensor_over(regions: &[Arc<Region>], meta: &TensorMeta, slot: &Slot) -> Resul
     }
     let offset =
         usize::try_from(slot.offset).map_err(|_| format!("offset {} out of range", slot.offset))?;
-    let mem = region.slice(offset, expected)?;
-    Tensor::from_external(meta.dtype, &meta.shape, Device::Cpu, Box::new(mem))
+    // In bounds, or an error (never a view past the mapping).
+    drop(region.slice(offset, expected)?);
+    let whole = match &mut wholes[file] {
+        Some(w) => w,
+        slot @ None => {
+            let len = region.map.len();
+            let mem = region.slice(0, len)?;
+            slot.insert(
+                Tensor::from_external(DType::U8, &[len], Device::Cpu, Box::new(mem))
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+    };
+    whole
+        .view(offset, meta.dtype, &meta.shape)
         .map_err(|e| e.to_string())
 }
 

@@ -1,10 +1,16 @@
 //! [`Tensor`]: a typed, shaped view of shared storage.
 //!
 //! # Invariants
-//! 1. A tensor is contiguous and row-major; its storage holds exactly
-//!    `shape.product() * dtype.size()` bytes.
+//! 1. A tensor is contiguous and row-major: its bytes are the
+//!    `shape.product() * dtype.size()` bytes at its byte offset in its
+//!    storage, and they lie within the storage. A tensor made by a
+//!    constructor covers its whole storage at offset 0; a *view*
+//!    ([`Tensor::view`]) covers part of another tensor's bytes. A receive
+//!    of many tensors makes them views of one allocation, so each costs a
+//!    reference count, not an allocation.
 //! 2. Cloning a tensor shares its storage (tensors are mutable and shared, as
-//!    in Ray Direct Transport): a write through one clone is seen by all.
+//!    in Ray Direct Transport): a write through one clone, or through a
+//!    view of the same bytes, is seen by all.
 //! 3. Access to host bytes goes through the storage's lock, so concurrent
 //!    readers and writers in one process are serialized (no data race); the
 //!    order of writes between actors is the user's business, as in RDT.
@@ -53,6 +59,22 @@ pub enum TensorError {
     /// Two tensors that must agree do not.
     #[error("tensors disagree: {0}")]
     Mismatch(String),
+    /// A view asked for bytes outside the tensor it is a view of.
+    #[error(
+        "a view of {len} bytes at byte offset {offset} does not fit in a tensor of {within} \
+         bytes; offsets count from the tensor's first byte and must be a multiple of the \
+         view's element size ({align})"
+    )]
+    View {
+        /// The view's offset into the tensor, in bytes.
+        offset: usize,
+        /// The view's length in bytes.
+        len: usize,
+        /// The tensor's length in bytes.
+        within: usize,
+        /// The view's element size.
+        align: usize,
+    },
     /// A CUDA operation failed or CUDA is not usable here.
     #[error("{0}")]
     Cuda(String),
@@ -203,6 +225,8 @@ pub struct Tensor {
     dtype: DType,
     shape: Shape,
     storage: Arc<Storage>,
+    /// Where the tensor's bytes start in the storage (invariant 1).
+    offset: usize,
 }
 
 impl std::fmt::Debug for Tensor {
@@ -210,6 +234,7 @@ impl std::fmt::Debug for Tensor {
         f.debug_struct("Tensor")
             .field("dtype", &self.dtype)
             .field("shape", &self.shape)
+            .field("offset", &self.offset)
             .field("storage", &self.storage)
             .finish()
     }
@@ -285,7 +310,100 @@ impl Tensor {
             dtype,
             shape: shape.into(),
             storage,
+            offset: 0,
         }
+    }
+
+    /// A view of part of this tensor's bytes: `nbytes(dtype, shape)` bytes
+    /// starting `byte_offset` bytes into this tensor, read as `dtype` and
+    /// `shape`. No byte is copied: the view shares this tensor's storage,
+    /// so a write through either is seen by both, and the storage lives as
+    /// long as any view of it.
+    ///
+    /// This is how a flat buffer holds many tensors (the parameters of a
+    /// model packed into one allocation, say): a transport moves views of
+    /// one storage that lie next to each other as one range, and a receive
+    /// of many tensors gives back views of one allocation.
+    ///
+    /// Errors if the view does not lie within this tensor, or if
+    /// `byte_offset` is not a multiple of `dtype`'s size.
+    ///
+    /// ```
+    /// use rdt_transport::{DType, Tensor};
+    /// let flat = Tensor::arange::<f32>(6);
+    /// let tail = flat.view(8, DType::F32, &[2, 2]).unwrap();
+    /// assert_eq!(tail.to_vec::<f32>().unwrap(), [2.0, 3.0, 4.0, 5.0]);
+    /// tail.fill_(7.0f32).unwrap();
+    /// assert_eq!(flat.to_vec::<f32>().unwrap(), [0.0, 1.0, 7.0, 7.0, 7.0, 7.0]);
+    /// ```
+    pub fn view(
+        &self,
+        byte_offset: usize,
+        dtype: DType,
+        shape: &[usize],
+    ) -> Result<Self, TensorError> {
+        let len = shape_bytes(dtype, shape);
+        let within = self.nbytes();
+        let fits = byte_offset
+            .checked_add(len)
+            .is_some_and(|end| end <= within);
+        if !fits || byte_offset % dtype.size() != 0 {
+            return Err(TensorError::View {
+                offset: byte_offset,
+                len,
+                within,
+                align: dtype.size(),
+            });
+        }
+        Ok(Tensor {
+            dtype,
+            shape: shape.into(),
+            storage: self.storage.clone(),
+            offset: self.offset + byte_offset,
+        })
+    }
+
+    /// A view at `offset` of `storage` (the caller checked that it fits).
+    pub(crate) fn view_of_storage(
+        dtype: DType,
+        shape: &[usize],
+        storage: &Arc<Storage>,
+        offset: usize,
+    ) -> Self {
+        debug_assert!(offset + shape_bytes(dtype, shape) <= storage.len());
+        Tensor {
+            dtype,
+            shape: shape.into(),
+            storage: storage.clone(),
+            offset,
+        }
+    }
+
+    /// Where this tensor's bytes start in its storage: 0 for a tensor made
+    /// by a constructor, the view's offset for a [`view`](Self::view).
+    pub fn byte_offset(&self) -> usize {
+        self.offset
+    }
+
+    /// The number of bytes of the whole storage this tensor is a view of
+    /// (its own [`nbytes`](Self::nbytes) unless it is a view of a part).
+    pub fn storage_nbytes(&self) -> usize {
+        self.storage.len()
+    }
+
+    /// Does this tensor cover its whole storage (not a view of a part)?
+    pub fn covers_storage(&self) -> bool {
+        self.offset == 0 && self.nbytes() == self.storage.len()
+    }
+
+    /// The storage, for a receive that makes many views of one allocation.
+    pub(crate) fn storage(&self) -> &Arc<Storage> {
+        &self.storage
+    }
+
+    /// The byte range of this tensor in its storage.
+    fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.nbytes()
     }
 
     /// Another tensor over this one's storage, as `dtype` and `shape` of
@@ -365,22 +483,29 @@ impl Tensor {
         Arc::strong_count(&self.storage)
     }
 
-    /// Calls `f` with the storage's external memory, or `None` if the
-    /// storage is not external, under the storage's read lock. A transport
-    /// uses it to recognize memory it made itself
-    /// ([`ExternalMemory::as_any`]).
-    pub fn with_external<R>(&self, f: impl FnOnce(Option<&dyn ExternalMemory>) -> R) -> R {
+    /// Calls `f` with this tensor's bytes in the storage's external
+    /// memory, or `None` if the storage is not external, under the
+    /// storage's read lock. A transport uses it to recognize memory it made
+    /// itself ([`ExternalBytes::memory`] and [`ExternalMemory::as_any`]).
+    pub fn with_external<R>(&self, f: impl FnOnce(Option<ExternalBytes<'_>>) -> R) -> R {
         match &*self.storage.mem.read() {
-            Memory::External(e) => f(Some(e.as_ref())),
+            Memory::External(e) => f(Some(ExternalBytes {
+                mem: e.as_ref(),
+                offset: self.offset,
+                len: self.nbytes(),
+            })),
             Memory::Owned(_) | Memory::Shared(_) | Memory::Cuda(_) => f(None),
         }
     }
 
     /// Moves a host storage into `mem`: under the storage's write lock, the
     /// current bytes are copied into `mem`, which then becomes the storage's
-    /// memory. Every clone of this tensor shares the storage, so all of them
-    /// live in `mem` afterwards (a transport uses this to put a producer's
-    /// tensors into memory that consumers map).
+    /// memory. Every clone of this tensor, and every view of its storage,
+    /// shares the storage, so all of them live in `mem` afterwards (a
+    /// transport uses this to put a producer's tensors into memory that
+    /// consumers map). `mem` has the whole storage's length
+    /// ([`storage_nbytes`](Self::storage_nbytes)), and this tensor's bytes
+    /// are at its [`byte_offset`](Self::byte_offset) in it.
     ///
     /// Returns `Ok(true)` if the storage moved, and `Ok(false)`, leaving it
     /// as it is, if it already is external memory: whoever made that memory
@@ -388,7 +513,13 @@ impl Tensor {
     /// Errors if the tensor is not on the host or `mem` has the wrong size.
     pub fn migrate_storage(&self, mem: Box<dyn ExternalMemory>) -> Result<bool, TensorError> {
         self.require_host()?;
-        check_size(self.dtype, &self.shape, mem.len())?;
+        if mem.len() != self.storage.len() {
+            return Err(TensorError::Mismatch(format!(
+                "moving a storage of {} bytes into memory of {} bytes",
+                self.storage.len(),
+                mem.len()
+            )));
+        }
         let mut guard = self.storage.mem.write();
         let src: &[u8] = match &*guard {
             Memory::Owned(v) => v,
@@ -400,7 +531,7 @@ impl Tensor {
         if !src.is_empty() {
             // SAFETY: `mem` is valid for `mem.len()` bytes while it lives (the
             // `ExternalMemory` contract), and the size check above makes `src`
-            // and `mem` the same length (invariant 1); `src` is private memory
+            // and `mem` the same length; `src` is private memory
             // of this storage, so the two do not overlap. A raw copy forms no
             // reference over `mem`, which may be shared with other processes.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), mem.as_ptr(), src.len()) };
@@ -418,19 +549,20 @@ impl Tensor {
     /// (see the type's "Shared memory" section).
     pub fn with_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R, TensorError> {
         self.require_host()?;
+        let range = self.range();
         let mem = self.storage.mem.read();
         match &*mem {
-            Memory::Owned(v) => Ok(f(v)),
-            Memory::Shared(b) => Ok(f(b)),
+            Memory::Owned(v) => Ok(f(&v[range])),
+            Memory::Shared(b) => Ok(f(&b[range])),
             Memory::External(e) if !e.shared_with_other_processes() => {
                 // SAFETY: the memory is valid for `len` bytes while it lives,
                 // and it lives while `mem` (the read guard) is held; it is not
                 // shared with other processes (the `ExternalMemory` contract),
                 // and the read guard excludes writers in this process.
-                Ok(f(unsafe { external_slice(e.as_ref()) }))
+                Ok(f(unsafe { external_slice(e.as_ref(), range) }))
             }
             Memory::External(e) => {
-                let snapshot = copy_out(e.as_ref());
+                let snapshot = copy_out(e.as_ref(), range);
                 drop(mem);
                 Ok(f(&snapshot))
             }
@@ -448,18 +580,19 @@ impl Tensor {
     /// type's "Shared memory" section).
     pub fn with_bytes_mut<R>(&self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, TensorError> {
         self.require_host()?;
+        let range = self.range();
         let mut mem = self.storage.mem.write();
         if let Memory::External(e) = &*mem {
             if e.shared_with_other_processes() {
-                let mut staged = copy_out(e.as_ref());
+                let mut staged = copy_out(e.as_ref(), range.clone());
                 let r = f(&mut staged);
-                copy_in(e.as_ref(), &staged);
+                copy_in(e.as_ref(), range.start, &staged);
                 return Ok(r);
             }
         }
         // SAFETY: the memory is private (just checked), and the write guard
         // excludes every other access through this storage.
-        Ok(f(unsafe { private_slice_mut(&mut mem) }))
+        Ok(f(&mut unsafe { private_slice_mut(&mut mem) }[range]))
     }
 
     /// Calls `f` with the host bytes in place, with no copy, whatever the
@@ -479,13 +612,14 @@ impl Tensor {
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, TensorError> {
         self.require_host()?;
+        let range = self.range();
         let mem = self.storage.mem.read();
         let bytes: &[u8] = match &*mem {
-            Memory::Owned(v) => v,
-            Memory::Shared(b) => b,
+            Memory::Owned(v) => &v[range],
+            Memory::Shared(b) => &b[range],
             // SAFETY: valid while `mem` is held; no concurrent writer by the
             // caller's guarantee.
-            Memory::External(e) => unsafe { external_slice(e.as_ref()) },
+            Memory::External(e) => unsafe { external_slice(e.as_ref(), range) },
             Memory::Cuda(_) => unreachable!("require_host rejects CUDA storage"),
         };
         Ok(f(bytes))
@@ -509,15 +643,16 @@ impl Tensor {
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, TensorError> {
         self.require_host()?;
+        let range = self.range();
         let mut mem = self.storage.mem.write();
         if let Memory::External(e) = &*mem {
             // SAFETY: valid while the write guard is held, which excludes
             // every access through this storage; no other access by the
             // caller's guarantee.
-            return Ok(f(unsafe { external_slice_mut(e.as_ref()) }));
+            return Ok(f(unsafe { external_slice_mut(e.as_ref(), range) }));
         }
         // SAFETY: not external, so private.
-        Ok(f(unsafe { private_slice_mut(&mut mem) }))
+        Ok(f(&mut unsafe { private_slice_mut(&mut mem) }[range]))
     }
 
     /// A private copy of the host bytes: one copy whatever the memory (a
@@ -526,7 +661,7 @@ impl Tensor {
         self.require_host()?;
         if let Memory::External(e) = &*self.storage.mem.read() {
             if e.shared_with_other_processes() {
-                return Ok(copy_out(e.as_ref()));
+                return Ok(copy_out(e.as_ref(), self.range()));
             }
         }
         self.with_bytes(<[u8]>::to_vec)
@@ -541,18 +676,19 @@ impl Tensor {
     /// processes is copied.
     pub fn to_bytes(&self) -> Result<Bytes, TensorError> {
         self.require_host()?;
+        let range = self.range();
         if let Memory::Shared(b) = &*self.storage.mem.read() {
-            return Ok(b.clone());
+            return Ok(b.slice(range));
         }
         {
             let mut mem = self.storage.mem.write();
             match &mut *mem {
                 // Raced with another `to_bytes`.
-                Memory::Shared(b) => return Ok(b.clone()),
+                Memory::Shared(b) => return Ok(b.slice(range)),
                 Memory::Owned(v) => {
                     let b = Bytes::from(std::mem::take(v));
                     *mem = Memory::Shared(b.clone());
-                    return Ok(b);
+                    return Ok(b.slice(range));
                 }
                 Memory::External(_) | Memory::Cuda(_) => {}
             }
@@ -564,7 +700,7 @@ impl Tensor {
         if !self.storage.device.is_cpu() {
             return Err(TensorError::NotHost(self.storage.device));
         }
-        debug_assert_eq!(self.storage.len(), self.nbytes());
+        debug_assert!(self.offset + self.nbytes() <= self.storage.len());
         Ok(())
     }
 
@@ -669,7 +805,7 @@ impl Tensor {
         if self.dtype != other.dtype || self.shape != other.shape {
             return Ok(false);
         }
-        if self.shares_storage(other) {
+        if self.shares_storage(other) && self.offset == other.offset {
             return Ok(true);
         }
         if self.is_cuda() && other.is_cuda() && cuda::ops::nvrtc_available().is_ok() {
@@ -739,7 +875,7 @@ impl Tensor {
     /// made to wait for that first (on the GPU, no host sync).
     pub fn with_device_buffer<R>(
         &self,
-        f: impl FnOnce(&dyn DeviceBuffer) -> R,
+        f: impl FnOnce(&DeviceBytes<'_>) -> R,
     ) -> Result<R, TensorError> {
         match &*self.storage.mem.read() {
             Memory::Cuda(d) => {
@@ -750,7 +886,11 @@ impl Tensor {
                         d.gpu().wait_stream_event(&ev)?;
                     }
                 }
-                Ok(f(d.as_ref()))
+                Ok(f(&DeviceBytes {
+                    buf: d.as_ref(),
+                    offset: self.offset,
+                    len: self.nbytes(),
+                }))
             }
             _ => Err(TensorError::Cuda(format!(
                 "tensor is on {}, not on a CUDA device",
@@ -990,14 +1130,19 @@ impl Tensor {
 /// `e` must outlive the slice, and nothing may write the bytes while the
 /// slice lives (no other process, no other storage over the same memory,
 /// no writer through this storage).
-unsafe fn external_slice(e: &dyn ExternalMemory) -> &[u8] {
-    if e.is_empty() {
+unsafe fn external_slice(e: &dyn ExternalMemory, range: std::ops::Range<usize>) -> &[u8] {
+    assert!(
+        range.end <= e.len(),
+        "a tensor's bytes lie within its storage"
+    );
+    if range.is_empty() {
         // An empty memory may have a dangling (even null) pointer.
         return &[];
     }
-    // SAFETY: valid for `len` bytes (the `ExternalMemory` contract); no
-    // writer by the caller's guarantee.
-    unsafe { std::slice::from_raw_parts(e.as_ptr(), e.len()) }
+    // SAFETY: valid for `len` bytes (the `ExternalMemory` contract), and the
+    // range lies within them (asserted); no writer by the caller's
+    // guarantee.
+    unsafe { std::slice::from_raw_parts(e.as_ptr().add(range.start), range.len()) }
 }
 
 /// The bytes of external memory as a mutable slice.
@@ -1006,13 +1151,18 @@ unsafe fn external_slice(e: &dyn ExternalMemory) -> &[u8] {
 /// `e` must outlive the slice, and nothing else may read or write the bytes
 /// while the slice lives.
 #[allow(clippy::mut_from_ref)]
-unsafe fn external_slice_mut(e: &dyn ExternalMemory) -> &mut [u8] {
-    if e.is_empty() {
+unsafe fn external_slice_mut(e: &dyn ExternalMemory, range: std::ops::Range<usize>) -> &mut [u8] {
+    assert!(
+        range.end <= e.len(),
+        "a tensor's bytes lie within its storage"
+    );
+    if range.is_empty() {
         return &mut [];
     }
-    // SAFETY: valid for `len` bytes (the `ExternalMemory` contract); the only
-    // access by the caller's guarantee.
-    unsafe { std::slice::from_raw_parts_mut(e.as_ptr(), e.len()) }
+    // SAFETY: valid for `len` bytes (the `ExternalMemory` contract), and the
+    // range lies within them (asserted); the only access by the caller's
+    // guarantee.
+    unsafe { std::slice::from_raw_parts_mut(e.as_ptr().add(range.start), range.len()) }
 }
 
 /// The bytes of a host memory as a mutable slice, turning shared wire bytes
@@ -1034,7 +1184,7 @@ unsafe fn private_slice_mut(mem: &mut Memory) -> &mut [u8] {
         Memory::Owned(v) => v,
         Memory::Shared(_) => unreachable!("converted above"),
         // SAFETY: by the caller's guarantee.
-        Memory::External(e) => unsafe { external_slice_mut(&**e) },
+        Memory::External(e) => unsafe { external_slice_mut(&**e, 0..e.len()) },
         Memory::Cuda(_) => unreachable!("host memory only"),
     }
 }
@@ -1042,16 +1192,22 @@ unsafe fn private_slice_mut(mem: &mut Memory) -> &mut [u8] {
 /// A private copy of external memory, made with a raw-pointer copy: no
 /// reference to the memory is formed, so a concurrent writer in another
 /// process makes the copy torn, not undefined.
-fn copy_out(e: &dyn ExternalMemory) -> Vec<u8> {
-    let len = e.len();
+fn copy_out(e: &dyn ExternalMemory, range: std::ops::Range<usize>) -> Vec<u8> {
+    assert!(
+        range.end <= e.len(),
+        "a tensor's bytes lie within its storage"
+    );
+    let len = range.len();
     let mut out = Vec::<u8>::with_capacity(len);
     if len > 0 {
-        // SAFETY: the source is valid for `len` bytes while `e` lives (the
-        // `ExternalMemory` contract), the destination has `len` bytes of
-        // capacity, and the two do not overlap (`out` is fresh). All `len`
-        // bytes are initialized by the copy before `set_len`.
+        // SAFETY: the source range lies within the `e.len()` bytes valid
+        // while `e` lives (the `ExternalMemory` contract; asserted), the
+        // destination has `len` bytes of capacity, and the two do not
+        // overlap (`out` is fresh). All `len` bytes are initialized by the
+        // copy before `set_len`.
         unsafe {
-            std::ptr::copy_nonoverlapping(e.as_ptr().cast_const(), out.as_mut_ptr(), len);
+            let src = e.as_ptr().cast_const().add(range.start);
+            std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), len);
             out.set_len(len);
         }
     }
@@ -1060,12 +1216,92 @@ fn copy_out(e: &dyn ExternalMemory) -> Vec<u8> {
 
 /// Writes `src` over external memory `e` of the same length with a
 /// raw-pointer copy (no reference to the memory is formed).
-fn copy_in(e: &dyn ExternalMemory, src: &[u8]) {
-    assert_eq!(src.len(), e.len(), "staged copy has the memory's length");
+fn copy_in(e: &dyn ExternalMemory, at: usize, src: &[u8]) {
+    assert!(
+        at + src.len() <= e.len(),
+        "a staged copy lies within the memory"
+    );
     if !src.is_empty() {
-        // SAFETY: `e` is valid for `len` bytes while it lives, `src` has as
-        // many, and `src` is private memory, so they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), e.as_ptr(), src.len()) };
+        // SAFETY: `e` is valid for `len` bytes while it lives, and
+        // `at + src.len()` lies within them (asserted); `src` is private
+        // memory, so they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), e.as_ptr().add(at), src.len()) };
+    }
+}
+
+/// A tensor's bytes in external memory (what
+/// [`Tensor::with_external`] gives): the memory, and where in it the
+/// tensor's bytes are.
+#[derive(Clone, Copy)]
+pub struct ExternalBytes<'a> {
+    mem: &'a dyn ExternalMemory,
+    offset: usize,
+    len: usize,
+}
+
+impl<'a> ExternalBytes<'a> {
+    /// The whole memory of the storage (a transport downcasts it with
+    /// [`ExternalMemory::as_any`] to recognize its own).
+    pub fn memory(&self) -> &'a dyn ExternalMemory {
+        self.mem
+    }
+    /// Where the tensor's bytes start in [`memory`](Self::memory).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// The tensor's first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mem.as_ptr().wrapping_add(self.offset)
+    }
+    /// The tensor's number of bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Does the tensor have no bytes?
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Does the tensor cover the whole memory (not a view of a part)?
+    pub fn is_whole(&self) -> bool {
+        self.offset == 0 && self.len == self.mem.len()
+    }
+}
+
+/// A tensor's bytes in device memory (what
+/// [`Tensor::with_device_buffer`] gives): the buffer, and where in it the
+/// tensor's bytes are.
+#[derive(Clone, Copy)]
+pub struct DeviceBytes<'a> {
+    buf: &'a dyn DeviceBuffer,
+    offset: usize,
+    len: usize,
+}
+
+impl<'a> DeviceBytes<'a> {
+    /// The whole buffer of the storage (a transport downcasts it with
+    /// [`DeviceBuffer::as_any`] to recognize its own).
+    pub fn buffer(&self) -> &'a dyn DeviceBuffer {
+        self.buf
+    }
+    /// Where the tensor's bytes start in [`buffer`](Self::buffer).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    /// Device address of the tensor's first byte.
+    pub fn device_ptr(&self) -> u64 {
+        self.buf.device_ptr() + self.offset as u64
+    }
+    /// The tensor's number of bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Does the tensor have no bytes?
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The GPU (context and stream) ops on this memory run on.
+    pub fn gpu(&self) -> &'a Arc<cuda::Gpu> {
+        self.buf.gpu()
     }
 }
 
@@ -1221,6 +1457,94 @@ mod tests {
         t.fill_(5u8).unwrap();
         assert_eq!(t.with_bytes(|b| b.as_ptr() as usize).unwrap(), moved);
         assert_eq!(t.sum().unwrap(), 5.0 * (1 << 16) as f64);
+    }
+
+    #[test]
+    fn a_view_reads_and_writes_its_own_bytes_of_the_storage() {
+        let flat = Tensor::arange::<f32>(8);
+        let mid = flat.view(8, DType::F32, &[2, 2]).unwrap();
+        assert_eq!(mid.byte_offset(), 8);
+        assert_eq!(mid.storage_nbytes(), 32);
+        assert!(!mid.covers_storage() && flat.covers_storage());
+        assert!(mid.shares_storage(&flat));
+        assert_eq!(mid.to_vec::<f32>().unwrap(), [2.0, 3.0, 4.0, 5.0]);
+        // A view of a view counts from the view's first byte.
+        let inner = mid.view(4, DType::F32, &[2]).unwrap();
+        assert_eq!(inner.byte_offset(), 12);
+        inner.fill_(9.0f32).unwrap();
+        assert_eq!(
+            flat.to_vec::<f32>().unwrap(),
+            [0.0, 1.0, 2.0, 9.0, 9.0, 5.0, 6.0, 7.0]
+        );
+        // Another dtype over the same bytes.
+        let bits = flat.view(12, DType::U32, &[1]).unwrap();
+        assert_eq!(bits.to_vec::<u32>().unwrap(), [9.0f32.to_bits()]);
+        assert_eq!(mid.sum().unwrap(), 2.0 + 9.0 + 9.0 + 5.0);
+        // Same storage, other bytes: not equal without a look at them.
+        let a = flat.view(0, DType::F32, &[2]).unwrap();
+        let b = flat.view(8, DType::F32, &[2]).unwrap();
+        assert!(!a.equal(&b).unwrap());
+        assert!(a.equal(&flat.view(0, DType::F32, &[2]).unwrap()).unwrap());
+        // A snapshot of a view is its bytes only, and copy-on-write holds.
+        let snap = mid.to_bytes().unwrap();
+        assert_eq!(snap.len(), 16);
+        mid.fill_(0.0f32).unwrap();
+        assert_eq!(
+            bytemuck::pod_collect_to_vec::<u8, f32>(&snap),
+            [2.0, 9.0, 9.0, 5.0]
+        );
+        assert_eq!(flat.to_vec::<f32>().unwrap()[..3], [0.0, 1.0, 0.0]);
+        let copy = mid.deep_copy().unwrap();
+        assert!(copy.covers_storage() && copy.nbytes() == 16);
+    }
+
+    #[test]
+    fn a_view_outside_its_tensor_or_misaligned_is_an_error() {
+        let flat = Tensor::arange::<f32>(4);
+        let mid = flat.view(4, DType::F32, &[2]).unwrap();
+        for (at, shape) in [(0usize, 3usize), (8, 1), (usize::MAX, 1)] {
+            let e = mid.view(at, DType::F32, &[shape]).unwrap_err();
+            assert!(matches!(e, TensorError::View { .. }), "{e}");
+            assert!(e.to_string().contains("does not fit"), "{e}");
+        }
+        let e = flat.view(2, DType::F32, &[1]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("multiple of the view's element size (4)"),
+            "{e}"
+        );
+        // Empty views fit anywhere up to the end.
+        assert_eq!(mid.view(8, DType::F32, &[0]).unwrap().nbytes(), 0);
+    }
+
+    #[test]
+    fn views_of_shared_memory_are_copied_at_their_offset() {
+        let (flat, _) = external(Some(true));
+        let v = flat.view(1, DType::U8, &[2]).unwrap();
+        assert_eq!(v.copy_bytes().unwrap(), [2, 3]);
+        assert_eq!(v.with_bytes(<[u8]>::to_vec).unwrap(), [2, 3]);
+        v.with_bytes_mut(|b| b.copy_from_slice(&[0xaa, 0xbb]))
+            .unwrap();
+        assert_eq!(flat.copy_bytes().unwrap(), [1, 0xaa, 0xbb, 4]);
+        assert_eq!(
+            v.with_external(|e| e.map(|e| (e.offset(), e.len(), e.is_whole()))),
+            Some((1, 2, false))
+        );
+    }
+
+    #[test]
+    fn migrating_a_view_moves_its_whole_storage() {
+        let flat = Tensor::arange::<u8>(16);
+        let v = flat.view(8, DType::U8, &[4]).unwrap();
+        let wrong = TestMemory::new(vec![0; 4], Some(false));
+        assert!(
+            v.migrate_storage(Box::new(wrong)).is_err(),
+            "the storage's length, not the view's"
+        );
+        let mem = TestMemory::new(vec![0; 16], Some(false));
+        assert!(v.migrate_storage(Box::new(mem)).unwrap());
+        assert_eq!(v.to_vec::<u8>().unwrap(), [8, 9, 10, 11]);
+        assert_eq!(flat.to_vec::<u8>().unwrap(), (0..16).collect::<Vec<u8>>());
     }
 
     #[test]

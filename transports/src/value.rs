@@ -9,7 +9,9 @@
 //! 1. A tensor is collected once per storage: the same tensor (or clones of
 //!    it) appearing several times in one value is moved once and comes back
 //!    as clones sharing one storage. Finding the earlier entry is a hash
-//!    lookup, so encoding `n` tensors costs O(n).
+//!    lookup, so encoding `n` tensors costs O(n). Different views of one
+//!    storage ([`Tensor::view`]) are collected each once; the transport
+//!    decides whether they come back as views of one storage again.
 //! 2. Outside [`encode`]/[`decode`], `Tensor` serializes self-contained
 //!    (dtype, shape and bytes), so user code may serialize tensors with any
 //!    serde format.
@@ -54,9 +56,9 @@ pub enum ValueError {
 const PLACEHOLDER: &str = "__rdt_tensor";
 
 /// What identifies a collected tensor (invariant 1): its storage (the sink
-/// holds a clone, so the address is not reused while encoding), dtype and
-/// shape.
-type SinkKey = (usize, DType, Shape);
+/// holds a clone, so the address is not reused while encoding), byte
+/// offset in it, dtype and shape.
+type SinkKey = (usize, usize, DType, Shape);
 
 /// The tensors met while encoding, and where each went.
 ///
@@ -72,7 +74,8 @@ struct Sink {
     tensors: Vec<Tensor>,
     /// Placeholder index of the first tensor collected for each storage.
     by_storage: FxHashMap<usize, u32>,
-    /// Other views (dtype or shape) of a storage already collected: rare.
+    /// Other views (offset, dtype or shape) of a storage already
+    /// collected: the tensors of a flat buffer, say.
     views: FxHashMap<SinkKey, u32>,
 }
 
@@ -103,10 +106,18 @@ impl Sink {
             }
             Entry::Occupied(e) => {
                 let first = &self.tensors[*e.get() as usize];
-                if first.dtype() == t.dtype() && first.shape() == t.shape() {
+                if first.byte_offset() == t.byte_offset()
+                    && first.dtype() == t.dtype()
+                    && first.shape() == t.shape()
+                {
                     return *e.get();
                 }
-                let key = (t.storage_id(), t.dtype(), Shape::from(t.shape()));
+                let key = (
+                    t.storage_id(),
+                    t.byte_offset(),
+                    t.dtype(),
+                    Shape::from(t.shape()),
+                );
                 *self.views.entry(key).or_insert_with(|| {
                     self.tensors.push(t.clone());
                     next

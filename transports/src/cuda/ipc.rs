@@ -226,7 +226,7 @@ impl CudaIpcTransport {
             // did not allocate, which is copied into a range first.
             let mut handle = |t: &Tensor| {
                 t.with_device_buffer(|d| -> Result<Option<TensorHandle>, CudaError> {
-                    let Some(r) = d.as_any().downcast_ref::<SlabRange>() else {
+                    let Some(r) = d.buffer().as_any().downcast_ref::<SlabRange>() else {
                         return Ok(None);
                     };
                     if !gpus.iter().any(|g| Arc::ptr_eq(g, d.gpu())) {
@@ -249,7 +249,8 @@ impl CudaIpcTransport {
                     };
                     Ok(Some(TensorHandle {
                         slab,
-                        offset: r.offset as u64,
+                        // A view's bytes start inside its range.
+                        offset: (r.offset + d.offset()) as u64,
                         len: d.len() as u64,
                         slot: r.counter_slot()?,
                     }))

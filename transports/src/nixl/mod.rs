@@ -795,22 +795,22 @@ impl NixlTransport {
                 continue;
             }
             if let Some(&j) = seen_storage.get(&t.storage_id()) {
-                // The same storage twice: published once, at the first.
+                // The same storage twice (a clone, or another view of it):
+                // published once, at the first.
                 dups.push((i, j));
                 continue;
             }
             seen_storage.insert(t.storage_id(), i);
             let ours = t.with_external(|e| {
-                e.and_then(|e| e.as_any().downcast_ref::<NixlHostMem>())
-                    .map(|m| {
-                        let same = last_region
-                            .as_ref()
-                            .is_some_and(|r| Arc::ptr_eq(r, &m.region));
-                        (
-                            (!same).then(|| m.region.clone()),
-                            m.region.offset + m.offset,
-                        )
-                    })
+                let e = e?;
+                let m = e.memory().as_any().downcast_ref::<NixlHostMem>()?;
+                let same = last_region
+                    .as_ref()
+                    .is_some_and(|r| Arc::ptr_eq(r, &m.region));
+                Some((
+                    (!same).then(|| m.region.clone()),
+                    m.region.offset + m.offset + e.offset(),
+                ))
             });
             match ours {
                 Some((new_region, offset)) => {
@@ -831,8 +831,9 @@ impl NixlTransport {
             let mut offsets = Vec::with_capacity(to_place.len());
             let mut len = 0usize;
             for &i in &to_place {
+                // Room for the whole storage: a view's storage moves whole.
                 offsets.push(len);
-                len = (len + tensors[i].nbytes()).next_multiple_of(ALIGN);
+                len = (len + tensors[i].storage_nbytes()).next_multiple_of(ALIGN);
             }
             let region = HostRegion::new(&agent, len).map_err(|e| err(e.0))?;
             let r = reg_index(&mut regs, &region.slab.reg);
@@ -841,27 +842,32 @@ impl NixlTransport {
                 let mem = Box::new(NixlHostMem {
                     region: region.clone(),
                     offset,
-                    len: t.nbytes(),
+                    len: t.storage_nbytes(),
                 });
+                // Where the tensor's bytes are once its storage is in.
+                let at_tensor = offset + t.byte_offset();
                 if !t.migrate_storage(mem).map_err(|e| err(e.to_string()))? {
                     // Foreign external memory: copied into the region.
                     let bytes = t.to_bytes().map_err(|e| err(e.to_string()))?;
-                    // SAFETY: offset + len lies within the region, which
-                    // nothing else uses yet.
+                    // SAFETY: a view's bytes lie within its storage, and
+                    // the storage's length lies within the region at
+                    // `offset`, which nothing else uses yet.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             bytes.as_ptr(),
-                            region.ptr().add(offset),
+                            region.ptr().add(at_tensor),
                             bytes.len(),
                         )
                     };
                 }
-                at[i] = Some((r, region.offset + offset));
+                at[i] = Some((r, region.offset + at_tensor));
             }
             kept.push(Kept::Host(region));
         }
         for (i, j) in dups {
-            at[i] = at[j];
+            // The first one's storage starts its own offset before it.
+            at[i] =
+                at[j].map(|(r, o)| (r, o - tensors[j].byte_offset() + tensors[i].byte_offset()));
         }
         // CUDA tensors: the GPU must have passed every write to them before
         // a peer reads.
@@ -1053,6 +1059,18 @@ impl NixlTransport {
             .filter(|t| t.is_cuda())
             .fold(0usize, |a, t| (a + t.nbytes()).next_multiple_of(ALIGN));
         let region = HostRegion::new(&agent, len).map_err(|e| err(e.0))?;
+        // The host tensors are views of one tensor over the region.
+        let whole = Tensor::from_external(
+            crate::DType::U8,
+            &[region.len],
+            Device::Cpu,
+            Box::new(NixlHostMem {
+                region: region.clone(),
+                offset: 0,
+                len: region.len,
+            }),
+        )
+        .map_err(|e| err(e.to_string()))?;
         // (GPU ordinal, device address, offset in the region, bytes)
         let mut copies: Vec<(usize, u64, usize, usize)> = Vec::new();
         let mut out = Vec::with_capacity(received.len());
@@ -1068,19 +1086,13 @@ impl NixlTransport {
                 .with_device_buffer(|d| d.device_ptr())
                 .map_err(|e| err(e.to_string()))?;
             copies.push((gpu, src, off, n));
-            out.push(
-                Tensor::from_external(
-                    t.dtype(),
-                    t.shape(),
-                    Device::Cpu,
-                    Box::new(NixlHostMem {
-                        region: region.clone(),
-                        offset: off,
-                        len: n,
-                    }),
-                )
-                .map_err(|e| err(e.to_string()))?,
-            );
+            // Laid out within the region's length (`len` above).
+            out.push(Tensor::view_of_storage(
+                t.dtype(),
+                t.shape(),
+                whole.storage(),
+                off,
+            ));
             off = (off + n).next_multiple_of(ALIGN);
         }
         // The copies block on the GPU: off the executor.
@@ -1140,27 +1152,30 @@ impl NixlTransport {
                 check_received(NAME, metas, ts).map_err(|e| err(e.message))?;
                 // Plain host targets move into one registered region first
                 // (once: the next receive into them is in place).
+                // Views of one storage move it once, whole.
+                let mut seen = rustc_hash::FxHashSet::default();
                 let plain: Vec<&Tensor> = ts
                     .iter()
                     .filter(|t| {
                         !t.is_cuda()
                             && t.nbytes() > 0
                             && !t.with_external(|e| {
-                                e.is_some_and(|e| e.as_any().is::<NixlHostMem>())
+                                e.is_some_and(|e| e.memory().as_any().is::<NixlHostMem>())
                             })
+                            && seen.insert(t.storage_id())
                     })
                     .collect();
                 if !plain.is_empty() {
-                    let len = plain
-                        .iter()
-                        .fold(0usize, |a, t| (a + t.nbytes()).next_multiple_of(ALIGN));
+                    let len = plain.iter().fold(0usize, |a, t| {
+                        (a + t.storage_nbytes()).next_multiple_of(ALIGN)
+                    });
                     let region = HostRegion::new(agent, len).map_err(|e| err(e.0))?;
                     let mut off = 0usize;
                     for t in plain {
                         let mem = Box::new(NixlHostMem {
                             region: region.clone(),
                             offset: off,
-                            len: t.nbytes(),
+                            len: t.storage_nbytes(),
                         });
                         if !t.migrate_storage(mem).map_err(|e| err(e.to_string()))? {
                             return Err(err(format!(
@@ -1170,7 +1185,7 @@ impl NixlTransport {
                                 t.meta()
                             )));
                         }
-                        off = (off + t.nbytes()).next_multiple_of(ALIGN);
+                        off = (off + t.storage_nbytes()).next_multiple_of(ALIGN);
                     }
                 }
                 keep.push(Kept::Tensors(ts.clone()));
@@ -1230,12 +1245,15 @@ impl NixlTransport {
                 };
                 // CUDA tensors: one range per GPU for the whole object, laid
                 // out back to back (one allocation, and neighbours for the
-                // coalescer), each tensor a slice of it. Each GPU's range
-                // and registration are found once, not per tensor.
+                // coalescer), each tensor a view of it: a reference count
+                // per tensor, not an allocation. Each GPU's range and
+                // registration are found once, not per tensor.
                 struct Lane {
                     ordinal: usize,
-                    range: Arc<crate::cuda::alloc::SlabRange>,
-                    device: Device,
+                    base: u64,
+                    /// A tensor over the whole range, whose storage the
+                    /// received tensors are views of.
+                    whole: Tensor,
                     generation: u64,
                 }
                 // Bytes each GPU needs (ordinal, length), and each CUDA
@@ -1266,34 +1284,62 @@ impl NixlTransport {
                         .slab_registration(agent, &r.slab)
                         .map_err(|e| err(e.0))?;
                     let range = Arc::new(r);
+                    let range_len = crate::cuda::DeviceBuffer::len(&*range);
+                    let whole = Tensor::from_device_buffer(
+                        crate::DType::U8,
+                        &[range_len],
+                        range.slab.gpu.device(),
+                        Box::new(crate::cuda::alloc::SlabSlice::new(
+                            range.clone(),
+                            0,
+                            range_len,
+                        )),
+                    )
+                    .map_err(|e| err(e.to_string()))?;
                     lanes.push(Lane {
                         ordinal: o,
-                        device: range.slab.gpu.device(),
+                        base: crate::cuda::DeviceBuffer::device_ptr(&*range),
+                        whole,
                         generation: reg.generation,
-                        range: range.clone(),
                     });
                     keep.push(Kept::Slab(reg));
                     keep.push(Kept::Range(range));
                 }
-                if let Some(r) = &region {
-                    keep.push(Kept::Host(r.clone()));
-                }
+                // Host tensors: views of one tensor over the whole region.
+                let host_whole = match &region {
+                    Some(r) => {
+                        keep.push(Kept::Host(r.clone()));
+                        let len = r.len;
+                        Some(
+                            Tensor::from_external(
+                                crate::DType::U8,
+                                &[len],
+                                Device::Cpu,
+                                Box::new(NixlHostMem {
+                                    region: r.clone(),
+                                    offset: 0,
+                                    len,
+                                }),
+                            )
+                            .map_err(|e| err(e.to_string()))?,
+                        )
+                    }
+                    None => None,
+                };
                 let mut out = Vec::with_capacity(metas.len());
                 for (i, m) in metas.iter().enumerate() {
                     let len = m.nbytes();
                     let (t, dest) = match (cuda_at[i], &region, host_at[i]) {
                         (Some((lane, offset)), _, _) => {
                             let lane = &lanes[lane];
-                            let range = lane.range.clone();
-                            let addr =
-                                crate::cuda::DeviceBuffer::device_ptr(&*range) as usize + offset;
-                            let t = Tensor::from_device_buffer(
+                            let addr = lane.base as usize + offset;
+                            // Laid out above within the lane's length.
+                            let t = Tensor::view_of_storage(
                                 m.dtype,
                                 &m.shape,
-                                lane.device,
-                                Box::new(crate::cuda::alloc::SlabSlice::new(range, offset, len)),
-                            )
-                            .map_err(|e| err(e.to_string()))?;
+                                lane.whole.storage(),
+                                offset,
+                            );
                             let dest = Dest {
                                 desc: Desc {
                                     mem: Mem::Vram,
@@ -1306,17 +1352,10 @@ impl NixlTransport {
                             (t, (len > 0).then_some(dest))
                         }
                         (None, Some(region), Some(offset)) => {
-                            let t = Tensor::from_external(
-                                m.dtype,
-                                &m.shape,
-                                Device::Cpu,
-                                Box::new(NixlHostMem {
-                                    region: region.clone(),
-                                    offset,
-                                    len,
-                                }),
-                            )
-                            .map_err(|e| err(e.to_string()))?;
+                            let whole = host_whole.as_ref().expect("made with the region");
+                            // Laid out above within the region's length.
+                            let t =
+                                Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset);
                             let dest = Dest {
                                 desc: Desc {
                                     mem: Mem::Dram,
@@ -1376,8 +1415,9 @@ impl NixlTransport {
             }));
         }
         let found = t.with_external(|e| {
-            e.and_then(|e| e.as_any().downcast_ref::<NixlHostMem>())
-                .map(|m| (m.region.clone(), m.as_ptr() as usize))
+            let e = e?;
+            let m = e.memory().as_any().downcast_ref::<NixlHostMem>()?;
+            Some((m.region.clone(), e.as_ptr() as usize))
         });
         let (region, addr) = found.ok_or_else(|| {
             format!(
@@ -1460,15 +1500,21 @@ impl Drop for Posted<'_> {
     }
 }
 
-/// The rdt slab device memory lies in, and its offset there (a range made
-/// by rdt's allocator, or a slice of one).
-fn slab_of(d: &dyn crate::cuda::DeviceBuffer) -> Option<(Arc<Slab>, usize)> {
-    let any = d.as_any();
+/// The rdt slab a tensor's device bytes lie in, and their offset there (a
+/// range made by rdt's allocator, or a slice of one; a view adds its own
+/// offset).
+fn slab_of(d: &crate::DeviceBytes<'_>) -> Option<(Arc<Slab>, usize)> {
+    let any = d.buffer().as_any();
     if let Some(r) = any.downcast_ref::<SlabRange>() {
-        return Some((r.slab.clone(), r.offset));
+        return Some((r.slab.clone(), r.offset + d.offset()));
     }
     any.downcast_ref::<crate::cuda::alloc::SlabSlice>()
-        .map(|s| (s.range().slab.clone(), s.range().offset + s.offset()))
+        .map(|s| {
+            (
+                s.range().slab.clone(),
+                s.range().offset + s.offset() + d.offset(),
+            )
+        })
 }
 
 /// Checks the handles against the metadata (malformed input is an error,
