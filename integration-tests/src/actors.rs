@@ -242,7 +242,7 @@ impl Producer {
 
     /// Views of one flat buffer of `arange(1000)` f32 (see
     /// [`flat_views`]): the flat buffer itself, and views of it, one of
-    /// them overlapping another and one reading its bytes as `i32`.
+    /// them overlapping another and one reading its bytes as `u8`.
     async fn views(&mut self) -> Vec<Tensor> {
         flat_views(Tensor::arange::<f32>(1000))
     }
@@ -763,6 +763,14 @@ impl GpuProducer {
     }
 
     /// A CUDA tensor `[0, 1, ..., n-1]` (f32), to check element order.
+    /// [`flat_views`] of `arange(1000)` f32 on the GPU.
+    async fn views(&mut self) -> rdt::Result<Vec<Tensor>> {
+        let flat = Tensor::arange::<f32>(1000)
+            .to_device(0)
+            .map_err(tensor_err)?;
+        Ok(flat_views(flat))
+    }
+
     async fn iota(&mut self, n: usize) -> rdt::Result<Tensor> {
         Tensor::arange::<f32>(n).to_device(0).map_err(tensor_err)
     }
@@ -1304,8 +1312,9 @@ impl SelfCaller {
 }
 
 /// Views of `flat` (1000 elements of 4 bytes, as `Producer::views` makes
-/// it): `flat` itself; elements 0..100 as 10×10 f32; 100..300 as 200 f32;
-/// 50..150 (overlapping both) as 100 f32; 996..1000 read as i32.
+/// it): elements 0..100 as 10×10 f32; 100..300 as 200 f32; 50..150
+/// (overlapping both) as 100 f32; the 16 bytes of 996..1000 read as u8;
+/// `flat` itself.
 pub fn flat_views(flat: Tensor) -> Vec<Tensor> {
     let v = |at: usize, dtype: DType, shape: &[usize]| {
         flat.view(at * 4, dtype, shape)
@@ -1315,7 +1324,7 @@ pub fn flat_views(flat: Tensor) -> Vec<Tensor> {
         v(0, DType::F32, &[10, 10]),
         v(100, DType::F32, &[200]),
         v(50, DType::F32, &[100]),
-        v(996, DType::I32, &[4]),
+        v(996, DType::U8, &[16]),
         flat.clone(),
     ]
 }

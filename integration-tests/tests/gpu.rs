@@ -160,6 +160,28 @@ gpu_test!(device_present, async {
     assert_eq!(z.to_cpu().unwrap().to_vec::<f64>().unwrap(), vec![0.0; 7]);
 });
 
+// Views of one flat CUDA buffer (overlapping ones, one of another dtype,
+// and the buffer itself) pass as one object over `cuda_ipc`, `nixl` and
+// the object store, each with its own bytes.
+gpu_test!(views_of_one_cuda_storage, async {
+    let (rt, p, c) = setup().await;
+    let want: Vec<f64> = flat_views(Tensor::arange::<f32>(1000))
+        .iter()
+        .map(|t| t.sum().unwrap())
+        .collect();
+    for t in [IPC, Transport::Nixl, Transport::ObjectStore] {
+        let r = p.views().transport(t).remote();
+        assert_eq!(rt.get(c.sums(&r).remote()).await.unwrap(), want, "over {t}");
+        assert_eq!(
+            rt.get(c.received(t.name().to_string()).remote())
+                .await
+                .unwrap(),
+            1,
+            "one object over {t}"
+        );
+    }
+});
+
 gpu_test!(point_to_point, async {
     let (rt, p, c) = setup().await;
     let r = p.make(2.0, 1000).transport(IPC).remote();

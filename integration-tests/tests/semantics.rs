@@ -342,14 +342,13 @@ pub async fn views_of_one_storage(t: Transport) {
         .map(|x| (x.dtype().to_string(), x.shape().to_vec(), x.sum().unwrap()))
         .collect();
     assert_eq!(got, want);
-    // The i32 view reads the f32 bytes of 996.0..=999.0 as integers.
-    assert_eq!(
-        want[3].2,
-        [996f32, 997.0, 998.0, 999.0]
-            .iter()
-            .map(|x| x.to_bits() as i32 as f64)
-            .sum::<f64>()
-    );
+    // The u8 view reads the bytes of 996.0..=999.0.
+    let bytes: f64 = [996f32, 997.0, 998.0, 999.0]
+        .iter()
+        .flat_map(|x| x.to_ne_bytes())
+        .map(f64::from)
+        .sum();
+    assert_eq!(want[3].2, bytes);
     assert_path(&rt, &c, t, 1).await;
 }
 
