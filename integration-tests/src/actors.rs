@@ -90,6 +90,20 @@ impl Producer {
         t
     }
 
+    /// `n` one-element tensors; keeps a clone of the last (the last one a
+    /// drop of the value reaches), at index [`kept_refs`]'s `i`.
+    async fn many_keep_last(&mut self, n: usize) -> (usize, Vec<Tensor>) {
+        let ts: Vec<Tensor> = (0..n).map(|i| Tensor::full(i as f32, &[1])).collect();
+        self.kept.push(ts[n - 1].clone());
+        (self.kept.len() - 1, ts)
+    }
+
+    /// How many tensors share the storage of the kept tensor `i` (the
+    /// kept clone included).
+    async fn kept_refs(&mut self, i: usize) -> usize {
+        self.kept[i].storage_refs()
+    }
+
     /// Does `t` share storage with the tensor kept at `i`?
     async fn is_kept(&mut self, t: Tensor, i: usize) -> bool {
         self.kept

@@ -33,6 +33,36 @@ async fn ow_6_put_checks_the_frame_it_travels_in() {
     .await;
 }
 
+/// WK-6: a `Free` has taken effect before the next call on the worker
+/// starts, also when the freed value is large enough to be dropped beside
+/// the control loop (it was dropped while the next call ran, so that call
+/// still saw the freed tensors alive).
+#[tokio::test]
+async fn wk_6_a_free_took_effect_before_the_next_call_starts() {
+    deadline(120, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        for n in [100_000usize, 200_000] {
+            let r = p.many_keep_last(n).transport(Transport::Shm).remote();
+            rt.wait(&r).await.unwrap();
+            let i = rt.get(p.stored().remote()).await.unwrap();
+            assert_eq!(i, 1, "the value is in the producer's store");
+            let (k, _): (usize, Vec<Tensor>) = rt.get(&r).await.unwrap();
+            assert_eq!(rt.get(p.kept_refs(k).remote()).await.unwrap(), 2);
+            drop(r);
+            // The free goes out with this call's frame, and is processed
+            // before it: the stored value is gone by the time it runs.
+            assert_eq!(
+                rt.get(p.kept_refs(k).remote()).await.unwrap(),
+                1,
+                "only the producer's own clone is left ({n} tensors)"
+            );
+        }
+    })
+    .await;
+}
+
 /// Defect 1 / OW-6: an object-store result whose reply fits in a frame but
 /// whose delivery to a consumer does not (a few bytes more) fails the
 /// consumer's call instead of hanging it; the actor stays usable. Every

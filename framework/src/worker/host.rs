@@ -272,6 +272,8 @@ async fn run_and_reply<A: RdtActor>(
     let call = q.msg.call;
     let result_id = q.msg.result;
     let t0 = std::time::Instant::now();
+    // Invariant 6 of the worker: the frees before this call took effect.
+    shared.drops.settled().await;
     rdt_transport::cuda::timeline("call start", call);
     // CL-2: the refs in the return value, released after the reply.
     let held = Rc::new(RefCell::new(Vec::new()));

@@ -14,6 +14,12 @@
 //! 4. A method's panic is caught and becomes the call's error (HO-5).
 //! 5. The worker exits when the driver's connection ends (and the kernel
 //!    kills it if the driver dies first).
+//! 6. A `Free` has taken effect before any call behind it starts: a freed
+//!    value that the control loop drops on the blocking pool (large ones,
+//!    so that the frames behind the `Free` are not held up) is counted
+//!    in [`AsideDrops`], and a call waits for the count to reach zero
+//!    before its method runs. So memory the driver freed is gone by the
+//!    time a later call looks (`trim`, `wait_tensor_freed`, a slab count).
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -351,6 +357,8 @@ pub(crate) struct WorkerShared {
     /// Told when a call arrives: ends the wait that keeps the actor's
     /// thread awake after a call (within the hot window).
     call_arrived: Arc<Notify>,
+    /// Freed values still being dropped on the blocking pool (invariant 6).
+    drops: Arc<AsideDrops>,
     /// The refs this actor holds, counted locally (CL-1).
     local_refs: client::LocalRefs,
     /// The next id of this actor's own id space (AC-1).
@@ -499,6 +507,46 @@ const DROP_ASIDE_MIN: usize = 64;
 
 /// ... or at least this many bytes.
 const DROP_ASIDE_BYTES: usize = 1 << 20;
+
+/// Freed values being dropped on the blocking pool (invariant 6).
+#[derive(Default)]
+pub(crate) struct AsideDrops {
+    pending: std::sync::atomic::AtomicUsize,
+    settled: Notify,
+}
+
+impl AsideDrops {
+    /// Drops `v` on the blocking pool, counted until it is gone.
+    fn drop_aside<T: Send + 'static>(self: &Arc<Self>, v: T) {
+        use std::sync::atomic::Ordering;
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        let me = self.clone();
+        drop(tokio::task::spawn_blocking(move || {
+            drop(v);
+            if me.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+                me.settled.notify_waiters();
+            }
+        }));
+    }
+
+    /// Resolves once every value counted so far is dropped (at once when
+    /// none is pending: one atomic load). A drop always ends, so this
+    /// needs no deadline of its own.
+    pub(crate) async fn settled(&self) {
+        use std::sync::atomic::Ordering;
+        loop {
+            let notified = self.settled.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a notification between the
+            // check and the await is not lost.
+            notified.as_mut().enable();
+            if self.pending.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
 
 /// This worker's shared state; `None` outside a worker.
 pub(crate) fn shared() -> Option<Arc<WorkerShared>> {
@@ -681,6 +729,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             groups: Mutex::new(HashMap::new()),
             landing: Mutex::new(HashMap::new()),
             call_arrived: Arc::new(Notify::new()),
+            drops: Arc::default(),
             local_refs: Default::default(),
             next_object: id_space.into(),
             watches: Mutex::new(HashMap::new()),
@@ -906,7 +955,7 @@ async fn control_loop<A: RdtActor>(
                     let aside = v.tensors.len() >= DROP_ASIDE_MIN
                         || v.tensors.iter().map(Tensor::nbytes).sum::<usize>() >= DROP_ASIDE_BYTES;
                     if aside {
-                        drop(tokio::task::spawn_blocking(move || drop(v)));
+                        shared.drops.drop_aside(v);
                     }
                 }
                 rdt_transport::cuda::timeline("free done", object);
