@@ -139,7 +139,10 @@ impl Sink {
 
 enum Ctx {
     Sink(Sink),
-    Source(Vec<Tensor>),
+    /// The tensors [`decode`] was given, borrowed for the length of the
+    /// call (see there): a weights value has thousands of tensors, and
+    /// copying the list first cost a clone and a drop of each.
+    Source(*const [Tensor]),
 }
 
 thread_local! {
@@ -181,7 +184,10 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Payload, ValueError> {
 
 /// Deserializes a value, putting `tensors` back in place of placeholders.
 pub fn decode<T: DeserializeOwned>(data: &[u8], tensors: &[Tensor]) -> Result<T, ValueError> {
-    let _guard = enter(Ctx::Source(tensors.to_vec()));
+    // The context holds a pointer to `tensors`, valid while this call
+    // runs: the guard puts the previous context back before it returns
+    // (or unwinds), so nothing reads the pointer after (invariant 3).
+    let _guard = enter(Ctx::Source(tensors as *const [Tensor]));
     MISSING.with(|m| m.set(None));
     postcard::from_bytes(data).map_err(|e| match MISSING.with(|m| m.take()) {
         Some(index) => ValueError::MissingTensor {
@@ -231,10 +237,15 @@ impl<'de> Deserialize<'de> for Tensor {
             struct Index(u32);
             let Index(i) = Index::deserialize(d)?;
             CTX.with(|c| match &*c.borrow() {
-                Some(Ctx::Source(v)) => v.get(i as usize).cloned().ok_or_else(|| {
-                    MISSING.with(|m| m.set(Some(i)));
-                    serde::de::Error::custom(format!("tensor #{i} is missing"))
-                }),
+                Some(Ctx::Source(v)) => {
+                    // SAFETY: set by `decode` from a slice that outlives
+                    // the context (see there); only read on this thread.
+                    let v: &[Tensor] = unsafe { &**v };
+                    v.get(i as usize).cloned().ok_or_else(|| {
+                        MISSING.with(|m| m.set(Some(i)));
+                        serde::de::Error::custom(format!("tensor #{i} is missing"))
+                    })
+                }
                 _ => Err(serde::de::Error::custom("tensor source vanished")),
             })
         } else {
