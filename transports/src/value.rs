@@ -63,8 +63,9 @@ type SinkKey = (usize, usize, DType, Shape);
 /// The tensors met while encoding, and where each went.
 ///
 /// A weights object has thousands of tensors and this lookup is on each
-/// one's path, so: the common case (one tensor per storage) is a map from
-/// the storage's address alone, hashed with FxHash rather than SipHash
+/// one's path, so: the common case (one tensor per storage, or views of
+/// one flat buffer at different offsets) is a map from the storage's
+/// address and the byte offset, hashed with FxHash rather than SipHash
 /// (the keys are addresses in this process, not input anyone chooses); and
 /// that map is kept by the thread between encodes, cleared, so that a
 /// large one is not allocated (and its pages faulted in) on every call.
@@ -72,10 +73,10 @@ type SinkKey = (usize, usize, DType, Shape);
 struct Sink {
     /// The tensors, in placeholder order.
     tensors: Vec<Tensor>,
-    /// Placeholder index of the first tensor collected for each storage.
-    by_storage: FxHashMap<usize, u32>,
-    /// Other views (offset, dtype or shape) of a storage already
-    /// collected: the tensors of a flat buffer, say.
+    /// Placeholder index of the first tensor collected for each storage
+    /// and byte offset.
+    by_storage: FxHashMap<(usize, usize), u32>,
+    /// Other views (dtype or shape) at an offset already collected: rare.
     views: FxHashMap<SinkKey, u32>,
 }
 
@@ -83,7 +84,7 @@ struct Sink {
 const KEEP_SINK_MAP: usize = 1 << 20;
 
 thread_local! {
-    static SPARE_SINK_MAP: RefCell<FxHashMap<usize, u32>> = RefCell::default();
+    static SPARE_SINK_MAP: RefCell<FxHashMap<(usize, usize), u32>> = RefCell::default();
 }
 
 impl Sink {
@@ -98,7 +99,7 @@ impl Sink {
     fn collect(&mut self, t: &Tensor) -> u32 {
         use std::collections::hash_map::Entry;
         let next = self.tensors.len() as u32;
-        match self.by_storage.entry(t.storage_id()) {
+        match self.by_storage.entry((t.storage_id(), t.byte_offset())) {
             Entry::Vacant(e) => {
                 e.insert(next);
                 self.tensors.push(t.clone());
@@ -106,10 +107,7 @@ impl Sink {
             }
             Entry::Occupied(e) => {
                 let first = &self.tensors[*e.get() as usize];
-                if first.byte_offset() == t.byte_offset()
-                    && first.dtype() == t.dtype()
-                    && first.shape() == t.shape()
-                {
+                if first.dtype() == t.dtype() && first.shape() == t.shape() {
                     return *e.get();
                 }
                 let key = (
@@ -230,23 +228,21 @@ impl Serialize for Tensor {
 
 impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let in_source = CTX.with(|c| matches!(&*c.borrow(), Some(Ctx::Source(_))));
-        if in_source {
+        let source = CTX.with(|c| match &*c.borrow() {
+            Some(Ctx::Source(v)) => Some(*v),
+            _ => None,
+        });
+        if let Some(v) = source {
             #[derive(Deserialize)]
             #[serde(rename = "__rdt_tensor")]
             struct Index(u32);
             let Index(i) = Index::deserialize(d)?;
-            CTX.with(|c| match &*c.borrow() {
-                Some(Ctx::Source(v)) => {
-                    // SAFETY: set by `decode` from a slice that outlives
-                    // the context (see there); only read on this thread.
-                    let v: &[Tensor] = unsafe { &**v };
-                    v.get(i as usize).cloned().ok_or_else(|| {
-                        MISSING.with(|m| m.set(Some(i)));
-                        serde::de::Error::custom(format!("tensor #{i} is missing"))
-                    })
-                }
-                _ => Err(serde::de::Error::custom("tensor source vanished")),
+            // SAFETY: set by `decode` from a slice that outlives the
+            // context, hence this call (see there).
+            let v: &[Tensor] = unsafe { &*v };
+            v.get(i as usize).cloned().ok_or_else(|| {
+                MISSING.with(|m| m.set(Some(i)));
+                serde::de::Error::custom(format!("tensor #{i} is missing"))
             })
         } else {
             let sc = SelfContained::deserialize(d)?;
@@ -332,6 +328,28 @@ mod tests {
         assert_eq!(back[last - 1].dtype(), DType::I32);
         assert_eq!(back[0].dtype(), DType::U32);
         assert_eq!(back[12_345].to_vec::<u32>().unwrap(), vec![12_345]);
+    }
+
+    #[test]
+    fn views_of_one_storage_are_collected_once_each() {
+        let flat = Tensor::arange::<f32>(16);
+        let a = flat.view(0, DType::F32, &[4]).unwrap();
+        let b = flat.view(16, DType::F32, &[4]).unwrap();
+        let a_again = flat.view(0, DType::F32, &[4]).unwrap();
+        let a_as_u32 = flat.view(0, DType::U32, &[4]).unwrap();
+        let a_as_2x2 = flat.view(0, DType::F32, &[2, 2]).unwrap();
+        let value = vec![a, b, a_again, a_as_u32, a_as_2x2, flat.clone()];
+        let p = encode(&value).unwrap();
+        // a (and a_again), b, the u32 and 2×2 readings of a's bytes, flat.
+        assert_eq!(p.tensors.len(), 5);
+        let back: Vec<Tensor> = decode(&p.data, &p.tensors).unwrap();
+        for (x, y) in back.iter().zip(&value) {
+            assert_eq!(
+                (x.dtype(), x.shape(), x.byte_offset()),
+                (y.dtype(), y.shape(), y.byte_offset())
+            );
+            assert_eq!(x.copy_bytes().unwrap(), y.copy_bytes().unwrap());
+        }
     }
 
     #[test]
