@@ -9,9 +9,15 @@
 //! of bytes and integers:
 //!
 //! - `devices`: each distinct device, in order of first use;
-//! - `dtypes`, `on`, `ranks`: per tensor, its dtype, its device (index in
-//!   `devices`) and its number of dimensions;
-//! - `dims`: every tensor's dimensions, back to back.
+//! - `dtypes`, `on`, `ranks`: per tensor, its dtype (its index in
+//!   [`DTYPES`]), its device (index in `devices`) and its number of
+//!   dimensions, one byte each;
+//! - `dims`: every tensor's dimensions, back to back, as LEB128 varints.
+//!
+//! Each column is one run of bytes on the wire (`serde_bytes`), read here
+//! in a tight loop: decoded through serde element by element, the columns
+//! of 10 000 tensors took about 180 µs on the dev VM; as runs, about
+//! a third of that.
 //!
 //! Decoding checks that the columns agree (a malformed frame is an error,
 //! never a panic).
@@ -19,15 +25,61 @@
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::shape::INLINE_DIMS;
 use crate::{DType, Device, Shape, TensorMeta};
 
 #[derive(Serialize, Deserialize)]
 struct Columns {
     devices: Vec<Device>,
-    dtypes: Vec<DType>,
+    #[serde(with = "serde_bytes")]
+    dtypes: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     on: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     ranks: Vec<u8>,
-    dims: Vec<usize>,
+    #[serde(with = "serde_bytes")]
+    dims: Vec<u8>,
+}
+
+/// Every dtype, by its code on the wire (its declaration order).
+const DTYPES: [DType; 12] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I8,
+    DType::I16,
+    DType::I32,
+    DType::I64,
+    DType::U8,
+    DType::U32,
+    DType::U64,
+    DType::Bool,
+];
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// The next varint of `b` and the rest, or `None` if it is cut short or
+/// does not fit in 64 bits.
+fn take_varint(b: &[u8]) -> Option<(u64, &[u8])> {
+    let mut v = 0u64;
+    for (i, &x) in b.iter().enumerate().take(10) {
+        let bits = u64::from(x & 0x7f);
+        if i == 9 && x > 1 {
+            return None;
+        }
+        v |= bits << (7 * i);
+        if x & 0x80 == 0 {
+            return Some((v, &b[i + 1..]));
+        }
+    }
+    None
 }
 
 /// At most this many distinct devices in one object (indices are bytes).
@@ -39,7 +91,7 @@ pub(crate) fn serialize<S: Serializer>(metas: &[TensorMeta], s: S) -> Result<S::
         dtypes: Vec::with_capacity(metas.len()),
         on: Vec::with_capacity(metas.len()),
         ranks: Vec::with_capacity(metas.len()),
-        dims: Vec::with_capacity(metas.len() * 2),
+        dims: Vec::with_capacity(metas.len() * 3),
     };
     for m in metas {
         // The device of the previous tensor, usually.
@@ -56,10 +108,12 @@ pub(crate) fn serialize<S: Serializer>(metas: &[TensorMeta], s: S) -> Result<S::
                  255 dimensions"
             )));
         }
-        c.dtypes.push(m.dtype);
+        c.dtypes.push(m.dtype as u8);
         c.on.push(at as u8);
         c.ranks.push(m.shape.len() as u8);
-        c.dims.extend_from_slice(&m.shape);
+        for &d in m.shape.iter() {
+            put_varint(&mut c.dims, d as u64);
+        }
     }
     c.serialize(s)
 }
@@ -84,17 +138,35 @@ pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<TensorM
                 c.devices.len()
             ))
         })?;
+        let dtype = *DTYPES.get(c.dtypes[i] as usize).ok_or_else(|| {
+            D::Error::custom(format!("tensor metadata: dtype code {}", c.dtypes[i]))
+        })?;
         let rank = c.ranks[i] as usize;
-        if dims.len() < rank {
-            return Err(D::Error::custom(
-                "tensor metadata: fewer dimensions than ranks",
-            ));
-        }
-        let (shape, rest) = dims.split_at(rank);
-        dims = rest;
+        let mut next = || -> Result<usize, D::Error> {
+            let (v, rest) = take_varint(dims).ok_or_else(|| {
+                D::Error::custom("tensor metadata: fewer dimensions than ranks, or a bad one")
+            })?;
+            dims = rest;
+            usize::try_from(v)
+                .map_err(|_| D::Error::custom("tensor metadata: a dimension past usize"))
+        };
+        let shape = if rank <= INLINE_DIMS {
+            // Filled in place: the usual shape, built without a copy.
+            let mut inline = [0usize; INLINE_DIMS];
+            for d in inline.iter_mut().take(rank) {
+                *d = next()?;
+            }
+            Shape::inline(rank, inline)
+        } else {
+            let mut heap = Vec::with_capacity(rank);
+            for _ in 0..rank {
+                heap.push(next()?);
+            }
+            Shape::from(&heap[..])
+        };
         out.push(TensorMeta {
-            dtype: c.dtypes[i],
-            shape: Shape::from(shape),
+            dtype,
+            shape,
             device,
         });
     }
@@ -149,6 +221,13 @@ mod tests {
         let bytes = postcard::to_allocvec(&Holder(metas)).unwrap();
         // dtype, device, rank, two dimensions (2 + 1 bytes).
         assert!(bytes.len() < 10_000 * 7, "{} bytes", bytes.len());
+        // Every dtype and large dimensions come back.
+        let all: Vec<TensorMeta> = DTYPES
+            .iter()
+            .map(|&t| meta(t, &[0, 1, 127, 128, usize::MAX >> 1, usize::MAX], d))
+            .collect();
+        let bytes = postcard::to_allocvec(&Holder(all.clone())).unwrap();
+        assert_eq!(postcard::from_bytes::<Holder>(&bytes).unwrap().0, all);
     }
 
     #[test]
@@ -156,31 +235,54 @@ mod tests {
         let bad = [
             Columns {
                 devices: vec![Device::Cpu],
-                dtypes: vec![DType::F32],
+                dtypes: vec![0],
                 on: vec![1],
                 ranks: vec![0],
                 dims: vec![],
             },
             Columns {
                 devices: vec![Device::Cpu],
-                dtypes: vec![DType::F32],
+                dtypes: vec![0],
                 on: vec![0],
                 ranks: vec![2],
                 dims: vec![3],
             },
             Columns {
                 devices: vec![Device::Cpu],
-                dtypes: vec![DType::F32],
+                dtypes: vec![0],
                 on: vec![0],
                 ranks: vec![1],
                 dims: vec![3, 4],
             },
             Columns {
                 devices: vec![Device::Cpu],
-                dtypes: vec![DType::F32, DType::F32],
+                dtypes: vec![0, 0],
                 on: vec![0],
                 ranks: vec![0, 0],
                 dims: vec![],
+            },
+            // An unknown dtype code.
+            Columns {
+                devices: vec![Device::Cpu],
+                dtypes: vec![12],
+                on: vec![0],
+                ranks: vec![0],
+                dims: vec![],
+            },
+            // A dimension cut short, and one past 64 bits.
+            Columns {
+                devices: vec![Device::Cpu],
+                dtypes: vec![0],
+                on: vec![0],
+                ranks: vec![1],
+                dims: vec![0x80],
+            },
+            Columns {
+                devices: vec![Device::Cpu],
+                dtypes: vec![0],
+                on: vec![0],
+                ranks: vec![1],
+                dims: vec![0xff; 11],
             },
         ];
         for c in bad {

@@ -68,7 +68,23 @@ impl std::hash::Hash for Shape {
     }
 }
 
+impl Shape {
+    /// At most [`INLINE`] dimensions, given in place: the first `len` of
+    /// `dims` (a decoder that fills them one by one copies nothing).
+    pub(crate) fn inline(len: usize, dims: [usize; INLINE]) -> Self {
+        debug_assert!(len <= INLINE);
+        Shape(Repr::Inline {
+            len: len as u8,
+            dims,
+        })
+    }
+}
+
+/// Shapes with at most this many dimensions are stored in place.
+pub(crate) const INLINE_DIMS: usize = INLINE;
+
 impl From<&[usize]> for Shape {
+    #[inline]
     fn from(src: &[usize]) -> Self {
         if src.len() <= INLINE {
             let mut dims = [0; INLINE];
