@@ -18,7 +18,9 @@
 //!   reads it with NIXL and answers. `pass_first` is the first pass of a
 //!   new pair (the consumer's agent, connection and metadata loads).
 //!   `many10000` passes an object of 10 000 tensors of 4 KiB; `one40M`
-//!   one tensor of 40 MiB. `actor_call_rtt` is a tiny call (the 4 KiB
+//!   one tensor of 40 MiB; `many10000_into` the same object read into the
+//!   consumer's own parameters (10 000 views of one flat CUDA buffer, with
+//!   `get_into`: a weight update). `actor_call_rtt` is a tiny call (the 4 KiB
 //!   budget: raw + one call).
 //! * `driver_get`: the driver reads a 1 GiB object held on GPU 0 into its
 //!   host memory (`Runtime::get_on_host`) and onto its GPU 0
@@ -84,12 +86,35 @@ impl NixlSource {
 }
 
 #[rdt::actor]
-pub struct NixlSink {}
+pub struct NixlSink {
+    params: Vec<Tensor>,
+}
 
 #[rdt::actor]
 impl NixlSink {
     fn new() -> Self {
-        NixlSink {}
+        NixlSink { params: Vec::new() }
+    }
+
+    /// Makes its parameters: `n` views of `each` bytes of one flat CUDA
+    /// buffer (a model's weights, laid out as trainers do).
+    async fn make_params(&mut self, n: usize, each: usize) -> rdt::Result<usize> {
+        let flat = Tensor::cuda_zeros(DType::U8, &[n * each], 0)?;
+        self.params = (0..n)
+            .map(|i| flat.view(i * each, DType::U8, &[each]))
+            .collect::<std::result::Result<_, _>>()?;
+        flat.cuda_ready().await?;
+        Ok(n)
+    }
+
+    /// A weight update: the object behind `r` read into the parameters
+    /// (`get_into`), usable once this returns.
+    async fn update(&mut self, r: ObjectRef<Vec<Tensor>>) -> rdt::Result<usize> {
+        let got: Vec<Tensor> = rdt::runtime().get_into(&r, &self.params).await?;
+        if let Some(t) = got.last() {
+            t.cuda_ready().await?;
+        }
+        Ok(got.iter().map(Tensor::nbytes).sum())
     }
 
     /// The tensors are usable here once the read returned.
@@ -512,6 +537,26 @@ async fn rdt_passes(
         10_000 * 4096,
         us,
     ));
+    // The same object read into the consumer's own parameters (views of
+    // one flat buffer): a weight update.
+    rt.get(c.make_params(10_000, 4096).remote()).await?;
+    let mut us = Vec::new();
+    for i in 0..iters_for(40 << 20, quick) + 3 {
+        let t0 = Instant::now();
+        let n = rt.get(c.update(&r).remote()).await?;
+        assert_eq!(n, 10_000 * 4096);
+        if i >= 3 {
+            us.push(us_since(t0));
+        }
+    }
+    rows.push(row(
+        cx,
+        &format!("many10000_into_{label}"),
+        "nixl",
+        Kind::Bandwidth,
+        10_000 * 4096,
+        us,
+    ));
     Ok(rows)
 }
 
@@ -699,6 +744,24 @@ async fn timeline_many(n: usize) -> rdt::Result<()> {
     us.sort_by(f64::total_cmp);
     println!(
         "{} passes of 10 000 tensors of 4 KiB: median {:.1} us",
+        us.len(),
+        us[us.len() / 2]
+    );
+    // Weight updates: the same object read into the consumer's own
+    // parameters (passes 100 and on).
+    rt.get(c.make_params(10_000, 4096).remote()).await?;
+    let mut us = Vec::with_capacity(n);
+    for i in 100..100 + n + 3 {
+        rdt::data::cuda::timeline("driver pass start", i as u64);
+        let t0 = Instant::now();
+        let got = rt.get(c.update(&r).remote()).await?;
+        assert_eq!(got, 10_000 * 4096);
+        us.push(us_since(t0));
+        rdt::data::cuda::timeline("driver pass end", i as u64);
+    }
+    us.sort_by(f64::total_cmp);
+    println!(
+        "{} weight updates of 10 000 tensors of 4 KiB (get_into): median {:.1} us",
         us.len(),
         us[us.len() / 2]
     );

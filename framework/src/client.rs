@@ -299,3 +299,65 @@ where
         pending.into_iter().map(|(r, _)| r.clone()).collect(),
     ))
 }
+
+/// Checks that `targets` fit object `id`'s tensors (`metas`): one target
+/// per tensor, same dtype and shape, in order. For the driver's and an
+/// actor's `get_into` alike, before any byte moves.
+pub(crate) fn check_targets(
+    id: u64,
+    metas: &[rdt_transport::TensorMeta],
+    targets: &[Tensor],
+) -> RdtResult<()> {
+    let bad = |message: String| Error::Targets {
+        object: id,
+        message,
+    };
+    if metas.len() != targets.len() {
+        return Err(bad(format!(
+            "the object holds {} tensors and {} targets were given",
+            metas.len(),
+            targets.len()
+        )));
+    }
+    for (i, (m, t)) in metas.iter().zip(targets).enumerate() {
+        if m.dtype != t.dtype() || m.shape != t.shape() {
+            return Err(bad(format!(
+                "its tensor #{i} is {} {:?} and target #{i} is {} {:?}",
+                m.dtype,
+                m.shape,
+                t.dtype(),
+                t.shape()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Object `id`'s tensors (`got`, as received) in `targets`: `targets`
+/// itself when the receive put them there (in place: `true`), else copied
+/// in (one copy, after [`check_targets`]: `false`).
+pub(crate) fn into_targets(
+    id: u64,
+    targets: &[Tensor],
+    got: &[Tensor],
+) -> RdtResult<(Vec<Tensor>, bool)> {
+    let in_place = targets.len() == got.len()
+        && targets.iter().zip(got).all(|(t, g)| {
+            t.shares_storage(g)
+                && t.byte_offset() == g.byte_offset()
+                && t.dtype() == g.dtype()
+                && t.shape() == g.shape()
+        });
+    if in_place {
+        return Ok((targets.to_vec(), true));
+    }
+    let metas: Vec<_> = got.iter().map(Tensor::meta).collect();
+    check_targets(id, &metas, targets)?;
+    for (i, (t, g)) in targets.iter().zip(got).enumerate() {
+        t.copy_from(g).map_err(|e| Error::Targets {
+            object: id,
+            message: format!("copying its tensor #{i} into target #{i}: {e}"),
+        })?;
+    }
+    Ok((targets.to_vec(), false))
+}

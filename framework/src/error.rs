@@ -154,6 +154,16 @@ pub enum Error {
         /// The object waited for.
         object: u64,
     },
+    /// The target tensors given to `get_into` do not fit the object. The
+    /// object is untouched: a `get` or a `get_into` with fitting targets
+    /// still reads it.
+    #[error("the target tensors given for object {object} do not fit it: {message}; give one target per tensor of the value, in the order the value holds them (a tensor held twice counts once), each of the same dtype and shape")]
+    Targets {
+        /// The object.
+        object: u64,
+        /// What does not fit.
+        message: String,
+    },
 }
 
 impl From<std::io::Error> for Error {

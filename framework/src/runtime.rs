@@ -523,10 +523,57 @@ impl Runtime {
             }),
             rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
                 // NIXL: read straight into this process, no worker involved.
-                Some(inst) => self.get_direct(r.id, &wv, inst, Target::Any).await,
+                Some(inst) => {
+                    let tensors = self.get_direct(r.id, &wv, inst, Target::Any).await?;
+                    decode_in_driver(&self.inner, &wv, r.id, &tensors)
+                }
                 None => self.get_via_object_store(r).await,
             },
         }
+    }
+
+    /// Like [`Runtime::get`], with the object's tensors received into
+    /// `targets`: one per tensor of the value, in the order the value holds
+    /// them (a tensor held twice counts once), each of the same dtype and
+    /// shape. The value returned holds `targets` themselves.
+    ///
+    /// Over `nixl` the read lands in the targets directly (CUDA tensors
+    /// made with `Tensor::cuda_empty`, host tensors made by rdt): no
+    /// staging, no allocation. Other transports come through the
+    /// object-store path and are copied in once; a collective transport
+    /// fails as for [`Runtime::get`]. Targets that do not fit fail with
+    /// [`Error::Targets`] before any byte moves, and the object stays
+    /// readable.
+    pub async fn get_into<T: DeserializeOwned>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        targets: &[rdt_transport::Tensor],
+    ) -> Result<T> {
+        let r = r.borrow();
+        let wv = self.inner.wait_value(r.id).await?;
+        wv.arrived().await?;
+        let wv = match wv.transport.sidedness() {
+            rdt_transport::Sidedness::TwoSided => {
+                return Err(Error::CollectiveGet {
+                    object: r.id,
+                    transport: wv.transport.to_string(),
+                })
+            }
+            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
+                Some(inst) => {
+                    crate::client::check_targets(r.id, &wv.exported.get()?.metas, targets)?;
+                    let target = Target::Tensors(targets.to_vec());
+                    let tensors = self.get_direct(r.id, &wv, inst, target).await?;
+                    let (placed, _) = crate::client::into_targets(r.id, targets, &tensors)?;
+                    return decode_in_driver(&self.inner, &wv, r.id, &placed);
+                }
+                None => self.fetch_via_object_store(r.id).await?,
+            },
+            rdt_transport::Sidedness::ThroughDriver => wv,
+        };
+        let tensors = object_store::unpack(wv.exported.get()?)?;
+        let (placed, _) = crate::client::into_targets(r.id, targets, &tensors)?;
+        decode_in_driver(&self.inner, &wv, r.id, &placed)
     }
 
     /// Like [`Runtime::get`], with every tensor read straight into this
@@ -542,7 +589,10 @@ impl Runtime {
         let wv = self.inner.wait_value(r.id).await?;
         wv.arrived().await?;
         match driver_transport(wv.transport) {
-            Some(inst) => self.get_direct(r.id, &wv, inst, Target::Host).await,
+            Some(inst) => {
+                let tensors = self.get_direct(r.id, &wv, inst, Target::Host).await?;
+                decode_in_driver(&self.inner, &wv, r.id, &tensors)
+            }
             None => Err(Error::TransportUnavailable {
                 name: wv.transport.to_string(),
                 reason: format!(
@@ -563,15 +613,13 @@ impl Runtime {
 
     /// Reads object `id`, held by an actor or by this driver, over a
     /// transport that serves the driver, within the transfer deadline.
-    async fn get_direct<T: DeserializeOwned>(
+    async fn get_direct(
         &self,
         id: u64,
         wv: &WireValue,
         inst: Arc<dyn rdt_transport::TensorTransport>,
         target: Target,
-    ) -> Result<T> {
-        let decode =
-            |tensors: &[rdt_transport::Tensor]| decode_in_driver(&self.inner, wv, id, tensors);
+    ) -> Result<Vec<rdt_transport::Tensor>> {
         let (from, producer) = {
             let st = self.inner.lock();
             let e = st
@@ -583,14 +631,16 @@ impl Runtime {
                 // Put by this driver: its tensors are here already.
                 let tensors = held.tensors().to_vec();
                 drop(st);
-                let tensors = target
+                return target
                     .place(wv.transport.name(), &wv.exported.get()?.metas, tensors)
-                    .map_err(Error::Transport)?;
-                return decode(&tensors);
+                    .map_err(Error::Transport);
             }
             let Some(p) = e.producer else {
                 drop(st);
-                return decode_wire(&self.inner, wv, id);
+                let tensors = object_store::unpack(wv.exported.get()?)?;
+                return target
+                    .place(wv.transport.name(), &wv.exported.get()?.metas, tensors)
+                    .map_err(Error::Transport);
             };
             let a = st.actors.get(&p).ok_or(Error::Freed { object: id })?;
             if let Some(d) = &a.dead {
@@ -621,7 +671,7 @@ impl Runtime {
             })
         };
         match read {
-            Ok(Ok(tensors)) => decode(&tensors),
+            Ok(Ok(tensors)) => Ok(tensors),
             Ok(Err(e)) => Err(dead().unwrap_or(Error::Transport(e))),
             Err(_) => Err(dead().unwrap_or(Error::Timeout {
                 what: format!(
@@ -682,6 +732,13 @@ impl Runtime {
         if wv.transport == Transport::ObjectStore {
             return decode_wire(&self.inner, &wv, id);
         }
+        let wv = self.fetch_via_object_store(id).await?;
+        decode_wire(&self.inner, &wv, id)
+    }
+
+    /// Object `id` (ready, on a transport other than the object store)
+    /// serialized by its producer, tensors included, to the driver.
+    async fn fetch_via_object_store(&self, id: u64) -> Result<WireValue> {
         let (tx, rx) = oneshot::channel();
         let req = self.inner.next_id();
         {
@@ -701,7 +758,7 @@ impl Runtime {
         }
         let wv = rx.await.map_err(|_| Error::Shutdown)??;
         wv.arrived().await?;
-        decode_wire(&self.inner, &wv, id)
+        Ok(wv)
     }
 
     /// Stores `value` in the driver (object-store path) and returns a ref to

@@ -249,6 +249,14 @@ impl Producer {
         (0..n).map(|i| Tensor::full(i as f32, &[numel])).collect()
     }
 
+    /// `n` tensors of `numel` f32, tensor `i` equal to `first + i` (a
+    /// version of some weights).
+    async fn make_version(&mut self, n: usize, numel: usize, first: f32) -> Vec<Tensor> {
+        (0..n)
+            .map(|i| Tensor::full(first + i as f32, &[numel]))
+            .collect()
+    }
+
     /// The kept tensor `i` again, in a new object (same storage).
     async fn kept_again(&mut self, i: usize) -> Tensor {
         self.kept[i].clone()
@@ -298,6 +306,7 @@ impl Producer {
 pub struct Consumer {
     seen: u64,
     held: Vec<Tensor>,
+    params: Vec<Tensor>,
 }
 
 #[rdt::actor]
@@ -306,7 +315,35 @@ impl Consumer {
         Consumer {
             seen: 0,
             held: Vec::new(),
+            params: Vec::new(),
         }
+    }
+
+    /// A weight update: receives the object behind `r` into this actor's
+    /// parameters (`n` f32 tensors of `numel`, made at first use and
+    /// kept) with `get_into`. Returns the parameters' sums after, and
+    /// whether the value got back holds the parameters themselves.
+    async fn update_params(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        numel: usize,
+    ) -> rdt::Result<(Vec<f64>, bool)> {
+        if self.params.is_empty() {
+            self.params = (0..n)
+                .map(|_| Tensor::zeros(DType::F32, &[numel]))
+                .collect();
+        }
+        let targets = &self.params[..n.min(self.params.len())];
+        let got = rdt::runtime().get_into(&r, targets).await?;
+        let same =
+            got.len() == targets.len() && got.iter().zip(targets).all(|(g, p)| g.shares_storage(p));
+        let sums = self
+            .params
+            .iter()
+            .map(Tensor::sum)
+            .collect::<Result<_, _>>()?;
+        Ok((sums, same))
     }
 
     /// Sum of a tensor.
@@ -318,6 +355,17 @@ impl Consumer {
     /// Sum of two tensors.
     async fn sum2(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(f64, bool)> {
         Ok((a.sum()? + b.sum()?, a.shares_storage(&b)))
+    }
+
+    /// `get_into` with the tensors it holds (`hold`) as the targets: their
+    /// sums after.
+    async fn update_held(&mut self, r: ObjectRef<Vec<Tensor>>) -> rdt::Result<Vec<f64>> {
+        rdt::runtime().get_into(&r, &self.held).await?;
+        Ok(self
+            .held
+            .iter()
+            .map(Tensor::sum)
+            .collect::<Result<_, _>>()?)
     }
 
     /// Sum of every tensor in a batch, and its plain data.
@@ -378,6 +426,11 @@ impl Consumer {
     /// took).
     async fn received(&mut self, transport: String) -> rdt::Result<u64> {
         Ok(rdt::received_objects(transport.parse()?))
+    }
+
+    /// `get_into` calls received in place (see `rdt::received_in_place`).
+    async fn in_place(&mut self) -> u64 {
+        rdt::received_in_place()
     }
 
     /// This worker's hot window, in microseconds (`rdt::data::hot`).
@@ -841,6 +894,14 @@ impl GpuProducer {
             .collect()
     }
 
+    /// `n` CUDA tensors, tensor `i` of `len` f32 equal to `first + i` (a
+    /// version of some weights).
+    async fn version(&mut self, n: usize, len: usize, first: f32) -> rdt::Result<Vec<Tensor>> {
+        (0..n)
+            .map(|i| Tensor::cuda_full(first + i as f32, &[len], 0).map_err(tensor_err))
+            .collect()
+    }
+
     /// One CUDA tensor of `n` f32 equal to `v` and one CPU tensor of `n`
     /// f32 equal to `2v`, in one object.
     async fn mixed(&mut self, v: f32, n: usize) -> rdt::Result<(Tensor, Tensor)> {
@@ -860,13 +921,17 @@ pub type CopyReport = (f64, f64, f64, bool, String, String);
 #[rdt::actor]
 pub struct GpuConsumer {
     held: Vec<Tensor>,
+    params: Vec<Tensor>,
 }
 
 #[rdt::actor]
 impl GpuConsumer {
     fn new() -> Self {
         report_fatal_signals();
-        GpuConsumer { held: Vec::new() }
+        GpuConsumer {
+            held: Vec::new(),
+            params: Vec::new(),
+        }
     }
 
     /// Sum of `t` (read back from the GPU) and whether it is a CUDA tensor.
@@ -966,6 +1031,43 @@ impl GpuConsumer {
         Ok(())
     }
 
+    /// A weight update on the GPU: receives the object behind `r` into
+    /// `n` views of `len` f32 of one flat CUDA buffer of this actor's (its
+    /// parameters, made at first use and kept), with `get_into`. Returns
+    /// the parameters' sums after, whether the value got back holds the
+    /// parameters themselves, and whether they are still views of the one
+    /// buffer.
+    async fn update_params(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        len: usize,
+    ) -> rdt::Result<(Vec<f64>, bool, bool)> {
+        if self.params.is_empty() {
+            let flat = Tensor::cuda_zeros(DType::F32, &[n * len], 0).map_err(tensor_err)?;
+            self.params = (0..n)
+                .map(|i| flat.view(i * len * 4, DType::F32, &[len]))
+                .collect::<Result<_, _>>()
+                .map_err(tensor_err)?;
+        }
+        let got = rdt::runtime().get_into(&r, &self.params).await?;
+        let same = got.len() == self.params.len()
+            && got
+                .iter()
+                .zip(&self.params)
+                .all(|(g, p)| g.shares_storage(p));
+        let one_buffer = self
+            .params
+            .iter()
+            .all(|p| p.shares_storage(&self.params[0]));
+        let sums = self
+            .params
+            .iter()
+            .map(|p| p.sum().map_err(tensor_err))
+            .collect::<rdt::Result<_>>()?;
+        Ok((sums, same, one_buffer))
+    }
+
     /// Sums of every tensor of `ts`, in order.
     async fn sums(&mut self, ts: Vec<Tensor>) -> rdt::Result<Vec<f64>> {
         ts.iter().map(|t| t.sum().map_err(tensor_err)).collect()
@@ -979,6 +1081,11 @@ impl GpuConsumer {
     /// Objects in its store.
     async fn stored(&mut self) -> usize {
         rdt::local_objects()
+    }
+
+    /// `get_into` calls received in place (see `rdt::received_in_place`).
+    async fn in_place(&mut self) -> u64 {
+        rdt::received_in_place()
     }
 
     /// Answers (to tell whether it lives).

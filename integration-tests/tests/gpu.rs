@@ -182,6 +182,55 @@ gpu_test!(views_of_one_cuda_storage, async {
     }
 });
 
+// A weight update on the GPU: the consumer receives each version into
+// views of its own flat CUDA buffer (`get_into`) over `cuda_ipc` (one
+// copy from the producer's mapped memory), `nixl` (the read lands in the
+// views) and the object store; the driver receives into its own CUDA
+// tensors over `nixl`.
+gpu_test!(receive_into_cuda_targets, async {
+    let (rt, p, c) = setup().await;
+    let (n, len) = (4usize, 1000usize);
+    let want = |first: f32| -> Vec<f64> {
+        (0..n)
+            .map(|i| f64::from(first + i as f32) * len as f64)
+            .collect()
+    };
+    let mut first = 1.0f32;
+    for t in [IPC, Transport::Nixl, Transport::ObjectStore] {
+        for _ in 0..2 {
+            let r = p.version(n, len, first).transport(t).remote();
+            let (sums, same, one_buffer) =
+                rt.get(c.update_params(&r, n, len).remote()).await.unwrap();
+            assert_eq!(sums, want(first), "version {first} over {t}");
+            assert!(same, "the value got back holds the parameters (over {t})");
+            assert!(
+                one_buffer,
+                "the parameters are still views of one buffer (over {t})"
+            );
+            first += 10.0;
+        }
+        assert_eq!(
+            rt.get(c.received(t.name().to_string()).remote())
+                .await
+                .unwrap(),
+            2,
+            "two objects over {t}"
+        );
+    }
+    // nixl read straight into the views and cuda_ipc copied into them as
+    // it received (two versions each); the object store's were copied in
+    // after.
+    assert_eq!(rt.get(c.in_place().remote()).await.unwrap(), 4);
+    let mine: Vec<Tensor> = (0..n)
+        .map(|_| Tensor::cuda_empty(DType::F32, &[len], 0).unwrap())
+        .collect();
+    let r = p.version(n, len, 7.0).transport(Transport::Nixl).remote();
+    let got = rt.get_into(&r, &mine).await.unwrap();
+    assert!(got.iter().zip(&mine).all(|(g, m)| g.shares_storage(m)));
+    let sums: Vec<f64> = mine.iter().map(|t| t.sum().unwrap()).collect();
+    assert_eq!(sums, want(7.0), "the driver's own CUDA tensors");
+});
+
 gpu_test!(point_to_point, async {
     let (rt, p, c) = setup().await;
     let r = p.make(2.0, 1000).transport(IPC).remote();

@@ -79,6 +79,72 @@ async fn ten_thousand_tensors_are_one_registration_and_one_descriptor() {
     .await;
 }
 
+/// A weight update of 10 000 tensors into an actor's own parameters
+/// (`get_into`): the first moves the parameters into one registered
+/// region, and from then on each update is one READ of one descriptor
+/// straight into them, with no new registration.
+#[tokio::test]
+async fn ten_thousand_tensors_are_read_into_the_parameters_in_place() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let (n, numel) = (10_000usize, 1024usize);
+        let mut regs = Vec::new();
+        for (k, first) in [0.0f32, 1.0, 2.0].into_iter().enumerate() {
+            let c0 = of_consumer(&rt, &c).await;
+            let r = p
+                .make_version(n, numel, first)
+                .transport(Transport::Nixl)
+                .remote();
+            let (sums, same) = rt
+                .get(c.update_params(&r, n, numel).remote())
+                .await
+                .unwrap();
+            assert!(same, "the value got back holds the parameters");
+            let want = |i: usize| f64::from(first + i as f32) * numel as f64;
+            assert!(
+                sums.iter().enumerate().all(|(i, &s)| s == want(i)),
+                "update {k}: every parameter holds its new value"
+            );
+            let c1 = of_consumer(&rt, &c).await;
+            assert_eq!(c1.reads_posted - c0.reads_posted, 1, "one READ");
+            assert_eq!(
+                c1.descriptors_posted - c0.descriptors_posted,
+                1,
+                "one descriptor"
+            );
+            regs.push(c1.registrations - c0.registrations);
+        }
+        assert_eq!(
+            regs[1..],
+            [0, 0],
+            "later updates register nothing new: {regs:?}"
+        );
+        assert_eq!(rt.get(c.in_place().remote()).await.unwrap(), 3);
+    })
+    .await;
+}
+
+/// Targets nixl cannot read into (another transport's memory: a tensor
+/// received over shm) are no error: the object is received elsewhere and
+/// copied into them.
+#[tokio::test]
+async fn targets_nixl_cannot_write_are_copied_into() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let held = p.make_shm(0.0, 1000).remote();
+        assert_eq!(rt.get(c.hold(&held).remote()).await.unwrap(), 1);
+        let r = p
+            .make_version(1, 1000, 3.0)
+            .transport(Transport::Nixl)
+            .remote();
+        let sums = rt.get(c.update_held(&r).remote()).await.unwrap();
+        assert_eq!(sums, [3000.0]);
+        assert_eq!(rt.get(c.in_place().remote()).await.unwrap(), 0, "copied in");
+        assert_eq!(rt.get(c.received("nixl").remote()).await.unwrap(), 1);
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn the_agent_and_its_connection_are_reused_over_many_transfers() {
     deadline(DL, async {

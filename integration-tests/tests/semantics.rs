@@ -352,6 +352,94 @@ pub async fn views_of_one_storage(t: Transport) {
     assert_path(&rt, &c, t, 1).await;
 }
 
+/// A weight update: an actor receives objects into its own parameters
+/// (`get_into`), twice into the same tensors; targets that do not fit are
+/// a clear error that loses nothing; the driver receives into its own
+/// tensors too (a collective object: the driver's error).
+pub async fn receive_into_target_tensors(t: Transport) {
+    let (rt, p, c) = setup(t).await;
+    let (n, numel) = (3, 1000);
+    let v1 = p.make_version(n, numel, 1.0).transport(t).remote();
+    let (sums, same) = rt
+        .get(c.update_params(&v1, n, numel).remote())
+        .await
+        .unwrap();
+    assert_eq!(sums, [1000.0, 2000.0, 3000.0]);
+    assert!(same, "the value got back holds the parameters themselves");
+    let v2 = p.make_version(n, numel, 10.0).transport(t).remote();
+    let (sums, same) = rt
+        .get(c.update_params(&v2, n, numel).remote())
+        .await
+        .unwrap();
+    assert_eq!(
+        sums,
+        [10000.0, 11000.0, 12000.0],
+        "the second version, in the same tensors"
+    );
+    assert!(same);
+    // Two targets for three tensors: the error says so, and the object is
+    // still read whole afterwards.
+    let v3 = p.make_version(n, numel, 5.0).transport(t).remote();
+    let e = rt
+        .get(c.update_params(&v3, n - 1, numel).remote())
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("holds 3 tensors and 2 targets were given"),
+        "{e}"
+    );
+    let (sums, same) = rt
+        .get(c.update_params(&v3, n, numel).remote())
+        .await
+        .unwrap();
+    assert_eq!(sums, [5000.0, 6000.0, 7000.0]);
+    assert!(same);
+    // The receive itself wrote into the parameters (nixl reads into them,
+    // tcp and shm copy into them as they receive); the object store's
+    // value is copied in after.
+    let in_place = rt.get(c.in_place().remote()).await.unwrap();
+    if t != Transport::ObjectStore {
+        assert!(
+            in_place >= 2,
+            "{in_place} updates received in place over {t}"
+        );
+    } else {
+        assert_eq!(in_place, 0, "updates received in place over {t}");
+    }
+    // Every receive took the transport's path, none another.
+    for other in Transport::registered() {
+        let got = rt
+            .get(c.received(other.name().to_string()).remote())
+            .await
+            .unwrap();
+        if other == t {
+            assert!(got >= 3, "{got} objects received over {t}");
+        } else {
+            assert_eq!(got, 0, "objects received over {other} (passing over {t})");
+        }
+    }
+    // The driver.
+    let mine: Vec<Tensor> = (0..n)
+        .map(|_| Tensor::zeros(DType::F32, &[numel]))
+        .collect();
+    if t.is_collective() {
+        let e = rt.get_into(&v2, &mine).await.unwrap_err();
+        assert!(matches!(e, Error::CollectiveGet { .. }), "{e}");
+        return;
+    }
+    let e = rt.get_into(&v2, &mine[..1]).await.unwrap_err();
+    assert!(matches!(e, Error::Targets { .. }), "{e}");
+    let got = rt.get_into(&v2, &mine).await.unwrap();
+    let sums: Vec<f64> = mine.iter().map(|x| x.sum().unwrap()).collect();
+    assert_eq!(sums, [10000.0, 11000.0, 12000.0]);
+    assert!(got.iter().zip(&mine).all(|(g, m)| g.shares_storage(m)));
+    // A second version into the same tensors.
+    rt.get_into(&v3, &mine).await.unwrap();
+    let sums: Vec<f64> = mine.iter().map(|x| x.sum().unwrap()).collect();
+    assert_eq!(sums, [5000.0, 6000.0, 7000.0]);
+}
+
 macro_rules! common_suite {
     ($m:ident, $t:expr) => {
         suite!(
@@ -372,6 +460,7 @@ macro_rules! common_suite {
                 actor_dies_before_object_is_consumed,
                 unknown_transport_at_run_time,
                 views_of_one_storage,
+                receive_into_target_tensors,
             ]
         );
     };

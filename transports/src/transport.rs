@@ -427,6 +427,18 @@ pub trait TensorTransport: Send + Sync + 'static {
         false
     }
 
+    /// Whether a receive can take `targets` as its [`Target::Tensors`]
+    /// (contract point 7), for tensors of matching dtypes and shapes: `Err`
+    /// says why not (memory this transport cannot write into). The
+    /// framework then receives anywhere and copies into the targets, so a
+    /// target never fails a receive. Called once per receive into targets,
+    /// so it must be cheap. The default: yes (a transport that cannot
+    /// write into some target copies into it itself).
+    fn receives_into(&self, targets: &[Tensor]) -> Result<(), String> {
+        let _ = targets;
+        Ok(())
+    }
+
     /// Can the driver read this transport's objects itself (`Runtime::get`
     /// with no worker involved) and hold objects of its own
     /// (`Runtime::put_with`)? One-sided transports whose receive needs no

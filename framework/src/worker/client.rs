@@ -20,6 +20,10 @@
 //!   takes it (same transports, acknowledgements, deadlines and death
 //!   notices), and ends with `GetDone` however it ends (dropped futures
 //!   included), so its copy is dropped once nothing needs it (OW-2).
+//! - **AC-3 A `get_into` lands in its targets.** Its targets are
+//!   registered for the object before the `Get` goes out, so the
+//!   delivery's receive writes into them (WK-7); a value
+//!   that was here already, or received elsewhere, is copied in once.
 
 use std::borrow::Borrow;
 use std::cell::RefCell;
@@ -39,7 +43,7 @@ use crate::object_ref::{ArgOut, ObjectRef};
 use crate::protocol::{SubmitMsg, ToDriver, WireExported, WireValue};
 use crate::runtime::inline_value;
 use crate::transport::Transport;
-use rdt_transport::{Blob, Sidedness};
+use rdt_transport::{Blob, Sidedness, Tensor};
 
 /// The actor's refs, counted locally (CL-1).
 #[derive(Default)]
@@ -264,6 +268,34 @@ impl Drop for GetGuard<'_> {
     }
 }
 
+/// The targets of one `get_into`, registered for the object's delivery
+/// while the get lasts (WK-7).
+struct TargetsGuard<'a> {
+    w: &'a WorkerShared,
+    object: u64,
+}
+
+impl<'a> TargetsGuard<'a> {
+    /// `None` when another `get_into` of the object in this actor
+    /// registered its own first (this one then copies).
+    fn register(w: &'a WorkerShared, object: u64, targets: &[Tensor]) -> Option<Self> {
+        use std::collections::hash_map::Entry;
+        match w.targets.lock().entry(object) {
+            Entry::Occupied(_) => None,
+            Entry::Vacant(e) => {
+                e.insert(targets.to_vec());
+                Some(TargetsGuard { w, object })
+            }
+        }
+    }
+}
+
+impl Drop for TargetsGuard<'_> {
+    fn drop(&mut self) {
+        self.w.targets.lock().remove(&self.object);
+    }
+}
+
 impl ActorRuntime {
     /// Waits for an object and returns its value. Its tensors come over
     /// the object's transport, straight from the actor that holds them
@@ -272,13 +304,62 @@ impl ActorRuntime {
     /// [`ActorRuntime::get_timeout`] for a deadline.
     pub async fn get<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
         let id = r.borrow().id;
+        let v = self.stored(id, None).await?;
+        self.decode(id, &v.data, &v.tensors)
+    }
+
+    /// Like [`ActorRuntime::get`], with the object's tensors received into
+    /// `targets`: one per tensor of the value, in the order the value
+    /// holds them (a tensor held twice counts once), each of the same
+    /// dtype and shape. The value returned holds `targets` themselves.
+    ///
+    /// This is the receive of a weight update: the actor's parameters stay
+    /// where they are and the transport writes into them (DESIGN §6 point
+    /// 7) — `nccl` into CUDA targets on its GPU, `nixl` into rdt's
+    /// memory (CUDA tensors made with `Tensor::cuda_empty`, host tensors
+    /// made by rdt), with no staging and no allocation. Where the
+    /// transport cannot (the object store, `shm` and `cuda_ipc`, which
+    /// hand over the producer's memory, or targets it refuses), or the
+    /// object is here already, the tensors are copied in once.
+    ///
+    /// Targets that do not fit fail with [`Error::Targets`] and lose
+    /// nothing: the object stays readable.
+    ///
+    /// ```no_run
+    /// # use rdt::prelude::*;
+    /// # async fn f(weights: ObjectRef<Vec<Tensor>>, params: &[Tensor]) -> rdt::Result<()> {
+    /// // Inside an actor method that got a ref to the new weights:
+    /// rdt::runtime().get_into(&weights, params).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn get_into<T: DeserializeOwned>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        targets: &[Tensor],
+    ) -> Result<T> {
+        let id = r.borrow().id;
+        let v = self.stored(id, Some(targets)).await?;
+        let (placed, in_place) = crate::client::into_targets(id, targets, &v.tensors)?;
+        if in_place {
+            self.w.in_place.fetch_add(1, Ordering::Relaxed);
+        }
+        self.decode(id, &v.data, &placed)
+    }
+
+    /// Object `id` as this worker stores it, delivered first if it is not
+    /// here (AC-2); `targets` are where that delivery's receive puts the
+    /// tensors (WK-7).
+    async fn stored(&self, id: u64, targets: Option<&[Tensor]>) -> Result<StoredValue> {
         if let Some(Slot::Ready(v)) = self.w.store.get(id) {
             // Produced here, or a copy held: no message at all.
             if !self.w.landing.lock().contains_key(&id) {
-                return self.decode(id, &v);
+                return Ok(v);
             }
         }
         self.refuse_endless_wait(id)?;
+        // Registered before the `Get` goes out, so that its delivery finds
+        // them; gone when this get ends, however it ends.
+        let _targets = targets.and_then(|ts| TargetsGuard::register(&self.w, id, ts));
         self.w.tx.send(&ToDriver::Get { object: id })?;
         let _done = GetGuard {
             w: &self.w,
@@ -293,7 +374,7 @@ impl ActorRuntime {
         if let Some(l) = landing {
             l.await.map_err(Error::from)?;
         }
-        self.decode(id, &v)
+        Ok(v)
     }
 
     /// HO-6: inside a method that runs alone, a wait for the result of a
@@ -311,8 +392,8 @@ impl ActorRuntime {
         Ok(())
     }
 
-    fn decode<T: DeserializeOwned>(&self, id: u64, v: &StoredValue) -> Result<T> {
-        crate::client::decode(None, &v.data, &v.tensors).map_err(|e| Error::Decode {
+    fn decode<T: DeserializeOwned>(&self, id: u64, data: &[u8], tensors: &[Tensor]) -> Result<T> {
+        crate::client::decode(None, data, tensors).map_err(|e| Error::Decode {
             what: format!("object {id} as {}", std::any::type_name::<T>()),
             message: e.to_string(),
         })

@@ -14,12 +14,18 @@
 //! 4. A method's panic is caught and becomes the call's error (HO-5).
 //! 5. The worker exits when the driver's connection ends (and the kernel
 //!    kills it if the driver dies first).
-//! 6. A `Free` has taken effect before any call behind it starts: a freed
+//! 6. **WK-6** A `Free` has taken effect before any call behind it starts: a freed
 //!    value that the control loop drops on the blocking pool (large ones,
 //!    so that the frames behind the `Free` are not held up) is counted
 //!    in [`AsideDrops`], and a call waits for the count to reach zero
 //!    before its method runs. So memory the driver freed is gone by the
 //!    time a later call looks (`trim`, `wait_tensor_freed`, a slab count).
+//! 7. **WK-7** A delivery's receive puts the tensors into the target tensors an
+//!    actor's `get_into` registered for that object (in [`WorkerShared`]'s
+//!    `targets`, before its `Get` is sent), when they fit the object's
+//!    metadata; else anywhere (`get_into` then copies, or fails with
+//!    `Error::Targets` and the received value stays stored). A target that
+//!    does not fit never fails the receive: bad targets lose nothing.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -31,7 +37,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
-use rdt_transport::{object_store, Peer, Sidedness, Tensor};
+use rdt_transport::{object_store, Peer, Sidedness, Target, Tensor};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};
 use tracing::Instrument;
@@ -357,7 +363,7 @@ pub(crate) struct WorkerShared {
     /// Told when a call arrives: ends the wait that keeps the actor's
     /// thread awake after a call (within the hot window).
     call_arrived: Arc<Notify>,
-    /// Freed values still being dropped on the blocking pool (invariant 6).
+    /// Freed values still being dropped on the blocking pool (WK-6).
     drops: Arc<AsideDrops>,
     /// The refs this actor holds, counted locally (CL-1).
     local_refs: client::LocalRefs,
@@ -371,6 +377,10 @@ pub(crate) struct WorkerShared {
     /// Results of calls this actor made to itself that have not run yet
     /// (HO-6).
     self_calls: Mutex<std::collections::HashSet<u64>>,
+    /// Target tensors `get_into` waits to fill, by object (WK-7).
+    targets: Mutex<HashMap<u64, Vec<Tensor>>>,
+    /// `get_into` calls whose receive wrote into the targets itself.
+    in_place: std::sync::atomic::AtomicU64,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -487,6 +497,33 @@ impl WorkerShared {
     }
 
     /// A value received over `t`, counted, as it goes into the store.
+    /// Where the receive of `object` puts its tensors (WK-7): the
+    /// targets a `get_into` registered, if they fit `metas`.
+    fn target_for(
+        &self,
+        object: u64,
+        metas: &[rdt_transport::TensorMeta],
+        transport: &dyn rdt_transport::TensorTransport,
+    ) -> Target {
+        let targets = self.targets.lock();
+        let Some(ts) = targets.get(&object) else {
+            return Target::Any;
+        };
+        let fit = crate::client::check_targets(object, metas, ts)
+            .map_err(|e| e.to_string())
+            .and_then(|()| transport.receives_into(ts));
+        match fit {
+            Ok(()) => Target::Tensors(ts.clone()),
+            Err(why) => {
+                tracing::debug!(
+                    object,
+                    "received anywhere, then copied into the targets: {why}"
+                );
+                Target::Any
+            }
+        }
+    }
+
     fn received_value(&self, t: Transport, data: Bytes, tensors: Vec<Tensor>) -> Slot {
         *self.received.lock().entry(t).or_default() += 1;
         Slot::Ready(StoredValue {
@@ -508,7 +545,7 @@ const DROP_ASIDE_MIN: usize = 64;
 /// ... or at least this many bytes.
 const DROP_ASIDE_BYTES: usize = 1 << 20;
 
-/// Freed values being dropped on the blocking pool (invariant 6).
+/// Freed values being dropped on the blocking pool (WK-6).
 #[derive(Default)]
 pub(crate) struct AsideDrops {
     pending: std::sync::atomic::AtomicUsize,
@@ -584,6 +621,20 @@ pub fn received_objects(transport: Transport) -> u64 {
     WORKER
         .get()
         .and_then(|w| w.received.lock().get(&transport).copied())
+        .unwrap_or(0)
+}
+
+/// Inside an actor: how many of its `get_into` calls had their tensors
+/// written into the targets by the receive itself (`nccl` and `nixl` land
+/// the bytes there; `tcp`, `shm` and `cuda_ipc` copy into them as they
+/// receive), rather than received elsewhere and copied in afterwards (the
+/// object store, a value held already, targets the transport cannot write
+/// into). Tests use it to prove a weight update was received in place;
+/// outside an actor it is 0.
+pub fn received_in_place() -> u64 {
+    WORKER
+        .get()
+        .map(|w| w.in_place.load(std::sync::atomic::Ordering::Relaxed))
         .unwrap_or(0)
 }
 
@@ -736,6 +787,8 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             next_req: 1.into(),
             actor: order.worker,
             self_calls: Mutex::new(Default::default()),
+            targets: Mutex::new(HashMap::new()),
+            in_place: Default::default(),
         });
         // Before the constructor: its argument may carry actor handles,
         // which read this worker's client.
@@ -1052,16 +1105,17 @@ fn on_deliver(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
             let t0 = std::time::Instant::now();
-            let cx = rdt_transport::TransferCtx {
-                xfer,
-                group,
-                target: Default::default(),
-            };
             let shared = worker;
             let receive = async {
+                let exported = d.value.exported.get()?;
+                let cx = rdt_transport::TransferCtx {
+                    xfer,
+                    group,
+                    target: shared.target_for(object, &exported.metas, transport.1.as_ref()),
+                };
                 let tensors = transport
                     .1
-                    .receive(&from, &cx, d.value.exported.get()?)
+                    .receive(&from, &cx, exported)
                     .await
                     .map_err(Error::from)?;
                 rdt_transport::cuda::timeline("receive returned", xfer);

@@ -347,3 +347,26 @@ gpu_test2!(nccl_transfer_deadline_aborts_the_communicator, async {
     assert_eq!(rt.get(c.echo(3).remote()).await.unwrap(), 3);
     assert_usable_producer(&rt, &p).await;
 });
+
+// A weight update over nccl: the consumer receives each version into
+// views of its own flat CUDA buffer (`get_into`), in place on its GPU.
+gpu_test2!(nccl_receive_into_target_tensors, async {
+    let (rt, p, c, _) = nccl_pair().await;
+    let (n, len) = (4usize, 1000usize);
+    for first in [1.0f32, 100.0] {
+        let r = p.version(n, len, first).transport(NCCL).remote();
+        let (sums, same, one_buffer) = rt.get(c.update_params(&r, n, len).remote()).await.unwrap();
+        let want: Vec<f64> = (0..n)
+            .map(|i| f64::from(first + i as f32) * len as f64)
+            .collect();
+        assert_eq!(sums, want, "version {first}");
+        assert!(same, "the value got back holds the parameters");
+        assert!(one_buffer, "the parameters are still views of one buffer");
+    }
+    assert_eq!(
+        rt.get(c.in_place().remote()).await.unwrap(),
+        2,
+        "both versions received in place"
+    );
+    assert_nccl_path(&rt, &c, 2).await;
+});

@@ -1724,6 +1724,32 @@ impl TensorTransport for NixlTransport {
         true
     }
 
+    fn receives_into(&self, targets: &[Tensor]) -> Result<(), String> {
+        // What `destinations` and `local_dest` refuse, checked once per
+        // storage (a flat buffer's views are one check).
+        let mut last = None;
+        for t in targets {
+            if t.nbytes() == 0 || last == Some(t.storage_id()) {
+                continue;
+            }
+            last = Some(t.storage_id());
+            let ok = if t.is_cuda() {
+                t.with_device_buffer(|d| slab_of(d).is_some())
+                    .unwrap_or(false)
+            } else {
+                t.with_external(|e| e.is_none_or(|e| e.memory().as_any().is::<NixlHostMem>()))
+            };
+            if !ok {
+                return Err(format!(
+                    "target tensor {:?} is in memory nixl cannot read into (not made by rdt: \
+                     a cuda_ipc import, another transport's memory)",
+                    t.meta()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn export<'a>(
         &'a self,
         key: ObjectKey,
