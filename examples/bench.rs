@@ -118,12 +118,38 @@ impl Source {
 }
 
 #[rdt::actor]
-pub struct Sink;
+pub struct Sink {
+    params: Vec<Tensor>,
+}
 
 #[rdt::actor]
 impl Sink {
     fn new() -> Self {
-        Sink
+        Sink { params: Vec::new() }
+    }
+
+    /// A weight update: the object behind `r` received into this actor's
+    /// parameters (`get_into`): `n` views of `each` bytes of one flat host
+    /// buffer, made at the first update. Sums the first byte of each, as
+    /// `touch_all` does.
+    async fn update(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        each: usize,
+    ) -> rdt::Result<u64> {
+        if self.params.len() != n || self.params.first().is_some_and(|t| t.nbytes() != each) {
+            let flat = Tensor::zeros(DType::U8, &[n * each]);
+            self.params = (0..n)
+                .map(|i| flat.view(i * each, DType::U8, &[each]))
+                .collect::<std::result::Result<_, _>>()?;
+        }
+        let got: Vec<Tensor> = rdt::runtime().get_into(&r, &self.params).await?;
+        let mut s = 0u64;
+        for t in &got {
+            s += read_in_place(t, |b| b[0])? as u64;
+        }
+        Ok(s)
     }
 
     /// Reads the first and last byte: proves the consumer can use it.
@@ -625,6 +651,7 @@ async fn many_tensors(
         }
         let mut one = Vec::new();
         let mut many = Vec::new();
+        let mut into = Vec::new();
         // The first pass of each allocates (unmeasured).
         for i in 0..iters + 1 {
             let t = Instant::now();
@@ -640,9 +667,16 @@ async fn many_tensors(
             assert_eq!(sum, first_bytes);
             drop(r);
             rdt::data::cuda::timeline("driver many end", i as u64);
+            let many_took = t.elapsed();
+            let t = Instant::now();
+            let r = src.many(MANY_N, each).transport(transport).remote();
+            let sum = rt.get(sink.update(&r, MANY_N, each).remote()).await?;
+            assert_eq!(sum, first_bytes);
+            drop(r);
             if i > 0 {
                 one.push(one_took);
-                many.push(t.elapsed());
+                many.push(many_took);
+                into.push(t.elapsed());
             }
         }
         let kind = kind_of_pass(transport);
@@ -661,6 +695,14 @@ async fn many_tensors(
             kind,
             (MANY_N * each) as u64,
             many,
+        ));
+        rows.push(row(
+            "transports",
+            "10000 tensors of 4 KiB into the consumer's own (get_into)",
+            transport.name(),
+            kind,
+            (MANY_N * each) as u64,
+            into,
         ));
     }
     Ok(rows)
@@ -785,13 +827,21 @@ fn print(rows: &[Row]) {
             );
         }
     }
-    for r in rows.iter().filter(|r| r.case == "10000 tensors of 4 KiB") {
+    for r in rows
+        .iter()
+        .filter(|r| r.case.starts_with("10000 tensors of 4 KiB"))
+    {
         if let Some(one) = rows
             .iter()
             .find(|b| b.case == "1 tensor of 10000x4 KiB" && b.transport == r.transport)
         {
+            let how = if r.case.contains("get_into") {
+                " into the consumer's own"
+            } else {
+                ""
+            };
             println!(
-                "ratio: {} 10 000 tensors of 4 KiB take {:.2}x one tensor of their size ({:.0} ns per tensor more)",
+                "ratio: {} 10 000 tensors of 4 KiB{how} take {:.2}x one tensor of their size ({:.0} ns per tensor more)",
                 r.transport,
                 r.median_us / one.median_us,
                 (r.median_us - one.median_us) * 1e3 / 10_000.0

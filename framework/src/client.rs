@@ -333,27 +333,28 @@ pub(crate) fn check_targets(
     Ok(())
 }
 
-/// Object `id`'s tensors (`got`, as received) in `targets`: `targets`
-/// itself when the receive put them there (in place: `true`), else copied
-/// in (one copy, after [`check_targets`]: `false`).
+/// Object `id`'s tensors (`got`, as received) in `targets`: `got` as it
+/// is when the receive put them there (they are the targets: in place,
+/// `true`), else copied into `targets` (one copy, after
+/// [`check_targets`]: `false`) and those returned.
 pub(crate) fn into_targets(
     id: u64,
     targets: &[Tensor],
-    got: &[Tensor],
+    got: Vec<Tensor>,
 ) -> RdtResult<(Vec<Tensor>, bool)> {
     let in_place = targets.len() == got.len()
-        && targets.iter().zip(got).all(|(t, g)| {
+        && targets.iter().zip(&got).all(|(t, g)| {
             t.shares_storage(g)
                 && t.byte_offset() == g.byte_offset()
                 && t.dtype() == g.dtype()
                 && t.shape() == g.shape()
         });
     if in_place {
-        return Ok((targets.to_vec(), true));
+        return Ok((got, true));
     }
     let metas: Vec<_> = got.iter().map(Tensor::meta).collect();
     check_targets(id, &metas, targets)?;
-    for (i, (t, g)) in targets.iter().zip(got).enumerate() {
+    for (i, (t, g)) in targets.iter().zip(&got).enumerate() {
         t.copy_from(g).map_err(|e| Error::Targets {
             object: id,
             message: format!("copying its tensor #{i} into target #{i}: {e}"),

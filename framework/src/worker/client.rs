@@ -339,7 +339,7 @@ impl ActorRuntime {
     ) -> Result<T> {
         let id = r.borrow().id;
         let v = self.stored(id, Some(targets)).await?;
-        let (placed, in_place) = crate::client::into_targets(id, targets, &v.tensors)?;
+        let (placed, in_place) = crate::client::into_targets(id, targets, v.tensors)?;
         if in_place {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
         }

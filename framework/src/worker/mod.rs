@@ -505,15 +505,17 @@ impl WorkerShared {
         metas: &[rdt_transport::TensorMeta],
         transport: &dyn rdt_transport::TensorTransport,
     ) -> Target {
-        let targets = self.targets.lock();
-        let Some(ts) = targets.get(&object) else {
+        // Taken, not cloned (10 000 parameters are 10 000 clones): the
+        // getter keeps its own and copies into them if this receive does
+        // not take them.
+        let Some(ts) = self.targets.lock().remove(&object) else {
             return Target::Any;
         };
-        let fit = crate::client::check_targets(object, metas, ts)
+        let fit = crate::client::check_targets(object, metas, &ts)
             .map_err(|e| e.to_string())
-            .and_then(|()| transport.receives_into(ts));
+            .and_then(|()| transport.receives_into(&ts));
         match fit {
-            Ok(()) => Target::Tensors(ts.clone()),
+            Ok(()) => Target::Tensors(ts),
             Err(why) => {
                 tracing::debug!(
                     object,

@@ -641,7 +641,7 @@ pub struct NixlTransport {
 enum Kept {
     Host(#[allow(dead_code)] Arc<HostRegion>),
     Tensor(#[allow(dead_code)] Tensor),
-    /// Target tensors of a receive, all at once.
+    /// Target tensors of a receive, one per storage.
     Tensors(#[allow(dead_code)] Vec<Tensor>),
     /// The device range a receive's new tensors are slices of.
     Range(#[allow(dead_code)] Arc<crate::cuda::alloc::SlabRange>),
@@ -1268,10 +1268,46 @@ impl NixlTransport {
                         off = (off + t.storage_nbytes()).next_multiple_of(ALIGN);
                     }
                 }
-                keep.push(Kept::Tensors(ts.clone()));
-                let mut regs = SlabRegistrations::default();
+                // One tensor per storage keeps its memory (a flat buffer's
+                // views are one).
+                let mut storages: Vec<Tensor> = Vec::new();
                 for t in ts {
-                    dests.push(self.local_dest(agent, t, &mut regs).map_err(err)?);
+                    if storages.last().is_none_or(|l| !l.shares_storage(t)) {
+                        storages.push(t.clone());
+                    }
+                }
+                keep.push(Kept::Tensors(storages));
+                let mut regs = SlabRegistrations::default();
+                // Views of one storage (a flat buffer of parameters) share
+                // its lookup: each lies at the storage's base plus its
+                // offset. (The lookup also orders rdt's stream after the
+                // storage's last writer, once per storage.)
+                let mut last: Option<(usize, Desc, u64)> = None; // storage, its base, registration
+                for t in ts {
+                    let dest = match &last {
+                        Some((id, base, reg)) if *id == t.storage_id() && t.nbytes() > 0 => {
+                            Some(Dest {
+                                desc: Desc {
+                                    addr: base.addr + t.byte_offset(),
+                                    len: t.nbytes(),
+                                    ..*base
+                                },
+                                local_reg: *reg,
+                            })
+                        }
+                        _ => {
+                            let d = self.local_dest(agent, t, &mut regs).map_err(err)?;
+                            if let Some(d) = &d {
+                                let base = Desc {
+                                    addr: d.desc.addr - t.byte_offset(),
+                                    ..d.desc
+                                };
+                                last = Some((t.storage_id(), base, d.local_reg));
+                            }
+                            d
+                        }
+                    };
+                    dests.push(dest);
                 }
                 keep.extend(regs.into_kept());
                 Ok((ts.clone(), dests, keep))
