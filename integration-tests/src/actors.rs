@@ -319,33 +319,6 @@ impl Consumer {
         }
     }
 
-    /// A weight update: receives the object behind `r` into this actor's
-    /// parameters (`n` f32 tensors of `numel`, made at first use and
-    /// kept) with `get_into`. Returns the parameters' sums after, and
-    /// whether the value got back holds the parameters themselves.
-    async fn update_params(
-        &mut self,
-        r: ObjectRef<Vec<Tensor>>,
-        n: usize,
-        numel: usize,
-    ) -> rdt::Result<(Vec<f64>, bool)> {
-        if self.params.is_empty() {
-            self.params = (0..n)
-                .map(|_| Tensor::zeros(DType::F32, &[numel]))
-                .collect();
-        }
-        let targets = &self.params[..n.min(self.params.len())];
-        let got = rdt::runtime().get_into(&r, targets).await?;
-        let same =
-            got.len() == targets.len() && got.iter().zip(targets).all(|(g, p)| g.shares_storage(p));
-        let sums = self
-            .params
-            .iter()
-            .map(Tensor::sum)
-            .collect::<Result<_, _>>()?;
-        Ok((sums, same))
-    }
-
     /// Sum of a tensor.
     async fn sum(&mut self, t: Tensor) -> rdt::Result<f64> {
         self.seen += 1;
@@ -355,17 +328,6 @@ impl Consumer {
     /// Sum of two tensors.
     async fn sum2(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(f64, bool)> {
         Ok((a.sum()? + b.sum()?, a.shares_storage(&b)))
-    }
-
-    /// `get_into` with the tensors it holds (`hold`) as the targets: their
-    /// sums after.
-    async fn update_held(&mut self, r: ObjectRef<Vec<Tensor>>) -> rdt::Result<Vec<f64>> {
-        rdt::runtime().get_into(&r, &self.held).await?;
-        Ok(self
-            .held
-            .iter()
-            .map(Tensor::sum)
-            .collect::<Result<_, _>>()?)
     }
 
     /// Sum of every tensor in a batch, and its plain data.
@@ -428,11 +390,6 @@ impl Consumer {
         Ok(rdt::received_objects(transport.parse()?))
     }
 
-    /// `get_into` calls received in place (see `rdt::received_in_place`).
-    async fn in_place(&mut self) -> u64 {
-        rdt::received_in_place()
-    }
-
     /// This worker's hot window, in microseconds (`rdt::data::hot`).
     async fn hot_window_us(&mut self) -> u64 {
         rdt::data::hot::window().as_micros() as u64
@@ -483,6 +440,49 @@ impl Consumer {
         let aligned = t.with_bytes(|b| (b.as_ptr() as usize).is_multiple_of(4096))?;
         let s = rdt::data::host_pool::stats();
         Ok((t.sum()?, aligned, s.hits, s.misses))
+    }
+
+    /// A weight update: receives the object behind `r` into this actor's
+    /// parameters (`n` f32 tensors of `numel`, made at first use and
+    /// kept) with `get_into`. Returns the parameters' sums after, and
+    /// whether the value got back holds the parameters themselves.
+    async fn update_params(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        numel: usize,
+    ) -> rdt::Result<(Vec<f64>, bool)> {
+        if self.params.is_empty() {
+            self.params = (0..n)
+                .map(|_| Tensor::zeros(DType::F32, &[numel]))
+                .collect();
+        }
+        let targets = &self.params[..n.min(self.params.len())];
+        let got = rdt::runtime().get_into(&r, targets).await?;
+        let same =
+            got.len() == targets.len() && got.iter().zip(targets).all(|(g, p)| g.shares_storage(p));
+        let sums = self
+            .params
+            .iter()
+            .map(Tensor::sum)
+            .collect::<Result<_, _>>()?;
+        Ok((sums, same))
+    }
+
+    /// `get_into` with the tensors it holds (`hold`) as the targets: their
+    /// sums after.
+    async fn update_held(&mut self, r: ObjectRef<Vec<Tensor>>) -> rdt::Result<Vec<f64>> {
+        rdt::runtime().get_into(&r, &self.held).await?;
+        Ok(self
+            .held
+            .iter()
+            .map(Tensor::sum)
+            .collect::<Result<_, _>>()?)
+    }
+
+    /// `get_into` calls received in place (see `rdt::received_in_place`).
+    async fn in_place(&mut self) -> u64 {
+        rdt::received_in_place()
     }
 }
 
