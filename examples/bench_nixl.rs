@@ -520,15 +520,8 @@ async fn rdt_passes(
     }
     let r = p.many().transport(Transport::Nixl).remote();
     rt.wait(&r).await?;
-    let mut us = Vec::new();
-    for i in 0..iters_for(40 << 20, quick) + 3 {
-        let t0 = Instant::now();
-        let n = rt.get(c.touch_all(&r).remote()).await?;
-        assert_eq!(n, 10_000 * 4096);
-        if i >= 3 {
-            us.push(us_since(t0));
-        }
-    }
+    let iters = iters_for(40 << 20, quick);
+    let us = timed_passes(iters, || rt.get(c.touch_all(&r).remote())).await?;
     rows.push(row(
         cx,
         &format!("many10000_{label}"),
@@ -540,15 +533,7 @@ async fn rdt_passes(
     // The same object read into the consumer's own parameters (views of
     // one flat buffer): a weight update.
     rt.get(c.make_params(10_000, 4096).remote()).await?;
-    let mut us = Vec::new();
-    for i in 0..iters_for(40 << 20, quick) + 3 {
-        let t0 = Instant::now();
-        let n = rt.get(c.update(&r).remote()).await?;
-        assert_eq!(n, 10_000 * 4096);
-        if i >= 3 {
-            us.push(us_since(t0));
-        }
-    }
+    let us = timed_passes(iters, || rt.get(c.update(&r).remote())).await?;
     rows.push(row(
         cx,
         &format!("many10000_into_{label}"),
@@ -558,6 +543,44 @@ async fn rdt_passes(
         us,
     ));
     Ok(rows)
+}
+
+/// `iters` passes of the object of 10 000 tensors of 4 KiB after 3
+/// untimed ones; each `pass` returns the bytes the consumer saw. µs each.
+async fn timed_passes<F, Fut>(iters: usize, mut pass: F) -> rdt::Result<Vec<f64>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = rdt::Result<usize>>,
+{
+    let mut us = Vec::with_capacity(iters);
+    for i in 0..iters + 3 {
+        let t0 = Instant::now();
+        assert_eq!(pass().await?, 10_000 * 4096);
+        if i >= 3 {
+            us.push(us_since(t0));
+        }
+    }
+    Ok(us)
+}
+
+/// `n` + 3 passes of the object of 10 000 tensors of 4 KiB, numbered from
+/// `first` on the timeline; prints the median as `what`.
+async fn timeline_of<F, Fut>(what: &str, first: u64, n: usize, mut pass: F) -> rdt::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = rdt::Result<usize>>,
+{
+    let mut us = Vec::with_capacity(n + 3);
+    for i in first..first + n as u64 + 3 {
+        rdt::data::cuda::timeline("driver pass start", i);
+        let t0 = Instant::now();
+        assert_eq!(pass().await?, 10_000 * 4096);
+        us.push(us_since(t0));
+        rdt::data::cuda::timeline("driver pass end", i);
+    }
+    us.sort_by(f64::total_cmp);
+    println!("{} {what}: median {:.1} us", us.len(), us[us.len() / 2]);
+    Ok(())
 }
 
 /// Where posting `reads` READs went, per READ: the agent's lock, making
@@ -732,39 +755,20 @@ async fn timeline_many(n: usize) -> rdt::Result<()> {
     rt.get(p.prepare_many(10_000, 4096).remote()).await?;
     let r = p.many().transport(Transport::Nixl).remote();
     rt.wait(&r).await?;
-    let mut us = Vec::with_capacity(n);
-    for i in 0..n + 3 {
-        rdt::data::cuda::timeline("driver pass start", i as u64);
-        let t0 = Instant::now();
-        let got = rt.get(c.touch_all(&r).remote()).await?;
-        assert_eq!(got, 10_000 * 4096);
-        us.push(us_since(t0));
-        rdt::data::cuda::timeline("driver pass end", i as u64);
-    }
-    us.sort_by(f64::total_cmp);
-    println!(
-        "{} passes of 10 000 tensors of 4 KiB: median {:.1} us",
-        us.len(),
-        us[us.len() / 2]
-    );
+    timeline_of("passes of 10 000 tensors of 4 KiB", 0, n, || {
+        rt.get(c.touch_all(&r).remote())
+    })
+    .await?;
     // Weight updates: the same object read into the consumer's own
     // parameters (passes 100 and on).
     rt.get(c.make_params(10_000, 4096).remote()).await?;
-    let mut us = Vec::with_capacity(n);
-    for i in 100..100 + n + 3 {
-        rdt::data::cuda::timeline("driver pass start", i as u64);
-        let t0 = Instant::now();
-        let got = rt.get(c.update(&r).remote()).await?;
-        assert_eq!(got, 10_000 * 4096);
-        us.push(us_since(t0));
-        rdt::data::cuda::timeline("driver pass end", i as u64);
-    }
-    us.sort_by(f64::total_cmp);
-    println!(
-        "{} weight updates of 10 000 tensors of 4 KiB (get_into): median {:.1} us",
-        us.len(),
-        us[us.len() / 2]
-    );
+    timeline_of(
+        "weight updates of 10 000 tensors of 4 KiB (get_into)",
+        100,
+        n,
+        || rt.get(c.update(&r).remote()),
+    )
+    .await?;
     flush_timelines().await;
     Ok(())
 }
