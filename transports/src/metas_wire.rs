@@ -232,58 +232,25 @@ mod tests {
 
     #[test]
     fn columns_that_disagree_are_errors() {
+        // One CPU device; columns of dtype codes, device indices, ranks
+        // and dims.
+        let cols = |dtypes: &[u8], on: &[u8], ranks: &[u8], dims: &[u8]| Columns {
+            devices: vec![Device::Cpu],
+            dtypes: dtypes.to_vec(),
+            on: on.to_vec(),
+            ranks: ranks.to_vec(),
+            dims: dims.to_vec(),
+        };
         let bad = [
-            Columns {
-                devices: vec![Device::Cpu],
-                dtypes: vec![0],
-                on: vec![1],
-                ranks: vec![0],
-                dims: vec![],
-            },
-            Columns {
-                devices: vec![Device::Cpu],
-                dtypes: vec![0],
-                on: vec![0],
-                ranks: vec![2],
-                dims: vec![3],
-            },
-            Columns {
-                devices: vec![Device::Cpu],
-                dtypes: vec![0],
-                on: vec![0],
-                ranks: vec![1],
-                dims: vec![3, 4],
-            },
-            Columns {
-                devices: vec![Device::Cpu],
-                dtypes: vec![0, 0],
-                on: vec![0],
-                ranks: vec![0, 0],
-                dims: vec![],
-            },
+            cols(&[0], &[1], &[0], &[]),
+            cols(&[0], &[0], &[2], &[3]),
+            cols(&[0], &[0], &[1], &[3, 4]),
+            cols(&[0, 0], &[0], &[0, 0], &[]),
             // An unknown dtype code.
-            Columns {
-                devices: vec![Device::Cpu],
-                dtypes: vec![12],
-                on: vec![0],
-                ranks: vec![0],
-                dims: vec![],
-            },
+            cols(&[12], &[0], &[0], &[]),
             // A dimension cut short, and one past 64 bits.
-            Columns {
-                devices: vec![Device::Cpu],
-                dtypes: vec![0],
-                on: vec![0],
-                ranks: vec![1],
-                dims: vec![0x80],
-            },
-            Columns {
-                devices: vec![Device::Cpu],
-                dtypes: vec![0],
-                on: vec![0],
-                ranks: vec![1],
-                dims: vec![0xff; 11],
-            },
+            cols(&[0], &[0], &[1], &[0x80]),
+            cols(&[0], &[0], &[1], &[0xff; 11]),
         ];
         for c in bad {
             let bytes = postcard::to_allocvec(&c).unwrap();
