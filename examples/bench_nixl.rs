@@ -41,6 +41,7 @@ use serde::{Deserialize, Serialize};
 pub struct NixlSource {
     kept: std::collections::HashMap<usize, Tensor>,
     many: Vec<Tensor>,
+    host: Option<Tensor>,
 }
 
 #[rdt::actor]
@@ -49,6 +50,7 @@ impl NixlSource {
         NixlSource {
             kept: Default::default(),
             many: Vec::new(),
+            host: None,
         }
     }
 
@@ -66,6 +68,19 @@ impl NixlSource {
             .get(&bytes)
             .cloned()
             .ok_or_else(|| Error::Protocol(format!("no tensor of {bytes} B prepared")))
+    }
+
+    /// Makes the host tensor of `bytes` bytes now.
+    async fn prepare_host(&mut self, bytes: usize) -> usize {
+        self.host = Some(Tensor::full(1u8, &[bytes]));
+        bytes
+    }
+
+    /// The host tensor.
+    async fn host_tensor(&mut self) -> rdt::Result<Tensor> {
+        self.host
+            .clone()
+            .ok_or_else(|| Error::Protocol("no host tensor prepared".into()))
     }
 
     /// Makes `n` tensors of `each` bytes.
@@ -145,6 +160,12 @@ impl NixlSink {
         Ok(t.nbytes())
     }
 
+    /// Sets this worker's read spin (`rdt::data::nixl::set_read_spin`).
+    async fn set_read_spin(&mut self, us: u64) -> u64 {
+        rdt::data::nixl::set_read_spin(std::time::Duration::from_micros(us));
+        us
+    }
+
     /// This worker's NIXL counters.
     async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
         rdt::data::nixl::stats()
@@ -199,6 +220,10 @@ struct RawPlan {
     conn: Vec<u8>,
     cases: Vec<RawCase>,
     quick: bool,
+    /// The buffers are in host memory (`--host`), not on GPU 0.
+    host: bool,
+    /// Host buffers are page-locked with CUDA (`--pin`), as rdt's are.
+    pin: bool,
 }
 
 /// What the reader measured: (case, bytes, µs per READ) and the first
@@ -220,14 +245,27 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
             agent.load_remote(md).map_err(|e| e.0)?;
         }
         let total: usize = c.ranges.iter().map(|r| r.1).sum();
+        let mem = if plan.host {
+            Memory::Host
+        } else {
+            Memory::Cuda(0)
+        };
         // Local buffers: one allocation, the ranges back to back.
-        let buf = Tensor::cuda_zeros(DType::U8, &[total], 0).map_err(|e| e.to_string())?;
-        let base = buf
-            .with_device_buffer(|d| d.device_ptr())
-            .map_err(|e| e.to_string())?;
-        agent
-            .register(Memory::Cuda(0), base, total)
-            .map_err(|e| e.0)?;
+        let mut host_buf = Vec::new();
+        let base = if plan.host {
+            host_buf = vec![0u8; total];
+            if plan.pin {
+                // SAFETY: unpinned below, before the buffer is dropped.
+                unsafe { rdt::data::cuda::pin_host(host_buf.as_mut_ptr(), total) }
+                    .map_err(|e| e.to_string())?;
+            }
+            host_buf.as_ptr() as u64
+        } else {
+            let buf = Tensor::cuda_zeros(DType::U8, &[total], 0).map_err(|e| e.to_string())?;
+            buf.with_device_buffer(|d| d.device_ptr())
+                .map_err(|e| e.to_string())?
+        };
+        agent.register(mem, base, total).map_err(|e| e.0)?;
         let mut local = Vec::with_capacity(c.ranges.len());
         let mut off = 0u64;
         for r in &c.ranges {
@@ -243,16 +281,15 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
         };
         for notif in notifs {
             let mut us = Vec::new();
-            let s0 = rdt::data::nixl::stats();
+            let mut s0 = rdt::data::nixl::stats();
             for i in 0..iters + 3 {
+                if i == 3 {
+                    // The split below leaves out the warm-up READs.
+                    s0 = rdt::data::nixl::stats();
+                }
                 let t0 = Instant::now();
                 agent
-                    .read(
-                        (Memory::Cuda(0), &local),
-                        (Memory::Cuda(0), &c.ranges),
-                        &peer,
-                        notif,
-                    )
+                    .read((mem, &local), (mem, &c.ranges), &peer, notif)
                     .map_err(|e| e.0)?;
                 let t = us_since(t0);
                 if first.is_nan() {
@@ -271,14 +308,17 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
                 let s1 = rdt::data::nixl::stats();
                 eprintln!(
                     "   raw 4 KiB {case}: per READ {}",
-                    post_split(&s0, &s1, (iters + 3) as f64)
+                    post_split(&s0, &s1, iters as f64)
                 );
             }
             out.push((case, total, us));
         }
-        agent
-            .deregister(Memory::Cuda(0), base, total)
-            .map_err(|e| e.0)?;
+        agent.deregister(mem, base, total).map_err(|e| e.0)?;
+        if plan.host && plan.pin {
+            // SAFETY: pinned above, still alive.
+            unsafe { rdt::data::cuda::unpin_host(host_buf.as_mut_ptr()) };
+        }
+        drop(host_buf);
     }
     Ok((out, first))
 }
@@ -287,7 +327,7 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
 /// with the same single-GPU view as an rdt worker): registers one buffer
 /// per case on its GPU 0, prints the plan, and keeps everything until its
 /// stdin closes.
-async fn raw_holder(sizes: &[usize], quick: bool) -> rdt::Result<()> {
+async fn raw_holder(sizes: &[usize], quick: bool, host: bool, pin: bool) -> rdt::Result<()> {
     // As in an rdt worker: the process's CUDA context exists before the
     // agent is made.
     Tensor::cuda_zeros(DType::U8, &[4096], 0)?
@@ -298,18 +338,33 @@ async fn raw_holder(sizes: &[usize], quick: bool) -> rdt::Result<()> {
     let mut cases = Vec::new();
     let mut shapes: Vec<(String, usize, usize)> =
         sizes.iter().map(|&b| ("pass".into(), 1, b)).collect();
-    shapes.push(("many10000".into(), 10_000, 4 << 10));
-    shapes.push(("one40M".into(), 1, 40 << 20));
+    if !host {
+        shapes.push(("many10000".into(), 10_000, 4 << 10));
+        shapes.push(("one40M".into(), 1, 40 << 20));
+    }
+    let mem = if host { Memory::Host } else { Memory::Cuda(0) };
     let mut regs = Vec::new();
+    let mut held_host = Vec::new();
     for (case, n, each) in shapes {
         // One allocation per case, registered once; the buffers are
         // ranges of it (as rdt's slabs are).
-        let t = Tensor::cuda_full(3u8, &[n * each], 0)?;
-        t.cuda_ready().await?;
-        let base = t.with_device_buffer(|d| d.device_ptr())?;
-        let md = agent
-            .register(Memory::Cuda(0), base, n * each)
-            .map_err(err)?;
+        let base = if host {
+            let mut b = vec![3u8; n * each];
+            if pin {
+                // SAFETY: unpinned below, before the buffer is dropped.
+                unsafe { rdt::data::cuda::pin_host(b.as_mut_ptr(), n * each) }?;
+            }
+            let base = b.as_ptr() as u64;
+            held_host.push(b);
+            base
+        } else {
+            let t = Tensor::cuda_full(3u8, &[n * each], 0)?;
+            t.cuda_ready().await?;
+            let base = t.with_device_buffer(|d| d.device_ptr())?;
+            held.push(t);
+            base
+        };
+        let md = agent.register(mem, base, n * each).map_err(err)?;
         regs.push((base, n * each));
         let ranges: Vec<(u64, usize)> = (0..n).map(|i| (base + (i * each) as u64, each)).collect();
         cases.push(RawCase {
@@ -317,21 +372,28 @@ async fn raw_holder(sizes: &[usize], quick: bool) -> rdt::Result<()> {
             ranges,
             mds: vec![md],
         });
-        held.push(t);
     }
     let plan = RawPlan {
         conn: agent.connection_md().map_err(err)?,
         cases,
         quick,
+        host,
+        pin,
     };
     println!("PLAN {}", serde_json::to_string(&plan).map_err(err)?);
     // Until the parent says the reader is done.
     let mut rest = String::new();
     let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
     for (base, len) in regs {
-        agent.deregister(Memory::Cuda(0), base, len).map_err(err)?;
+        agent.deregister(mem, base, len).map_err(err)?;
     }
     drop(held);
+    for mut b in held_host {
+        if pin {
+            // SAFETY: pinned above, still alive.
+            unsafe { rdt::data::cuda::unpin_host(b.as_mut_ptr()) };
+        }
+    }
     Ok(())
 }
 
@@ -349,6 +411,14 @@ async fn raw_baseline(
     let exe = std::env::current_exe()?;
     let mut holder = tokio::process::Command::new(&exe)
         .arg("--raw-holder")
+        // Nothing reads its stdout after the plan: UCX's tables there
+        // would fill the pipe and stop it.
+        .env_remove("UCX_PROTO_INFO")
+        .args(match label {
+            "host" => vec!["--host"],
+            "host_pinned" => vec!["--host", "--pin"],
+            _ => vec![],
+        })
         // UCX's diagnostics (stderr, into the log): what it could register.
         .env(
             "UCX_LOG_LEVEL",
@@ -411,6 +481,10 @@ async fn raw_baseline(
         .find_map(|l| l.find("RAW [").map(|i| &l[i + 4..]))
         .ok_or_else(|| err(format!("the raw NIXL reader said: {text}")))?;
     let (cases, first): RawResult = serde_json::from_str(line).map_err(err)?;
+    // What UCX picked for the reads (UCX_PROTO_INFO's table headers).
+    for l in text.lines().filter(|l| l.contains("memory read")) {
+        println!("   raw {label} reader, UCX: {}", l.trim());
+    }
     let mut rows = vec![row(
         cx,
         &format!("first_read_{label}"),
@@ -612,7 +686,10 @@ async fn main() -> rdt::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     if args.iter().any(|a| a == "--raw-holder") {
-        return raw_holder(&sizes(quick), quick).await;
+        let host = args.iter().any(|a| a == "--host");
+        let pin = args.iter().any(|a| a == "--pin");
+        let sizes = if host { vec![4 << 10] } else { sizes(quick) };
+        return raw_holder(&sizes, quick, host, pin).await;
     }
     if args.iter().any(|a| a == "--raw-reader") {
         let mut line = String::new();
@@ -634,7 +711,13 @@ async fn main() -> rdt::Result<()> {
         .and_then(|i| args.get(i + 1))
         .and_then(|n| n.parse().ok())
     {
-        return small_passes(n).await;
+        let spin = args
+            .iter()
+            .position(|a| a == "--spin-us")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(30);
+        return small_passes(n, spin).await;
     }
     let json = args
         .iter()
@@ -743,7 +826,7 @@ async fn main() -> rdt::Result<()> {
 async fn timeline_passes(n: usize) -> rdt::Result<()> {
     // Before any worker starts: they inherit it.
     std::env::set_var("RDT_TIMELINE", "1");
-    small_passes(n).await
+    small_passes(n, 0).await
 }
 
 /// `--timeline-many`: passes of the object of 10 000 tensors of 4 KiB
@@ -774,32 +857,83 @@ async fn timeline_many(n: usize) -> rdt::Result<()> {
 }
 
 /// `--small-passes N`: N passes of 4 KiB (across GPUs where two are
-/// visible), nothing else (for a profiler); prints the median.
-async fn small_passes(n: usize) -> rdt::Result<()> {
+/// visible) of a CUDA tensor, then of a host tensor, each in four rounds
+/// that alternate the consumer's read spin (`set_read_spin`: 0, then
+/// `--spin-us`, default 30 µs; `--spin-us 0`: one round with the default
+/// spin). Prints, per
+/// round: the median pass and, per READ, the post, post to end, and how
+/// many asks of NIXL it took (after a yield / in all).
+async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
+    // The raw baselines first, in the same run: host memory, and device
+    // memory as the consumer below reads it.
+    let g0 = rdt::data::cuda::gpu(0).map_err(err)?;
+    let cx = Ctx {
+        device: format!("cuda ({})", g0.uuid()),
+        device_name: g0.name(),
+        commit: std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()),
+    };
+    let visible: Vec<String> = match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) if !v.is_empty() => v.split(',').map(str::to_string).collect(),
+        _ => (0..rdt::data::cuda::device_count())
+            .map(|i| i.to_string())
+            .collect(),
+    };
+    let reader_gpu = visible.get(1).unwrap_or(&visible[0]);
+    raw_baseline(&cx, "host", &visible[0], &visible[0], true).await?;
+    raw_baseline(&cx, "host_pinned", &visible[0], &visible[0], true).await?;
+    raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
     let (rt, p, c) = producer_and_consumer().await?;
     let bytes = 4usize << 10;
     rt.get(p.prepare(bytes).remote()).await?;
-    let r = p.tensor(bytes).transport(Transport::Nixl).remote();
-    rt.wait(&r).await?;
-    let s0 = rt.get(c.nixl_stats().remote()).await?;
-    let mut us = Vec::with_capacity(n);
-    for _ in 0..n {
-        rdt::data::cuda::timeline("driver pass start", bytes as u64);
-        let t0 = Instant::now();
+    rt.get(p.prepare_host(bytes).remote()).await?;
+    // `None`: the default spin, left as it is.
+    let spins: Vec<Option<u64>> = if spin_us == 0 {
+        vec![None]
+    } else {
+        vec![Some(0), Some(spin_us), Some(0), Some(spin_us)]
+    };
+    for host in [false, true] {
+        let r = if host {
+            p.host_tensor().transport(Transport::Nixl).remote()
+        } else {
+            p.tensor(bytes).transport(Transport::Nixl).remote()
+        };
+        rt.wait(&r).await?;
+        // The first pass of a pair connects (untimed).
         rt.get(c.touch(&r).remote()).await?;
-        us.push(us_since(t0));
-        rdt::data::cuda::timeline("driver pass end", bytes as u64);
+        for &spin in &spins {
+            if let Some(us) = spin {
+                rt.get(c.set_read_spin(us).remote()).await?;
+            }
+            let spin = spin.map_or("default".to_string(), |us| format!("{us} us"));
+            let s0 = rt.get(c.nixl_stats().remote()).await?;
+            let mut us = Vec::with_capacity(n);
+            for _ in 0..n {
+                rdt::data::cuda::timeline("driver pass start", bytes as u64);
+                let t0 = Instant::now();
+                rt.get(c.touch(&r).remote()).await?;
+                us.push(us_since(t0));
+                rdt::data::cuda::timeline("driver pass end", bytes as u64);
+            }
+            let s1 = rt.get(c.nixl_stats().remote()).await?;
+            let reads = (s1.reads_posted - s0.reads_posted).max(1) as f64;
+            us.sort_by(f64::total_cmp);
+            println!(
+                "{n} passes of 4 KiB, {} memory, read spin {spin}: median {:.1} us; per read: \
+                 post {:.1} us ({}), post to end {:.1} us, asks {:.1} ({:.1} after a yield), \
+                 {} of {} ended inline",
+                if host { "host" } else { "device" },
+                us[n / 2],
+                (s1.post_nanos - s0.post_nanos) as f64 / reads / 1e3,
+                post_split(&s0, &s1, reads),
+                (s1.read_nanos - s0.read_nanos) as f64 / reads / 1e3,
+                (s1.read_asks - s0.read_asks) as f64 / reads,
+                (s1.read_asks_after_yield - s0.read_asks_after_yield) as f64 / reads,
+                s1.reads_done_inline - s0.reads_done_inline,
+                s1.reads_posted - s0.reads_posted,
+            );
+        }
     }
-    let s1 = rt.get(c.nixl_stats().remote()).await?;
-    let reads = (s1.reads_posted - s0.reads_posted).max(1) as f64;
-    us.sort_by(f64::total_cmp);
-    println!(
-        "{n} passes of 4 KiB: median {:.1} us; per read: post {:.1} us ({}), post to end {:.1} us",
-        us[n / 2],
-        (s1.post_nanos - s0.post_nanos) as f64 / reads / 1e3,
-        post_split(&s0, &s1, reads),
-        (s1.read_nanos - s0.read_nanos) as f64 / reads / 1e3,
-    );
     flush_timelines().await;
     Ok(())
 }

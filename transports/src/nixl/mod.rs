@@ -144,6 +144,12 @@ pub struct NixlStats {
     /// READs that ended on the receiving task itself (at post, or polled
     /// within the hot window), without the poller thread.
     pub reads_done_inline: u64,
+    /// Times the receiving task asked NIXL how its READs stood (each ask
+    /// progresses UCX); with `reads_posted`, how many asks a read took.
+    pub read_asks: u64,
+    /// Of those asks, the ones made after a yield to the executor (the
+    /// others were made at once, within [`set_read_spin`]'s budget).
+    pub read_asks_after_yield: u64,
 }
 
 #[derive(Default)]
@@ -162,6 +168,8 @@ struct Counters {
     post_submit_nanos: AtomicU64,
     read_nanos: AtomicU64,
     reads_done_inline: AtomicU64,
+    read_asks: AtomicU64,
+    read_asks_after_yield: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -196,7 +204,46 @@ pub fn stats() -> NixlStats {
         post_submit_nanos: post_submit,
         read_nanos: c.read_nanos.load(Ordering::Relaxed),
         reads_done_inline: c.reads_done_inline.load(Ordering::Relaxed),
+        read_asks: c.read_asks.load(Ordering::Relaxed),
+        read_asks_after_yield: c.read_asks_after_yield.load(Ordering::Relaxed),
     }
+}
+
+/// [`set_read_spin`]'s default.
+pub const DEFAULT_READ_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
+
+/// Microseconds of [`set_read_spin`]'s budget; `u64::MAX` until read.
+static READ_SPIN_US: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// How long a receive asks NIXL for its READs again at once, without
+/// yielding to the executor, after posting them (within the hot window
+/// only; past the budget it yields between asks, past the window the
+/// poller thread takes over). Default: `RDT_NIXL_READ_SPIN_US`, else
+/// [`DEFAULT_READ_SPIN`].
+///
+/// Yielding between asks let other tasks of the executor run, and each
+/// round cost several microseconds: on one H100 host (2026-11-24,
+/// `bench_nixl --small-passes`) a 4 KiB device pass took 84–89 µs with
+/// 30 µs of spin and 91–101 µs without. A host READ ends at the first ask
+/// either way.
+pub fn set_read_spin(d: std::time::Duration) {
+    READ_SPIN_US.store(
+        d.as_micros().min(u64::MAX as u128 - 1) as u64,
+        Ordering::Relaxed,
+    );
+}
+
+fn read_spin() -> std::time::Duration {
+    let mut us = READ_SPIN_US.load(Ordering::Relaxed);
+    if us == u64::MAX {
+        us = std::env::var("RDT_NIXL_READ_SPIN_US")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_READ_SPIN.as_micros() as u64);
+        let _ = READ_SPIN_US.compare_exchange(u64::MAX, us, Ordering::Relaxed, Ordering::Relaxed);
+        us = READ_SPIN_US.load(Ordering::Relaxed);
+    }
+    std::time::Duration::from_micros(us)
 }
 
 /// Is NIXL usable in this process? The error says how to install it.
@@ -207,10 +254,37 @@ pub fn available() -> Result<(), NixlError> {
 /// The agent of this process, once made.
 static STARTED_AGENT: OnceLock<Result<Arc<Agent>, NixlError>> = OnceLock::new();
 
+/// Counts the notices that arrived: each carries the number of reads its
+/// sender finished (PL-3), as 8 bytes little-endian; anything else counts
+/// one.
 fn drain_notifications(agent: &Agent) {
     if let Ok(n) = agent.take_notifications() {
-        bump(&COUNTERS.reads_served, n.len() as u64);
+        let reads: u64 = n.iter().map(|(_, msg)| reads_in(msg)).sum();
+        bump(&COUNTERS.reads_served, reads);
     }
+}
+
+/// The number of reads a notice reports (see [`drain_notifications`]).
+fn reads_in(notice: &[u8]) -> u64 {
+    <[u8; 8]>::try_from(notice)
+        .map(u64::from_le_bytes)
+        .unwrap_or(1)
+}
+
+/// Sends each producer the number of its reads that ended here since the
+/// last notice (the poller's PL-3), then lets UCX send them now: a notice
+/// left in UCX's queue would go out inside this process's next read.
+fn send_notices(agent: &Agent, reads: HashMap<String, u64>) {
+    for (producer, n) in reads {
+        if let Err(e) = agent.gen_notif(&producer, &n.to_le_bytes()) {
+            tracing::debug!(
+                "nixl: notifying {producer} of {n} finished reads failed: {}",
+                e.0
+            );
+        }
+    }
+    // Progresses the worker (and counts what this process served).
+    drain_notifications(agent);
 }
 
 /// A registration with this process's agent, undone on drop (NX-2).
@@ -1035,7 +1109,6 @@ impl NixlTransport {
                 local_reg: d.local_reg,
             });
         }
-        let notif = h.key.to_le_bytes();
         let poller = Poller::get(&agent);
         let keep = Arc::new(keep);
         // UCX's CUDA transports work in the calling thread's context: bind
@@ -1077,12 +1150,25 @@ impl NixlTransport {
         // asks), and hand the rest to the poller. Waking the poller and
         // being woken by it cost more than such a read on a busy host.
         let window = crate::hot::window();
+        let spin = read_spin().min(window);
+        let posted_at = std::time::Instant::now();
+        let mut yielded = false;
         loop {
             posted.settle().map_err(|e| reading(e.0))?;
+            bump(&COUNTERS.read_asks, 1);
+            if yielded {
+                bump(&COUNTERS.read_asks_after_yield, 1);
+            }
             if posted.reqs.is_empty() || started.elapsed() >= window {
                 break;
             }
+            if posted_at.elapsed() < spin {
+                std::hint::spin_loop();
+                yielded = false;
+                continue;
+            }
             tokio::task::yield_now().await;
+            yielded = true;
         }
         let waits = posted.hand_to_poller();
         for w in waits {
@@ -1094,24 +1180,12 @@ impl NixlTransport {
         }
         bump(&COUNTERS.read_nanos, started.elapsed().as_nanos() as u64);
         crate::cuda::timeline("nixl read done", cx.xfer);
-        // The producer hears that the read ended (its `reads_served`), in
-        // a task of its own: the call costs 10-20 µs on the GPU host, and
-        // the tensors are the method's now. Release does not wait for it
-        // (NX-5): a lost notice loses a count, nothing else.
-        let notify = move || {
-            if let Err(e) = agent.gen_notif(&h.agent, &notif) {
-                tracing::debug!(
-                    "nixl: notifying {} of a finished read failed: {}",
-                    h.agent,
-                    e.0
-                );
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn(async move { notify() })),
-            Err(_) => notify(),
-        }
-        crate::cuda::timeline("nixl notice spawned", cx.xfer);
+        // The producer hears that the read ended (its `reads_served`),
+        // later and in one message per producer (PL-3): a notice sent now
+        // would go out inside this process's next read. Release does not
+        // wait for it (NX-5): a lost notice loses a count, nothing else.
+        poller.notice(&h.agent);
+        crate::cuda::timeline("nixl notice queued", cx.xfer);
         Ok(out)
     }
 
@@ -2160,9 +2234,19 @@ mod tests {
         let got = unsafe { std::slice::from_raw_parts(dst.ptr(), len) };
         assert!(got.iter().enumerate().all(|(i, &v)| v == (i % 251) as u8));
         expect_notification(&a, "rdt-unit-b", &42u64.to_le_bytes());
-        // A notification on its own (rdt's reads send theirs so).
-        b.gen_notif("rdt-unit-a", &7u64.to_le_bytes()).unwrap();
+        // A notification on its own (rdt's reads send theirs so): the
+        // count of reads since the last one, to each producer.
+        send_notices(&b, HashMap::from([("rdt-unit-a".to_string(), 7)]));
         expect_notification(&a, "rdt-unit-b", &7u64.to_le_bytes());
+    }
+
+    #[test]
+    fn a_notice_reports_its_count_of_reads() {
+        assert_eq!(reads_in(&7u64.to_le_bytes()), 7);
+        assert_eq!(reads_in(&1u64.to_le_bytes()), 1);
+        // Not rdt's: one read.
+        assert_eq!(reads_in(b"hello"), 1);
+        assert_eq!(reads_in(&[]), 1);
     }
 
     /// Waits (20 s at most) for `agent`'s next notifications: exactly one,
