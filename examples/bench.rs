@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 // The raw baselines size their sockets as rdt's control connections do.
 use rdt::__bench::size_socket_buffers;
 use rdt::prelude::*;
-use rdt_examples::{Kind, Row};
+use rdt_examples::{arg_value, Kind, Row};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[rdt::actor]
@@ -540,14 +540,6 @@ fn cpu_transports() -> Vec<Transport> {
 
 /// `--transport NAME` and `--size BYTES` narrow the transports suite (for
 /// profiling one case).
-fn arg_value(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-}
-
 async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
     let only_transport = arg_value("--transport");
     let only_size: Option<usize> = arg_value("--size").and_then(|s| s.parse().ok());
@@ -892,16 +884,9 @@ async fn main() -> rdt::Result<()> {
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let suite = args.first().cloned().unwrap_or_else(|| "control".into());
-    let json = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1))
-        .cloned();
+    let json = arg_value("--json");
     let quick = args.iter().any(|a| a == "--quick");
-    let passes = args
-        .iter()
-        .position(|a| a == "--passes")
-        .and_then(|i| args.get(i + 1))
+    let passes = arg_value("--passes")
         .and_then(|n| n.parse().ok())
         .unwrap_or(100_000);
     if suite == "timeline" {

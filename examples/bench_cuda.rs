@@ -47,7 +47,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use rdt::prelude::*;
-use rdt_examples::{median_of, Kind, Row};
+use rdt_examples::{arg_value, median_of, Kind, Row};
 
 // ANCHOR: source
 #[rdt::actor]
@@ -246,10 +246,7 @@ fn median(rows: &[Row], placement: &str, case: &str, transport: &str, bytes: usi
 #[rdt::main]
 async fn main() -> rdt::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let json = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1).cloned());
+    let json = arg_value("--json");
     let quick = args.iter().any(|a| a == "--quick");
     rdt::data::cuda::available().map_err(cuda_err)?;
     let n_gpus = rdt::data::cuda::device_count();

@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use rdt::data::nccl::{Communicator, P2p, UniqueId};
 use rdt::prelude::*;
-use rdt_examples::{median_of, Kind, Row};
+use rdt_examples::{arg_value, median_of, Kind, Row};
 use serde::Serialize;
 
 /// Side of the overlap workload's matrices.
@@ -475,10 +475,7 @@ async fn main() -> rdt::Result<()> {
         println!("RAW {}", serde_json::to_string(&r).map_err(cuda_err)?);
         return Ok(());
     }
-    let json = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1).cloned());
+    let json = arg_value("--json");
     rdt::data::cuda::available().map_err(cuda_err)?;
     if args.iter().any(|a| a == "--timeline") {
         return timeline_passes().await;

@@ -34,7 +34,7 @@ use std::time::Instant;
 
 use rdt::data::nixl::raw::{Memory, RawAgent};
 use rdt::prelude::*;
-use rdt_examples::{Kind, Row};
+use rdt_examples::{arg_value, Kind, Row};
 use serde::{Deserialize, Serialize};
 
 #[rdt::actor]
@@ -184,6 +184,29 @@ struct Ctx {
     device: String,
     device_name: String,
     commit: String,
+}
+
+impl Ctx {
+    /// This run's GPU 0 and commit (`RDT_COMMIT`, set by `run.sh`).
+    fn of_this_run() -> rdt::Result<Ctx> {
+        let g0 = rdt::data::cuda::gpu(0).map_err(err)?;
+        Ok(Ctx {
+            device: format!("cuda ({})", g0.uuid()),
+            device_name: g0.name(),
+            commit: std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()),
+        })
+    }
+}
+
+/// The GPUs this process sees, as `CUDA_VISIBLE_DEVICES` names them (for
+/// the raw children, which each see one).
+fn visible_gpus() -> Vec<String> {
+    match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(v) if !v.is_empty() => v.split(',').map(str::to_string).collect(),
+        _ => (0..rdt::data::cuda::device_count())
+            .map(|i| i.to_string())
+            .collect(),
+    }
 }
 
 fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<f64>) -> Row {
@@ -705,39 +728,19 @@ async fn main() -> rdt::Result<()> {
     if args.iter().any(|a| a == "--timeline-many") {
         return timeline_many(8).await;
     }
-    if let Some(n) = args
-        .iter()
-        .position(|a| a == "--small-passes")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|n| n.parse().ok())
-    {
-        let spin = args
-            .iter()
-            .position(|a| a == "--spin-us")
-            .and_then(|i| args.get(i + 1))
+    if let Some(n) = arg_value("--small-passes").and_then(|n| n.parse().ok()) {
+        let spin = arg_value("--spin-us")
             .and_then(|n| n.parse().ok())
             .unwrap_or(30);
         return small_passes(n, spin).await;
     }
-    let json = args
-        .iter()
-        .position(|a| a == "--json")
-        .and_then(|i| args.get(i + 1).cloned());
+    let json = arg_value("--json");
     rdt::data::cuda::available().map_err(err)?;
     rdt::data::nixl::available().map_err(err)?;
     let n_gpus = rdt::data::cuda::device_count();
-    let commit = std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into());
-    println!("== bench_nixl  commit {commit}  {n_gpus} GPU(s)");
-    let g0 = rdt::data::cuda::gpu(0).map_err(err)?;
-    let cx = Ctx {
-        device: format!("cuda ({})", g0.uuid()),
-        device_name: g0.name(),
-        commit,
-    };
-    let visible: Vec<String> = match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(v) if !v.is_empty() => v.split(',').map(str::to_string).collect(),
-        _ => (0..n_gpus).map(|i| i.to_string()).collect(),
-    };
+    let cx = Ctx::of_this_run()?;
+    println!("== bench_nixl  commit {}  {n_gpus} GPU(s)", cx.commit);
+    let visible = visible_gpus();
     let sizes = sizes(quick);
     let mut rows = Vec::new();
     rows.extend(raw_baseline(&cx, "same", &visible[0], &visible[0], quick).await?);
@@ -866,18 +869,8 @@ async fn timeline_many(n: usize) -> rdt::Result<()> {
 async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
     // The raw baselines first, in the same run: host memory, and device
     // memory as the consumer below reads it.
-    let g0 = rdt::data::cuda::gpu(0).map_err(err)?;
-    let cx = Ctx {
-        device: format!("cuda ({})", g0.uuid()),
-        device_name: g0.name(),
-        commit: std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()),
-    };
-    let visible: Vec<String> = match std::env::var("CUDA_VISIBLE_DEVICES") {
-        Ok(v) if !v.is_empty() => v.split(',').map(str::to_string).collect(),
-        _ => (0..rdt::data::cuda::device_count())
-            .map(|i| i.to_string())
-            .collect(),
-    };
+    let cx = Ctx::of_this_run()?;
+    let visible = visible_gpus();
     let reader_gpu = visible.get(1).unwrap_or(&visible[0]);
     raw_baseline(&cx, "host", &visible[0], &visible[0], true).await?;
     raw_baseline(&cx, "host_pinned", &visible[0], &visible[0], true).await?;

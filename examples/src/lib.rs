@@ -127,3 +127,13 @@ pub fn median_of<'a>(
         .map(|r| r.median_us)
         .unwrap_or(f64::NAN)
 }
+
+/// The command-line argument after `name` (`--json PATH` gives `PATH`),
+/// if `name` is there and something follows it.
+pub fn arg_value(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}

@@ -46,49 +46,79 @@ pub const DEFAULT_WINDOW: Duration = Duration::from_millis(5);
 /// Machines with fewer cores than this default to no hot window.
 pub const MIN_CORES_TO_SPIN: usize = 8;
 
-/// `u64::MAX`: not read yet.
-static WINDOW_US: AtomicU64 = AtomicU64::new(u64::MAX);
+static WINDOW: MicrosSetting = MicrosSetting::new("RDT_HOT_WINDOW_US");
 
 /// How long [`hot`] keeps a waiting thread awake (see the module docs for
 /// where the value comes from).
 pub fn window() -> Duration {
-    let us = WINDOW_US.load(Ordering::Relaxed);
-    if us != u64::MAX {
-        return Duration::from_micros(us);
-    }
-    let d = default_window();
-    // A racing set_window wins: it is the explicit choice.
-    let _ = WINDOW_US.compare_exchange(
-        u64::MAX,
-        d.as_micros() as u64,
-        Ordering::Relaxed,
-        Ordering::Relaxed,
-    );
-    Duration::from_micros(WINDOW_US.load(Ordering::Relaxed))
+    WINDOW.get(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if cores >= MIN_CORES_TO_SPIN {
+            DEFAULT_WINDOW
+        } else {
+            Duration::ZERO
+        }
+    })
 }
 
 /// Sets this process's hot window (zero turns it off).
 pub fn set_window(d: Duration) {
-    WINDOW_US.store(
-        d.as_micros().min(u64::MAX as u128 - 1) as u64,
-        Ordering::Relaxed,
-    );
+    WINDOW.set(d);
 }
 
-fn default_window() -> Duration {
-    if let Ok(v) = std::env::var("RDT_HOT_WINDOW_US") {
-        match v.trim().parse::<u64>() {
-            Ok(us) => return Duration::from_micros(us),
-            Err(_) => tracing::warn!(
-                "RDT_HOT_WINDOW_US={v:?} is not a number of microseconds; using the default"
-            ),
+/// A per-process duration setting: what `set` stored, else the
+/// environment variable `env` (microseconds), else a default; read once.
+pub(crate) struct MicrosSetting {
+    /// Microseconds; `u64::MAX` until set or read.
+    us: AtomicU64,
+    env: &'static str,
+}
+
+impl MicrosSetting {
+    pub(crate) const fn new(env: &'static str) -> Self {
+        MicrosSetting {
+            us: AtomicU64::new(u64::MAX),
+            env,
         }
     }
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cores >= MIN_CORES_TO_SPIN {
-        DEFAULT_WINDOW
-    } else {
-        Duration::ZERO
+
+    /// The setting; `default` is asked only when neither `set` nor the
+    /// environment gave one.
+    pub(crate) fn get(&self, default: impl FnOnce() -> Duration) -> Duration {
+        let us = self.us.load(Ordering::Relaxed);
+        if us != u64::MAX {
+            return Duration::from_micros(us);
+        }
+        let d = self.in_env().unwrap_or_else(default);
+        // A racing `set` wins: it is the explicit choice.
+        let _ = self.us.compare_exchange(
+            u64::MAX,
+            d.as_micros().min(u64::MAX as u128 - 1) as u64,
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        );
+        Duration::from_micros(self.us.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn set(&self, d: Duration) {
+        self.us.store(
+            d.as_micros().min(u64::MAX as u128 - 1) as u64,
+            Ordering::Relaxed,
+        );
+    }
+
+    fn in_env(&self) -> Option<Duration> {
+        let v = std::env::var(self.env).ok()?;
+        match v.trim().parse::<u64>() {
+            Ok(us) => Some(Duration::from_micros(us)),
+            Err(_) => {
+                tracing::warn!(
+                    "{}={v:?} is not a number of microseconds; using the default",
+                    self.env
+                );
+                None
+            }
+        }
     }
 }
 

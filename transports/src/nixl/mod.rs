@@ -212,8 +212,8 @@ pub fn stats() -> NixlStats {
 /// [`set_read_spin`]'s default.
 pub const DEFAULT_READ_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
 
-/// Microseconds of [`set_read_spin`]'s budget; `u64::MAX` until read.
-static READ_SPIN_US: AtomicU64 = AtomicU64::new(u64::MAX);
+static READ_SPIN: crate::hot::MicrosSetting =
+    crate::hot::MicrosSetting::new("RDT_NIXL_READ_SPIN_US");
 
 /// How long a receive asks NIXL for its READs again at once, without
 /// yielding to the executor, after posting them (within the hot window
@@ -227,23 +227,11 @@ static READ_SPIN_US: AtomicU64 = AtomicU64::new(u64::MAX);
 /// 30 µs of spin and 91–101 µs without. A host READ ends at the first ask
 /// either way.
 pub fn set_read_spin(d: std::time::Duration) {
-    READ_SPIN_US.store(
-        d.as_micros().min(u64::MAX as u128 - 1) as u64,
-        Ordering::Relaxed,
-    );
+    READ_SPIN.set(d);
 }
 
 fn read_spin() -> std::time::Duration {
-    let mut us = READ_SPIN_US.load(Ordering::Relaxed);
-    if us == u64::MAX {
-        us = std::env::var("RDT_NIXL_READ_SPIN_US")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(DEFAULT_READ_SPIN.as_micros() as u64);
-        let _ = READ_SPIN_US.compare_exchange(u64::MAX, us, Ordering::Relaxed, Ordering::Relaxed);
-        us = READ_SPIN_US.load(Ordering::Relaxed);
-    }
-    std::time::Duration::from_micros(us)
+    READ_SPIN.get(|| DEFAULT_READ_SPIN)
 }
 
 /// Is NIXL usable in this process? The error says how to install it.
