@@ -299,6 +299,30 @@ impl Producer {
     async fn plain_error(&mut self) -> Result<u32, PlainError> {
         Err(PlainError)
     }
+
+    /// Keeps `n` more tensors of `numel` f32 (a model's parameters),
+    /// tensor `i` equal to `first + i`; returns the index of the first.
+    async fn keep_many(&mut self, n: usize, numel: usize, first: f32) -> usize {
+        let at = self.kept.len();
+        self.kept
+            .extend((0..n).map(|i| Tensor::full(first + i as f32, &[numel])));
+        at
+    }
+
+    /// Writes `first + i` into the kept tensor `at + i`, for each of the
+    /// `n` (a trainer's step, in place).
+    async fn step_kept(&mut self, at: usize, n: usize, first: f32) -> rdt::Result<()> {
+        for (i, t) in self.kept[at..at + n].iter().enumerate() {
+            t.fill_(first + i as f32)?;
+        }
+        Ok(())
+    }
+
+    /// The kept tensors `at..at + n`, in a new object each call (a weight
+    /// sync passes the same parameters every step).
+    async fn kept_range(&mut self, at: usize, n: usize) -> Vec<Tensor> {
+        self.kept[at..at + n].to_vec()
+    }
 }
 
 /// Consumes tensors.
@@ -483,6 +507,11 @@ impl Consumer {
     /// `get_into` calls received in place (see `rdt::received_in_place`).
     async fn in_place(&mut self) -> u64 {
         rdt::received_in_place()
+    }
+
+    /// Each tensor's sum.
+    async fn sums(&mut self, ts: Vec<Tensor>) -> rdt::Result<Vec<f64>> {
+        Ok(ts.iter().map(Tensor::sum).collect::<Result<_, _>>()?)
     }
 }
 

@@ -79,6 +79,67 @@ async fn ten_thousand_tensors_are_one_registration_and_one_descriptor() {
     .await;
 }
 
+/// A weight sync: the same parameters, written in place between steps,
+/// passed in a new object each step. The first receive makes a read plan
+/// and the later ones find it (NX-7: the handles name no object), each
+/// with its own READ of the new values; parameters of another layout get
+/// a plan of their own.
+#[tokio::test]
+async fn every_step_of_a_weight_sync_reads_through_the_first_steps_plan() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let (n, numel) = (200usize, 16usize);
+        let want = |first: f32, numel: usize| -> Vec<f64> {
+            (0..n)
+                .map(|i| (first + i as f32) as f64 * numel as f64)
+                .collect()
+        };
+        let at = rt.get(p.keep_many(n, numel, 0.0).remote()).await.unwrap();
+        let c0 = of_consumer(&rt, &c).await;
+        for step in 0..3 {
+            let first = 1000.0 * step as f32;
+            rt.get(p.step_kept(at, n, first).remote()).await.unwrap();
+            let r = p.kept_range(at, n).transport(Transport::Nixl).remote();
+            let got = rt.get(c.sums(&r).remote()).await.unwrap();
+            assert_eq!(got, want(first, numel), "step {step}");
+        }
+        let c1 = of_consumer(&rt, &c).await;
+        assert_eq!(c1.reads_posted - c0.reads_posted, 3, "one READ per step");
+        assert_eq!(
+            c1.read_plans_made - c0.read_plans_made,
+            1,
+            "the first step made the plan"
+        );
+        assert_eq!(
+            c1.read_plans_reused - c0.read_plans_reused,
+            2,
+            "the later steps found it"
+        );
+        // The same number of parameters, twice the size: another layout.
+        let other = rt
+            .get(p.keep_many(n, 2 * numel, 5.0).remote())
+            .await
+            .unwrap();
+        let r = p.kept_range(other, n).transport(Transport::Nixl).remote();
+        let got = rt.get(c.sums(&r).remote()).await.unwrap();
+        assert_eq!(got, want(5.0, 2 * numel));
+        let c2 = of_consumer(&rt, &c).await;
+        assert_eq!(
+            c2.read_plans_made - c1.read_plans_made,
+            1,
+            "a plan of its own"
+        );
+        assert_eq!(c2.read_plans_reused, c1.read_plans_reused);
+        // And the first layout's plan is still found.
+        let r = p.kept_range(at, n).transport(Transport::Nixl).remote();
+        let got = rt.get(c.sums(&r).remote()).await.unwrap();
+        assert_eq!(got, want(2000.0, numel));
+        let c3 = of_consumer(&rt, &c).await;
+        assert_eq!(c3.read_plans_reused - c2.read_plans_reused, 1);
+    })
+    .await;
+}
+
 /// A weight update of 10 000 tensors into an actor's own parameters
 /// (`get_into`): the first moves the parameters into one registered
 /// region, and from then on each update is one READ of one descriptor

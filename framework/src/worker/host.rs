@@ -247,7 +247,10 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
                 // socket hops away); a thread that parked here pays a
                 // scheduler wake-up on the call's critical path.
                 match hot(shared.store.wait_for(id)).await {
-                    Slot::Ready(v) => values.push((v.data, v.tensors)),
+                    Slot::Ready(v) => {
+                        rdt_transport::cuda::timeline("argument resolved", id);
+                        values.push((v.data, v.tensors))
+                    }
                     Slot::Failed(e) => {
                         return Err(Error::Dependency {
                             object: id,

@@ -1110,11 +1110,13 @@ fn on_deliver(
             let shared = worker;
             let receive = async {
                 let exported = d.value.exported.get()?;
+                rdt_transport::cuda::timeline("receive exported decoded", xfer);
                 let cx = rdt_transport::TransferCtx {
                     xfer,
                     group,
                     target: shared.target_for(object, &exported.metas, transport.1.as_ref()),
                 };
+                rdt_transport::cuda::timeline("receive target chosen", xfer);
                 let tensors = transport
                     .1
                     .receive(&from, &cx, exported)

@@ -59,6 +59,15 @@
 //!   also learns of each finished read from NIXL's notification
 //!   ([`stats`]'s `reads_served`), sent after the read ended; release
 //!   never waits for it.
+//! - **NX-7 (plans by content):** a receive into fresh memory works out
+//!   its read once per layout: decoded and checked handles, where each
+//!   tensor lands, and the coalesced descriptors with local addresses as
+//!   offsets in the memory it will take. A plan is found again only for
+//!   byte-identical handles, equal metadata and the same target (the
+//!   handles name no object, so a weight sync's every step finds the
+//!   first step's plan); it holds no memory and no registration of
+//!   either side, so each receive still takes fresh memory, loads what
+//!   NX-1 says, and posts its own READ.
 
 mod agent;
 pub mod api;
@@ -150,6 +159,11 @@ pub struct NixlStats {
     /// Of those asks, the ones made after a yield to the executor (the
     /// others were made at once, within [`set_read_spin`]'s budget).
     pub read_asks_after_yield: u64,
+    /// Receives into fresh memory that found their read plan made by an
+    /// earlier receive of the same layout (NX-7).
+    pub read_plans_reused: u64,
+    /// Read plans made (decoded handles, layout, coalesced descriptors).
+    pub read_plans_made: u64,
 }
 
 #[derive(Default)]
@@ -170,6 +184,8 @@ struct Counters {
     reads_done_inline: AtomicU64,
     read_asks: AtomicU64,
     read_asks_after_yield: AtomicU64,
+    read_plans_reused: AtomicU64,
+    read_plans_made: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -206,6 +222,8 @@ pub fn stats() -> NixlStats {
         reads_done_inline: c.reads_done_inline.load(Ordering::Relaxed),
         read_asks: c.read_asks.load(Ordering::Relaxed),
         read_asks_after_yield: c.read_asks_after_yield.load(Ordering::Relaxed),
+        read_plans_reused: c.read_plans_reused.load(Ordering::Relaxed),
+        read_plans_made: c.read_plans_made.load(Ordering::Relaxed),
     }
 }
 
@@ -594,7 +612,6 @@ struct Piece {
 struct Handles {
     agent: String,
     conn: Vec<u8>,
-    key: ObjectKey,
     regions: Vec<RegionHandle>,
     tensors: Vec<Piece>,
 }
@@ -603,13 +620,15 @@ struct Handles {
 /// pieces one varint at a time (15-25 ns each, the receive's second
 /// largest per-tensor step): here a tensor is 8 bytes of offset in a run
 /// of bytes, its registration comes from runs of tensors in one
-/// registration, and its length from its metadata.
+/// registration, and its length from its metadata. Nothing in it names
+/// the object: the same tensors exported again (a weight sync's
+/// parameters, every step) encode to the same bytes, so a consumer finds
+/// its decoded metadata and its read plan again (NX-7).
 #[derive(Serialize, Deserialize)]
 struct HandlesWire {
     agent: String,
     #[serde(with = "serde_bytes")]
     conn: Vec<u8>,
-    key: ObjectKey,
     regions: Vec<RegionHandle>,
     /// (registration index, tensors in a row in it), in tensor order.
     runs: Vec<(u32, u32)>,
@@ -632,7 +651,6 @@ impl Handles {
         postcard::to_allocvec(&HandlesWire {
             agent: self.agent.clone(),
             conn: self.conn.clone(),
-            key: self.key,
             regions: self.regions.clone(),
             runs,
             offsets,
@@ -673,7 +691,6 @@ impl Handles {
         Ok(Handles {
             agent: w.agent,
             conn: w.conn,
-            key: w.key,
             regions: w.regions,
             tensors,
         })
@@ -697,6 +714,8 @@ pub struct NixlTransport {
     slabs: Arc<Mutex<HashMap<u64, Arc<Registered>>>>,
     /// Peer agents loaded, by name.
     remotes: Mutex<HashMap<String, RemoteAgent>>,
+    /// Read plans of recent layouts, the last used first (NX-7).
+    plans: Mutex<std::collections::VecDeque<Arc<ReadPlan>>>,
 }
 
 /// What an export keeps alive.
@@ -793,6 +812,7 @@ impl NixlTransport {
             exports: Default::default(),
             slabs: Default::default(),
             remotes: Default::default(),
+            plans: Default::default(),
         }
     }
 
@@ -1038,7 +1058,6 @@ impl NixlTransport {
         let handles = Handles {
             agent: agent.name().to_string(),
             conn,
-            key,
             regions,
             tensors: pieces,
         };
@@ -1058,9 +1077,26 @@ impl NixlTransport {
     ) -> Result<Vec<Tensor>, TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         crate::cuda::timeline("nixl receive start", cx.xfer);
-        let h = Handles::decode(&exported.handles, &exported.metas).map_err(err)?;
-        check_handles(&h, &exported.metas).map_err(err)?;
         let agent = self.agent()?;
+        let metas = &exported.metas;
+        // Into the caller's tensors: worked out on each receive. Into fresh
+        // memory: through the layout's plan, made once (NX-7).
+        enum Into<'t> {
+            Targets(&'t [Tensor], Handles),
+            Fresh(Arc<ReadPlan>),
+        }
+        let into = match &cx.target {
+            Target::Tensors(ts) => {
+                let h = Handles::decode(&exported.handles, metas).map_err(err)?;
+                check_handles(&h, metas).map_err(err)?;
+                Into::Targets(ts, h)
+            }
+            t => Into::Fresh(self.read_plan(exported, PlanTarget::of(t)).map_err(err)?),
+        };
+        let h: &Handles = match &into {
+            Into::Targets(_, h) => h,
+            Into::Fresh(plan) => &plan.h,
+        };
         if h.agent == agent.name() {
             return Err(err(
                 "the object's tensors are in this process already; nothing to read".into(),
@@ -1074,39 +1110,44 @@ impl NixlTransport {
                 from.name, h.agent
             ))
         };
-        self.load_remote(&agent, &h).map_err(|e| reading(e.0))?;
+        self.load_remote(&agent, h).map_err(|e| reading(e.0))?;
         crate::cuda::timeline("nixl remote loaded", cx.xfer);
-        let metas = &exported.metas;
-        let (out, dests, keep) = self.destinations(&agent, metas, &h, &cx.target, from)?;
+        let (out, lists, keep) = match &into {
+            Into::Targets(ts, _) => {
+                let (out, dests, keep) = self.target_destinations(&agent, metas, ts, from)?;
+                // Pair remote and local ranges (one pair per tensor, in
+                // order: no map on a path that 10 000 tensors take).
+                let mut pairs: Vec<Pair> = Vec::with_capacity(h.tensors.len());
+                for (p, d) in h.tensors.iter().zip(&dests) {
+                    let Some(d) = d else { continue };
+                    let r = &h.regions[p.region as usize];
+                    pairs.push(Pair {
+                        remote: Desc {
+                            mem: r.mem,
+                            addr: (r.base + p.offset) as usize,
+                            len: p.len as usize,
+                            dev: r.dev,
+                        },
+                        remote_reg: r.generation,
+                        local: d.desc,
+                        local_reg: d.local_reg,
+                    });
+                }
+                (out, coalesce(pairs), keep)
+            }
+            Into::Fresh(plan) => self.take_planned(&agent, plan, metas, from)?,
+        };
         crate::cuda::timeline("nixl destinations ready", cx.xfer);
-        // Pair remote and local ranges (one pair per tensor, in order: no
-        // map on a path that 10 000 tensors take).
-        let mut pairs: Vec<Pair> = Vec::with_capacity(h.tensors.len());
-        for (p, d) in h.tensors.iter().zip(&dests) {
-            let Some(d) = d else { continue };
-            let r = &h.regions[p.region as usize];
-            pairs.push(Pair {
-                remote: Desc {
-                    mem: r.mem,
-                    addr: (r.base + p.offset) as usize,
-                    len: p.len as usize,
-                    dev: r.dev,
-                },
-                remote_reg: r.generation,
-                local: d.desc,
-                local_reg: d.local_reg,
-            });
-        }
         let poller = Poller::get(&agent);
         let keep = Arc::new(keep);
         // UCX's CUDA transports work in the calling thread's context: bind
         // the GPU the read lands on (or, reading device memory into the
         // host, this process's first GPU).
-        let vram_local = dests
+        let vram_local = lists
             .iter()
-            .flatten()
-            .find(|d| d.desc.mem == Mem::Vram)
-            .map(|d| d.desc.dev as usize);
+            .flat_map(|(local, _)| local)
+            .find(|d| d.mem == Mem::Vram)
+            .map(|d| d.dev as usize);
         let vram_remote = h.regions.iter().any(|r| r.mem == Mem::Vram);
         if let Some(o) = vram_local.or(vram_remote.then_some(0)) {
             if let Ok(g) = crate::cuda::gpu(o) {
@@ -1120,7 +1161,7 @@ impl NixlTransport {
             reqs: Vec::new(),
             keep: keep.clone(),
         };
-        for (local, remote) in coalesce(pairs) {
+        for (local, remote) in lists {
             let n = local.len() as u64;
             // No notification rides on the READ: NIXL then ends the read
             // only after a flush round trip to the producer (4 KiB across
@@ -1278,285 +1319,98 @@ impl NixlTransport {
     /// The tensors a receive fills and where each one's bytes go (`None`
     /// for empty tensors), plus what must live while the read runs.
     #[allow(clippy::type_complexity)]
-    fn destinations(
+    /// Where the target tensors `ts` take each tensor's bytes (contract
+    /// point 7), moving plain host targets into registered memory first.
+    fn target_destinations(
         &self,
         agent: &Arc<Agent>,
         metas: &[TensorMeta],
-        h: &Handles,
-        target: &Target,
+        ts: &[Tensor],
         from: &Peer,
     ) -> Result<(Vec<Tensor>, Vec<Option<Dest>>, Vec<Kept>), TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         let mut keep = Vec::new();
         let mut dests: Vec<Option<Dest>> = Vec::with_capacity(metas.len());
-        match target {
-            Target::Tensors(ts) => {
-                check_received(NAME, metas, ts).map_err(|e| err(e.message))?;
-                // Plain host targets move into one registered region first
-                // (once: the next receive into them is in place).
-                // Views of one storage move it once, whole.
-                let mut seen = rustc_hash::FxHashSet::default();
-                let plain: Vec<&Tensor> = ts
-                    .iter()
-                    .filter(|t| {
-                        !t.is_cuda()
-                            && t.nbytes() > 0
-                            && !t.with_external(|e| {
-                                e.is_some_and(|e| e.memory().as_any().is::<NixlHostMem>())
-                            })
-                            && seen.insert(t.storage_id())
+        check_received(NAME, metas, ts).map_err(|e| err(e.message))?;
+        // Plain host targets move into one registered region first
+        // (once: the next receive into them is in place).
+        // Views of one storage move it once, whole.
+        let mut seen = rustc_hash::FxHashSet::default();
+        let plain: Vec<&Tensor> = ts
+            .iter()
+            .filter(|t| {
+                !t.is_cuda()
+                    && t.nbytes() > 0
+                    && !t.with_external(|e| {
+                        e.is_some_and(|e| e.memory().as_any().is::<NixlHostMem>())
                     })
-                    .collect();
-                if !plain.is_empty() {
-                    let len = plain.iter().fold(0usize, |a, t| {
-                        (a + t.storage_nbytes()).next_multiple_of(ALIGN)
-                    });
-                    let region = HostRegion::new(agent, len).map_err(|e| err(e.0))?;
-                    let mut off = 0usize;
-                    for t in plain {
-                        let mem = Box::new(NixlHostMem {
-                            region: region.clone(),
-                            offset: off,
-                            len: t.storage_nbytes(),
-                        });
-                        if !t.migrate_storage(mem).map_err(|e| err(e.to_string()))? {
-                            return Err(err(format!(
-                                "target tensor {:?} lives in memory of another transport; \
-                                 receive into rdt host tensors (Tensor::zeros) or tensors \
-                                 received over nixl",
-                                t.meta()
-                            )));
-                        }
-                        off = (off + t.storage_nbytes()).next_multiple_of(ALIGN);
-                    }
+                    && seen.insert(t.storage_id())
+            })
+            .collect();
+        if !plain.is_empty() {
+            let len = plain.iter().fold(0usize, |a, t| {
+                (a + t.storage_nbytes()).next_multiple_of(ALIGN)
+            });
+            let region = HostRegion::new(agent, len).map_err(|e| err(e.0))?;
+            let mut off = 0usize;
+            for t in plain {
+                let mem = Box::new(NixlHostMem {
+                    region: region.clone(),
+                    offset: off,
+                    len: t.storage_nbytes(),
+                });
+                if !t.migrate_storage(mem).map_err(|e| err(e.to_string()))? {
+                    return Err(err(format!(
+                        "target tensor {:?} lives in memory of another transport; \
+                         receive into rdt host tensors (Tensor::zeros) or tensors \
+                         received over nixl",
+                        t.meta()
+                    )));
                 }
-                // One tensor per storage keeps its memory (a flat buffer's
-                // views are one).
-                let mut storages: Vec<Tensor> = Vec::new();
-                for t in ts {
-                    if storages.last().is_none_or(|l| !l.shares_storage(t)) {
-                        storages.push(t.clone());
-                    }
-                }
-                keep.push(Kept::Tensors(storages));
-                let mut regs = SlabRegistrations::default();
-                // Views of one storage (a flat buffer of parameters) share
-                // its lookup: each lies at the storage's base plus its
-                // offset. (The lookup also orders rdt's stream after the
-                // storage's last writer, once per storage.)
-                let mut last: Option<(usize, Desc, u64)> = None; // storage, its base, registration
-                for t in ts {
-                    let dest = match &last {
-                        Some((id, base, reg)) if *id == t.storage_id() && t.nbytes() > 0 => {
-                            Some(Dest {
-                                desc: Desc {
-                                    addr: base.addr + t.byte_offset(),
-                                    len: t.nbytes(),
-                                    ..*base
-                                },
-                                local_reg: *reg,
-                            })
-                        }
-                        _ => {
-                            let d = self.local_dest(agent, t, &mut regs).map_err(err)?;
-                            if let Some(d) = &d {
-                                let base = Desc {
-                                    addr: d.desc.addr - t.byte_offset(),
-                                    ..d.desc
-                                };
-                                last = Some((t.storage_id(), base, d.local_reg));
-                            }
-                            d
-                        }
-                    };
-                    dests.push(dest);
-                }
-                keep.extend(regs.into_kept());
-                Ok((ts.clone(), dests, keep))
-            }
-            Target::Any | Target::Device(_) | Target::Host => {
-                // CUDA tensors land on the same GPU where this process sees
-                // it, else on its first GPU; on the host if it has none.
-                let cuda_here = crate::cuda::available().is_ok();
-                let want_gpu = |m: &TensorMeta| -> Option<usize> {
-                    match (&m.device, target) {
-                        (Device::Cpu, _) | (_, Target::Host) => None,
-                        (Device::Cuda { .. }, Target::Any) if !cuda_here => None,
-                        (Device::Cuda { .. }, Target::Device(o)) => Some(*o),
-                        (Device::Cuda { uuid, .. }, _) => {
-                            Some(crate::cuda::ordinal_of(uuid).unwrap_or(0))
-                        }
-                    }
-                };
-                // Host tensors: one region laid out like the producer's, so
-                // neighbours stay neighbours (one descriptor).
-                let mut host_at: Vec<Option<usize>> = vec![None; metas.len()];
-                let mut order: Vec<usize> = (0..metas.len())
-                    .filter(|&i| want_gpu(&metas[i]).is_none() && metas[i].nbytes() > 0)
-                    .collect();
-                order.sort_by_key(|&i| (h.tensors[i].region, h.tensors[i].offset));
-                let mut len = 0usize;
-                let mut run: Option<(u32, u64, u64, usize)> = None; // region, start, end, local base
-                for &i in &order {
-                    let p = h.tensors[i];
-                    let end = p.offset + p.len;
-                    match &mut run {
-                        Some((r, start, rend, base))
-                            if *r == p.region && p.offset <= *rend + MERGE_GAP as u64 =>
-                        {
-                            host_at[i] = Some(*base + (p.offset - *start) as usize);
-                            *rend = (*rend).max(end);
-                            len = len.max(*base + (*rend - *start) as usize);
-                        }
-                        _ => {
-                            let base = len.next_multiple_of(ALIGN);
-                            host_at[i] = Some(base);
-                            run = Some((p.region, p.offset, end, base));
-                            len = base + p.len as usize;
-                        }
-                    }
-                }
-                let region = if order.is_empty() {
-                    None
-                } else {
-                    Some(HostRegion::new(agent, len).map_err(|e| err(e.0))?)
-                };
-                // CUDA tensors: one range per GPU for the whole object, laid
-                // out back to back (one allocation, and neighbours for the
-                // coalescer), each tensor a view of it: a reference count
-                // per tensor, not an allocation. Each GPU's range and
-                // registration are found once, not per tensor.
-                struct Lane {
-                    ordinal: usize,
-                    base: u64,
-                    /// A tensor over the whole range, whose storage the
-                    /// received tensors are views of.
-                    whole: Tensor,
-                    generation: u64,
-                }
-                // Bytes each GPU needs (ordinal, length), and each CUDA
-                // tensor's (lane, offset).
-                let mut need: Vec<(usize, usize)> = Vec::new();
-                let mut cuda_at: Vec<Option<(usize, usize)>> = vec![None; metas.len()];
-                for (i, m) in metas.iter().enumerate() {
-                    if let Some(o) = want_gpu(m) {
-                        let lane = match need.iter().position(|&(n, _)| n == o) {
-                            Some(l) => l,
-                            None => {
-                                need.push((o, 0));
-                                need.len() - 1
-                            }
-                        };
-                        let len = &mut need[lane].1;
-                        cuda_at[i] = Some((lane, *len));
-                        *len = (*len + m.nbytes()).next_multiple_of(crate::cuda::alloc::ALIGN);
-                    }
-                }
-                let mut lanes: Vec<Lane> = Vec::with_capacity(need.len());
-                for (o, len) in need {
-                    let gpu =
-                        crate::cuda::gpu(o).map_err(|e| err(format!("CUDA device {o}: {e}")))?;
-                    let r = crate::cuda::alloc::alloc(&gpu, len.max(1))
-                        .map_err(|e| err(format!("allocating {len} B on CUDA device {o}: {e}")))?;
-                    let reg = self
-                        .slab_registration(agent, &r.slab)
-                        .map_err(|e| err(e.0))?;
-                    let range = Arc::new(r);
-                    let range_len = crate::cuda::DeviceBuffer::len(&*range);
-                    let whole = Tensor::from_device_buffer(
-                        crate::DType::U8,
-                        &[range_len],
-                        range.slab.gpu.device(),
-                        Box::new(crate::cuda::alloc::SlabSlice::new(
-                            range.clone(),
-                            0,
-                            range_len,
-                        )),
-                    )
-                    .map_err(|e| err(e.to_string()))?;
-                    lanes.push(Lane {
-                        ordinal: o,
-                        base: crate::cuda::DeviceBuffer::device_ptr(&*range),
-                        whole,
-                        generation: reg.generation,
-                    });
-                    keep.push(Kept::Slab(reg));
-                    keep.push(Kept::Range(range));
-                }
-                // Host tensors: views of one tensor over the whole region.
-                let host_whole = match &region {
-                    Some(r) => {
-                        keep.push(Kept::Host(r.clone()));
-                        let len = r.len;
-                        Some(
-                            Tensor::from_external(
-                                crate::DType::U8,
-                                &[len],
-                                Device::Cpu,
-                                Box::new(NixlHostMem {
-                                    region: r.clone(),
-                                    offset: 0,
-                                    len,
-                                }),
-                            )
-                            .map_err(|e| err(e.to_string()))?,
-                        )
-                    }
-                    None => None,
-                };
-                let mut out = Vec::with_capacity(metas.len());
-                for (i, m) in metas.iter().enumerate() {
-                    let len = m.nbytes();
-                    let (t, dest) = match (cuda_at[i], &region, host_at[i]) {
-                        (Some((lane, offset)), _, _) => {
-                            let lane = &lanes[lane];
-                            let addr = lane.base as usize + offset;
-                            // Laid out above within the lane's length.
-                            let t = Tensor::view_of_storage(
-                                m.dtype,
-                                &m.shape,
-                                lane.whole.storage(),
-                                offset,
-                            );
-                            let dest = Dest {
-                                desc: Desc {
-                                    mem: Mem::Vram,
-                                    addr,
-                                    len,
-                                    dev: lane.ordinal as u64,
-                                },
-                                local_reg: lane.generation,
-                            };
-                            (t, (len > 0).then_some(dest))
-                        }
-                        (None, Some(region), Some(offset)) => {
-                            let whole = host_whole.as_ref().expect("made with the region");
-                            // Laid out above within the region's length.
-                            let t =
-                                Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset);
-                            let dest = Dest {
-                                desc: Desc {
-                                    mem: Mem::Dram,
-                                    addr: region.ptr() as usize + offset,
-                                    len,
-                                    dev: 0,
-                                },
-                                local_reg: region.slab.reg.generation,
-                            };
-                            (t, (len > 0).then_some(dest))
-                        }
-                        _ => (
-                            Tensor::from_bytes(m.dtype, &m.shape, Vec::new())
-                                .map_err(|e| err(e.to_string()))?,
-                            None,
-                        ),
-                    };
-                    dests.push(dest);
-                    out.push(t);
-                }
-                Ok((out, dests, keep))
+                off = (off + t.storage_nbytes()).next_multiple_of(ALIGN);
             }
         }
+        // One tensor per storage keeps its memory (a flat buffer's
+        // views are one).
+        let mut storages: Vec<Tensor> = Vec::new();
+        for t in ts {
+            if storages.last().is_none_or(|l| !l.shares_storage(t)) {
+                storages.push(t.clone());
+            }
+        }
+        keep.push(Kept::Tensors(storages));
+        let mut regs = SlabRegistrations::default();
+        // Views of one storage (a flat buffer of parameters) share
+        // its lookup: each lies at the storage's base plus its
+        // offset. (The lookup also orders rdt's stream after the
+        // storage's last writer, once per storage.)
+        let mut last: Option<(usize, Desc, u64)> = None; // storage, its base, registration
+        for t in ts {
+            let dest = match &last {
+                Some((id, base, reg)) if *id == t.storage_id() && t.nbytes() > 0 => Some(Dest {
+                    desc: Desc {
+                        addr: base.addr + t.byte_offset(),
+                        len: t.nbytes(),
+                        ..*base
+                    },
+                    local_reg: *reg,
+                }),
+                _ => {
+                    let d = self.local_dest(agent, t, &mut regs).map_err(err)?;
+                    if let Some(d) = &d {
+                        let base = Desc {
+                            addr: d.desc.addr - t.byte_offset(),
+                            ..d.desc
+                        };
+                        last = Some((t.storage_id(), base, d.local_reg));
+                    }
+                    d
+                }
+            };
+            dests.push(dest);
+        }
+        keep.extend(regs.into_kept());
+        Ok((ts.to_vec(), dests, keep))
     }
 
     /// Where `t`'s bytes are in registered memory of this process.
@@ -1613,6 +1467,318 @@ impl NixlTransport {
             },
             local_reg: g,
         }))
+    }
+}
+
+/// The target of a receive into fresh memory, as a read plan keys it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PlanTarget {
+    Any,
+    Device(usize),
+    Host,
+}
+
+impl PlanTarget {
+    fn of(t: &Target) -> PlanTarget {
+        match t {
+            Target::Device(o) => PlanTarget::Device(*o),
+            Target::Host => PlanTarget::Host,
+            Target::Any | Target::Tensors(_) => PlanTarget::Any,
+        }
+    }
+}
+
+/// Where a tensor received into fresh memory lands.
+#[derive(Clone, Copy, Debug)]
+enum At {
+    /// At this offset of the range taken on GPU lane `.0` (the lane's index
+    /// in [`ReadPlan::lanes`]).
+    Lane(u32, usize),
+    /// At this offset of the host region.
+    Host(usize),
+    /// Nowhere: a host tensor of no bytes.
+    Empty,
+}
+
+/// A receive into fresh memory, worked out once per layout (NX-7).
+struct ReadPlan {
+    target: PlanTarget,
+    /// The handles' bytes and the metadata it was made for (its key).
+    handles: Vec<u8>,
+    metas: Vec<TensorMeta>,
+    /// The handles, decoded and checked against the metadata.
+    h: Handles,
+    /// Bytes taken on each GPU, one range per GPU: (ordinal, length).
+    lanes: Vec<(usize, usize)>,
+    /// Bytes of the host region (laid out like the producer's memory, so
+    /// neighbours stay neighbours); 0: none.
+    host_len: usize,
+    /// Where each tensor lands.
+    at: Vec<At>,
+    /// The coalesced (local, remote) descriptor lists, each local address
+    /// an offset in its lane (`dev` is the lane's GPU) or in the host
+    /// region.
+    lists: Vec<(Vec<Desc>, Vec<Desc>)>,
+}
+
+/// Read plans kept (the last used first).
+const PLANS_KEPT: usize = 4;
+
+/// Objects with fewer tensors are planned on each receive (planning them
+/// costs less than the lookup).
+const PLAN_MIN_TENSORS: usize = 64;
+
+impl ReadPlan {
+    fn new(exported: &Exported, target: PlanTarget) -> Result<ReadPlan, String> {
+        let metas = &exported.metas;
+        let h = Handles::decode(&exported.handles, metas)?;
+        check_handles(&h, metas)?;
+        // CUDA tensors land on the same GPU where this process sees it,
+        // else on its first GPU; on the host if it has none.
+        let cuda_here = crate::cuda::available().is_ok();
+        let gpu_of: Vec<Option<usize>> = metas
+            .iter()
+            .map(|m| match (&m.device, target) {
+                (Device::Cpu, _) | (_, PlanTarget::Host) => None,
+                (Device::Cuda { .. }, PlanTarget::Any) if !cuda_here => None,
+                (Device::Cuda { .. }, PlanTarget::Device(o)) => Some(o),
+                (Device::Cuda { uuid, .. }, _) => Some(crate::cuda::ordinal_of(uuid).unwrap_or(0)),
+            })
+            .collect();
+        let mut at = vec![At::Empty; metas.len()];
+        // Host tensors: one region laid out like the producer's, so
+        // neighbours stay neighbours (one descriptor).
+        let mut order: Vec<usize> = (0..metas.len())
+            .filter(|&i| gpu_of[i].is_none() && metas[i].nbytes() > 0)
+            .collect();
+        order.sort_by_key(|&i| (h.tensors[i].region, h.tensors[i].offset));
+        let mut host_len = 0usize;
+        let mut run: Option<(u32, u64, u64, usize)> = None; // region, start, end, local base
+        for &i in &order {
+            let p = h.tensors[i];
+            let end = p.offset + p.len;
+            match &mut run {
+                Some((r, start, rend, base))
+                    if *r == p.region && p.offset <= *rend + MERGE_GAP as u64 =>
+                {
+                    at[i] = At::Host(*base + (p.offset - *start) as usize);
+                    *rend = (*rend).max(end);
+                    host_len = host_len.max(*base + (*rend - *start) as usize);
+                }
+                _ => {
+                    let base = host_len.next_multiple_of(ALIGN);
+                    at[i] = At::Host(base);
+                    run = Some((p.region, p.offset, end, base));
+                    host_len = base + p.len as usize;
+                }
+            }
+        }
+        // CUDA tensors: one range per GPU for the whole object, laid out
+        // back to back (one allocation, and neighbours for the coalescer).
+        let mut lanes: Vec<(usize, usize)> = Vec::new();
+        for (i, m) in metas.iter().enumerate() {
+            if let Some(o) = gpu_of[i] {
+                let lane = match lanes.iter().position(|&(n, _)| n == o) {
+                    Some(l) => l,
+                    None => {
+                        lanes.push((o, 0));
+                        lanes.len() - 1
+                    }
+                };
+                let len = &mut lanes[lane].1;
+                at[i] = At::Lane(lane as u32, *len);
+                *len = (*len + m.nbytes()).next_multiple_of(crate::cuda::alloc::ALIGN);
+            }
+        }
+        // Pair remote and local ranges, local ones as offsets: a lane is
+        // one range of one slab (one registration) and the host region is
+        // one registration, so (memory type, GPU) tells them apart.
+        let mut pairs: Vec<Pair> = Vec::with_capacity(metas.len());
+        for ((p, m), a) in h.tensors.iter().zip(metas).zip(&at) {
+            let len = m.nbytes();
+            let local = match *a {
+                _ if len == 0 => continue,
+                At::Lane(l, offset) => Desc {
+                    mem: Mem::Vram,
+                    addr: offset,
+                    len,
+                    dev: lanes[l as usize].0 as u64,
+                },
+                At::Host(offset) => Desc {
+                    mem: Mem::Dram,
+                    addr: offset,
+                    len,
+                    dev: 0,
+                },
+                At::Empty => continue,
+            };
+            let r = &h.regions[p.region as usize];
+            pairs.push(Pair {
+                remote: Desc {
+                    mem: r.mem,
+                    addr: (r.base + p.offset) as usize,
+                    len,
+                    dev: r.dev,
+                },
+                remote_reg: r.generation,
+                local,
+                local_reg: 0,
+            });
+        }
+        let lists = coalesce(pairs);
+        bump(&COUNTERS.read_plans_made, 1);
+        Ok(ReadPlan {
+            target,
+            handles: exported.handles.clone(),
+            metas: metas.clone(),
+            h,
+            lanes,
+            host_len,
+            at,
+            lists,
+        })
+    }
+
+    fn fits(&self, exported: &Exported, target: PlanTarget) -> bool {
+        self.target == target && self.handles == exported.handles && self.metas == exported.metas
+    }
+}
+
+impl NixlTransport {
+    /// The read plan for `exported` into fresh memory: a recent one made
+    /// for the same bytes, metadata and target, or a new one (NX-7).
+    fn read_plan(&self, exported: &Exported, target: PlanTarget) -> Result<Arc<ReadPlan>, String> {
+        let kept = exported.metas.len() >= PLAN_MIN_TENSORS;
+        if kept {
+            let mut plans = self.plans.lock();
+            if let Some(i) = plans.iter().position(|p| p.fits(exported, target)) {
+                let p = plans.remove(i).expect("found above");
+                plans.push_front(p.clone());
+                bump(&COUNTERS.read_plans_reused, 1);
+                return Ok(p);
+            }
+        }
+        let p = Arc::new(ReadPlan::new(exported, target)?);
+        if kept {
+            let mut plans = self.plans.lock();
+            plans.push_front(p.clone());
+            plans.truncate(PLANS_KEPT);
+        }
+        Ok(p)
+    }
+
+    /// Takes the memory `plan` lays out (one range per GPU, one host
+    /// region), makes each tensor a view of it, and turns the plan's
+    /// descriptor offsets into addresses in it.
+    #[allow(clippy::type_complexity)]
+    fn take_planned(
+        &self,
+        agent: &Arc<Agent>,
+        plan: &ReadPlan,
+        metas: &[TensorMeta],
+        from: &Peer,
+    ) -> Result<(Vec<Tensor>, Vec<(Vec<Desc>, Vec<Desc>)>, Vec<Kept>), TransportError> {
+        let err = |m: String| TransportError::with_peer(NAME, from, m);
+        let mut keep = Vec::new();
+        // Each GPU's range and registration are found once, not per
+        // tensor; each tensor is a view of it (a reference count, not an
+        // allocation).
+        struct Lane {
+            base: u64,
+            /// A tensor over the whole range, whose storage the received
+            /// tensors are views of.
+            whole: Tensor,
+        }
+        let mut lanes: Vec<Lane> = Vec::with_capacity(plan.lanes.len());
+        for &(o, len) in &plan.lanes {
+            let gpu = crate::cuda::gpu(o).map_err(|e| err(format!("CUDA device {o}: {e}")))?;
+            let r = crate::cuda::alloc::alloc(&gpu, len.max(1))
+                .map_err(|e| err(format!("allocating {len} B on CUDA device {o}: {e}")))?;
+            let reg = self
+                .slab_registration(agent, &r.slab)
+                .map_err(|e| err(e.0))?;
+            let range = Arc::new(r);
+            let range_len = crate::cuda::DeviceBuffer::len(&*range);
+            let whole = Tensor::from_device_buffer(
+                crate::DType::U8,
+                &[range_len],
+                range.slab.gpu.device(),
+                Box::new(crate::cuda::alloc::SlabSlice::new(
+                    range.clone(),
+                    0,
+                    range_len,
+                )),
+            )
+            .map_err(|e| err(e.to_string()))?;
+            lanes.push(Lane {
+                base: crate::cuda::DeviceBuffer::device_ptr(&*range),
+                whole,
+            });
+            keep.push(Kept::Slab(reg));
+            keep.push(Kept::Range(range));
+        }
+        crate::cuda::timeline("nixl lanes ready", 0);
+        let host = if plan.host_len == 0 {
+            None
+        } else {
+            let region = HostRegion::new(agent, plan.host_len).map_err(|e| err(e.0))?;
+            keep.push(Kept::Host(region.clone()));
+            let len = region.len;
+            let whole = Tensor::from_external(
+                crate::DType::U8,
+                &[len],
+                Device::Cpu,
+                Box::new(NixlHostMem {
+                    region: region.clone(),
+                    offset: 0,
+                    len,
+                }),
+            )
+            .map_err(|e| err(e.to_string()))?;
+            Some((region, whole))
+        };
+        let mut out = Vec::with_capacity(metas.len());
+        for (m, a) in metas.iter().zip(&plan.at) {
+            // Laid out by the plan within the lane's or the region's length.
+            let t = match (*a, &host) {
+                (At::Lane(l, offset), _) => {
+                    let whole = &lanes[l as usize].whole;
+                    Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset)
+                }
+                (At::Host(offset), Some((_, whole))) => {
+                    Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset)
+                }
+                _ => Tensor::from_bytes(m.dtype, &m.shape, Vec::new())
+                    .map_err(|e| err(e.to_string()))?,
+            };
+            out.push(t);
+        }
+        let lists = plan
+            .lists
+            .iter()
+            .map(|(local, remote)| {
+                let local = local
+                    .iter()
+                    .map(|d| {
+                        let base = match d.mem {
+                            Mem::Vram => plan
+                                .lanes
+                                .iter()
+                                .position(|&(o, _)| o as u64 == d.dev)
+                                .map(|l| lanes[l].base as usize),
+                            _ => host.as_ref().map(|(r, _)| r.ptr() as usize),
+                        }
+                        .expect("the plan's descriptors lie in its lanes and region");
+                        Desc {
+                            addr: base + d.addr,
+                            ..*d
+                        }
+                    })
+                    .collect();
+                (local, remote.clone())
+            })
+            .collect();
+        Ok((out, lists, keep))
     }
 }
 
@@ -2099,7 +2265,6 @@ mod tests {
         let h = Handles {
             agent: "a".into(),
             conn: vec![1, 2],
-            key: 9,
             regions: vec![region(1), region(2)],
             tensors: [(0u32, 0u64), (0, 512), (1, 7 << 40), (0, 1024)]
                 .iter()
@@ -2113,10 +2278,7 @@ mod tests {
         };
         let bytes = h.encode().unwrap();
         let back = Handles::decode(&bytes, &metas).unwrap();
-        assert_eq!(
-            (back.agent.as_str(), &back.conn[..], back.key),
-            ("a", &[1u8, 2][..], 9)
-        );
+        assert_eq!((back.agent.as_str(), &back.conn[..]), ("a", &[1u8, 2][..]));
         assert_eq!(back.regions.len(), 2);
         let got: Vec<(u32, u64, u64)> = back
             .tensors
@@ -2161,7 +2323,6 @@ mod tests {
         let h = Handles {
             agent: "a".into(),
             conn: vec![1],
-            key: 1,
             regions: vec![RegionHandle {
                 generation: 1,
                 mem: Mem::Dram,
