@@ -85,7 +85,7 @@ pub static ACTOR_TYPES: [ActorRegistration];
 pub struct CallArgs {
     pub(crate) actor: Arc<str>,
     pub(crate) method: &'static str,
-    pub(crate) values: Vec<(Bytes, Vec<Tensor>)>,
+    pub(crate) values: Vec<(Bytes, std::sync::Arc<Vec<Tensor>>)>,
     /// The refs in the return value, held until its reply is queued
     /// (CL-2).
     pub(crate) held: std::rc::Rc<std::cell::RefCell<Vec<crate::client::AnyRef>>>,

@@ -339,7 +339,8 @@ impl ActorRuntime {
     ) -> Result<T> {
         let id = r.borrow().id;
         let v = self.stored(id, Some(targets)).await?;
-        let (placed, in_place) = crate::client::into_targets(id, targets, v.tensors)?;
+        let (placed, in_place) =
+            crate::client::into_targets(id, targets, Arc::unwrap_or_clone(v.tensors))?;
         if in_place {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
         }
@@ -515,7 +516,7 @@ impl ActorRuntime {
             id,
             Slot::Ready(StoredValue {
                 data: encoded.payload.data.clone(),
-                tensors: encoded.payload.tensors.clone(),
+                tensors: Arc::new(encoded.payload.tensors.clone()),
                 transport,
                 produced: true,
             }),

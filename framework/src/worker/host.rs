@@ -96,7 +96,7 @@ struct Header {
 
 /// A call's arguments, ready for the method.
 struct Resolved {
-    values: Vec<(Bytes, Vec<Tensor>)>,
+    values: Vec<(Bytes, Arc<Vec<Tensor>>)>,
     refs: Vec<u64>,
 }
 
@@ -239,7 +239,10 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
     for a in args {
         match a {
             // Large ones may still be arriving (cut-through).
-            WireArg::Value(v) => values.push(super::unpack_inline(&v).await?),
+            WireArg::Value(v) => {
+                let (data, tensors) = super::unpack_inline(&v).await?;
+                values.push((data, Arc::new(tensors)))
+            }
             WireArg::Ref(id) => {
                 refs.push(id);
                 // Hot: the delivery usually comes within the window (the
@@ -403,7 +406,7 @@ async fn run_call<A: RdtActor>(
             msg.result,
             Slot::Ready(StoredValue {
                 data: payload.data.clone(),
-                tensors: payload.tensors,
+                tensors: Arc::new(payload.tensors),
                 transport,
                 produced: true,
             }),

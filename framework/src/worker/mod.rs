@@ -256,7 +256,9 @@ pub fn run_worker<A: RdtActor>(start: WorkerStart) -> ! {
 #[derive(Clone)]
 struct StoredValue {
     data: Bytes,
-    tensors: Vec<Tensor>,
+    /// Shared: a call that takes the value, or a `get` of it in the actor,
+    /// clones the list's handle, not each of its (thousands of) tensors.
+    tensors: Arc<Vec<Tensor>>,
     transport: Transport,
     /// Produced here (released through the transport on free).
     produced: bool,
@@ -530,7 +532,7 @@ impl WorkerShared {
         *self.received.lock().entry(t).or_default() += 1;
         Slot::Ready(StoredValue {
             data,
-            tensors,
+            tensors: Arc::new(tensors),
             transport: t,
             produced: false,
         })
@@ -1027,7 +1029,7 @@ async fn control_loop<A: RdtActor>(
                         Some(Slot::Ready(v)) => inline_value(
                             rdt_transport::value::Payload {
                                 data: v.data,
-                                tensors: v.tensors,
+                                tensors: Arc::unwrap_or_clone(v.tensors),
                             },
                             Vec::new(),
                         ),
