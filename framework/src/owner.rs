@@ -797,7 +797,9 @@ fn start_direct(
             }),
         }),
     };
-    if let Err(err) = send(actors, consumer, &msg) {
+    let sent = send(actors, consumer, &msg);
+    rdt_transport::cuda::timeline("driver deliver queued", xfer);
+    if let Err(err) = sent {
         if let (true, Some(p)) = (two_sided, e.producer) {
             send_small(
                 actors,

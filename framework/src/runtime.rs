@@ -1488,6 +1488,7 @@ impl Inner {
         };
         let mut guard = self.lock();
         self.submit_locked(&mut guard, msg, method_name);
+        rdt_transport::cuda::timeline("driver submitted", 0);
         drop(guard);
         // Releases the arguments' refs after `need` and `hold` counted
         // them (outside the lock: dropping a ref takes it).

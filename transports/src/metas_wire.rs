@@ -57,7 +57,7 @@ const DTYPES: [DType; 12] = [
     DType::Bool,
 ];
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;
@@ -67,7 +67,7 @@ fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 
 /// The next varint of `b` and the rest, or `None` if it is cut short or
 /// does not fit in 64 bits.
-fn take_varint(b: &[u8]) -> Option<(u64, &[u8])> {
+pub(crate) fn take_varint(b: &[u8]) -> Option<(u64, &[u8])> {
     let mut v = 0u64;
     for (i, &x) in b.iter().enumerate().take(10) {
         let bits = u64::from(x & 0x7f);
