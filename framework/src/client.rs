@@ -333,32 +333,33 @@ pub(crate) fn check_targets(
     Ok(())
 }
 
-/// Object `id`'s tensors (`got`, as received) in `targets`: `got` as it
-/// is when the receive put them there (they are the targets: in place,
-/// `true`), else copied into `targets` (one copy, after
-/// [`check_targets`]: `false`) and those returned.
+/// Object `id`'s tensors (`got`, as received) in `targets`: nothing to
+/// do when the receive put them there (they are the targets: in place,
+/// `None`), else copied into `targets` (one copy, after
+/// [`check_targets`]) and those returned. Borrowed, not taken: the stored
+/// list is shared, and 10 000 tensors are 10 000 clones and drops.
 pub(crate) fn into_targets(
     id: u64,
     targets: &[Tensor],
-    got: Vec<Tensor>,
-) -> RdtResult<(Vec<Tensor>, bool)> {
+    got: &[Tensor],
+) -> RdtResult<Option<Vec<Tensor>>> {
     let in_place = targets.len() == got.len()
-        && targets.iter().zip(&got).all(|(t, g)| {
+        && targets.iter().zip(got).all(|(t, g)| {
             t.shares_storage(g)
                 && t.byte_offset() == g.byte_offset()
                 && t.dtype() == g.dtype()
                 && t.shape() == g.shape()
         });
     if in_place {
-        return Ok((got, true));
+        return Ok(None);
     }
     let metas: Vec<_> = got.iter().map(Tensor::meta).collect();
     check_targets(id, &metas, targets)?;
-    for (i, (t, g)) in targets.iter().zip(&got).enumerate() {
+    for (i, (t, g)) in targets.iter().zip(got).enumerate() {
         t.copy_from(g).map_err(|e| Error::Targets {
             object: id,
             message: format!("copying its tensor #{i} into target #{i}: {e}"),
         })?;
     }
-    Ok((targets.to_vec(), false))
+    Ok(Some(targets.to_vec()))
 }

@@ -564,16 +564,22 @@ impl Runtime {
                     crate::client::check_targets(r.id, &wv.exported.get()?.metas, targets)?;
                     let target = Target::Tensors(targets.to_vec());
                     let tensors = self.get_direct(r.id, &wv, inst, target).await?;
-                    let (placed, _) = crate::client::into_targets(r.id, targets, tensors)?;
-                    return decode_in_driver(&self.inner, &wv, r.id, &placed);
+                    let copied = crate::client::into_targets(r.id, targets, &tensors)?;
+                    let placed = copied.as_deref().unwrap_or(&tensors);
+                    return decode_in_driver(&self.inner, &wv, r.id, placed);
                 }
                 None => self.fetch_via_object_store(r.id).await?,
             },
             rdt_transport::Sidedness::ThroughDriver => wv,
         };
         let tensors = object_store::unpack(wv.exported.get()?)?;
-        let (placed, _) = crate::client::into_targets(r.id, targets, tensors)?;
-        decode_in_driver(&self.inner, &wv, r.id, &placed)
+        let copied = crate::client::into_targets(r.id, targets, &tensors)?;
+        decode_in_driver(
+            &self.inner,
+            &wv,
+            r.id,
+            copied.as_deref().unwrap_or(&tensors),
+        )
     }
 
     /// Like [`Runtime::get`], with every tensor read straight into this

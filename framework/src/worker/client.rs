@@ -339,12 +339,11 @@ impl ActorRuntime {
     ) -> Result<T> {
         let id = r.borrow().id;
         let v = self.stored(id, Some(targets)).await?;
-        let (placed, in_place) =
-            crate::client::into_targets(id, targets, Arc::unwrap_or_clone(v.tensors))?;
-        if in_place {
+        let copied = crate::client::into_targets(id, targets, &v.tensors)?;
+        if copied.is_none() {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
         }
-        self.decode(id, &v.data, &placed)
+        self.decode(id, &v.data, copied.as_deref().unwrap_or(&v.tensors))
     }
 
     /// Object `id` as this worker stores it, delivered first if it is not
