@@ -125,7 +125,7 @@ impl WireExported {
         }
         let cacheable = self.inline.is_empty() && self.head.len() >= RecentHeads::MIN_HEAD;
         if cacheable {
-            if let Some(e) = RECENT_HEADS.find(&self.head) {
+            if let Some(e) = RecentHeads::find(&self.head) {
                 return Ok(self.decoded.get_or_init(|| e));
             }
         }
@@ -144,7 +144,7 @@ impl WireExported {
         e.inline = self.inline.clone();
         let e = Arc::new(e);
         if cacheable {
-            RECENT_HEADS.keep(self.head.clone(), e.clone());
+            RecentHeads::keep(self.head.clone(), e.clone());
         }
         Ok(self.decoded.get_or_init(|| e))
     }
@@ -166,9 +166,7 @@ impl WireExported {
 /// bytes are kept (small ones decode in less than a lookup), the last
 /// [`KEEP`](Self::KEEP) of them; a hit compares every byte, so a head is
 /// never taken for another.
-pub(crate) struct RecentHeads {
-    heads: parking_lot::Mutex<std::collections::VecDeque<(Bytes, Arc<Exported>)>>,
-}
+pub(crate) struct RecentHeads;
 
 impl RecentHeads {
     /// The smallest head kept (about 100 tensors).
@@ -176,31 +174,18 @@ impl RecentHeads {
     /// Heads kept.
     pub(crate) const KEEP: usize = 8;
 
-    const fn new() -> Self {
-        RecentHeads {
-            heads: parking_lot::Mutex::new(std::collections::VecDeque::new()),
-        }
+    /// The decoded form of `head`, if it was decoded lately.
+    fn find(head: &Bytes) -> Option<Arc<Exported>> {
+        RECENT_HEADS.find(|(h, _)| h == head).map(|(_, e)| e)
     }
 
-    /// The decoded form of `head`, if it was decoded lately (it becomes
-    /// the most recent).
-    fn find(&self, head: &Bytes) -> Option<Arc<Exported>> {
-        let mut heads = self.heads.lock();
-        let i = heads.iter().position(|(h, _)| h == head)?;
-        let hit = heads.remove(i).expect("found above");
-        let e = hit.1.clone();
-        heads.push_front(hit);
-        Some(e)
-    }
-
-    fn keep(&self, head: Bytes, e: Arc<Exported>) {
-        let mut heads = self.heads.lock();
-        heads.push_front((head, e));
-        heads.truncate(Self::KEEP);
+    fn keep(head: Bytes, e: Arc<Exported>) {
+        RECENT_HEADS.keep((head, e));
     }
 }
 
-static RECENT_HEADS: RecentHeads = RecentHeads::new();
+static RECENT_HEADS: rdt_transport::recent::Recent<(Bytes, Arc<Exported>)> =
+    rdt_transport::recent::Recent::new(RecentHeads::KEEP);
 
 fn lost_bytes(e: rdt_transport::arriving::ArriveError) -> Error {
     Error::Transport(rdt_transport::TransportError::new(

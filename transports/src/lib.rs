@@ -24,6 +24,7 @@ pub mod nccl;
 pub mod nixl;
 pub mod object_store;
 mod process_watch;
+pub mod recent;
 pub mod registry;
 mod shape;
 pub mod shm;

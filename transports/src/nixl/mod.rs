@@ -652,6 +652,24 @@ fn unzigzag(v: u64) -> i128 {
 }
 
 impl Handles {
+    /// Piece `p`'s remote range (its registration checked by
+    /// [`check_handles`]) paired with `local`, in local registration
+    /// `local_reg`.
+    fn pair(&self, p: &Piece, local: Desc, local_reg: u64) -> Pair {
+        let r = &self.regions[p.region as usize];
+        Pair {
+            remote: Desc {
+                mem: r.mem,
+                addr: (r.base + p.offset) as usize,
+                len: p.len as usize,
+                dev: r.dev,
+            },
+            remote_reg: r.generation,
+            local,
+            local_reg,
+        }
+    }
+
     fn encode(&self) -> Result<Vec<u8>, String> {
         let mut runs: Vec<(u32, u32)> = Vec::new();
         let mut gaps = Vec::with_capacity(self.tensors.len());
@@ -751,7 +769,7 @@ pub struct NixlTransport {
     /// Peer agents loaded, by name.
     remotes: Mutex<HashMap<String, RemoteAgent>>,
     /// Read plans of recent layouts, the last used first (NX-7).
-    plans: Mutex<std::collections::VecDeque<Arc<ReadPlan>>>,
+    plans: crate::recent::Recent<Arc<ReadPlan>>,
 }
 
 /// What an export keeps alive.
@@ -848,7 +866,7 @@ impl NixlTransport {
             exports: Default::default(),
             slabs: Default::default(),
             remotes: Default::default(),
-            plans: Default::default(),
+            plans: crate::recent::Recent::new(PLANS_KEPT),
         }
     }
 
@@ -1156,18 +1174,7 @@ impl NixlTransport {
                 let mut pairs: Vec<Pair> = Vec::with_capacity(h.tensors.len());
                 for (p, d) in h.tensors.iter().zip(&dests) {
                     let Some(d) = d else { continue };
-                    let r = &h.regions[p.region as usize];
-                    pairs.push(Pair {
-                        remote: Desc {
-                            mem: r.mem,
-                            addr: (r.base + p.offset) as usize,
-                            len: p.len as usize,
-                            dev: r.dev,
-                        },
-                        remote_reg: r.generation,
-                        local: d.desc,
-                        local_reg: d.local_reg,
-                    });
+                    pairs.push(h.pair(p, d.desc, d.local_reg));
                 }
                 (out, coalesce(pairs), keep)
             }
@@ -1630,8 +1637,8 @@ impl ReadPlan {
         // one range of one slab (one registration) and the host region is
         // one registration, so (memory type, GPU) tells them apart.
         let mut pairs: Vec<Pair> = Vec::with_capacity(metas.len());
-        for ((p, m), a) in h.tensors.iter().zip(metas).zip(&at) {
-            let len = m.nbytes();
+        for (p, a) in h.tensors.iter().zip(&at) {
+            let len = p.len as usize;
             let local = match *a {
                 _ if len == 0 => continue,
                 At::Lane(l, offset) => Desc {
@@ -1648,18 +1655,7 @@ impl ReadPlan {
                 },
                 At::Empty => continue,
             };
-            let r = &h.regions[p.region as usize];
-            pairs.push(Pair {
-                remote: Desc {
-                    mem: r.mem,
-                    addr: (r.base + p.offset) as usize,
-                    len,
-                    dev: r.dev,
-                },
-                remote_reg: r.generation,
-                local,
-                local_reg: 0,
-            });
+            pairs.push(h.pair(p, local, 0));
         }
         let lists = coalesce(pairs);
         bump(&COUNTERS.read_plans_made, 1);
@@ -1686,19 +1682,14 @@ impl NixlTransport {
     fn read_plan(&self, exported: &Exported, target: PlanTarget) -> Result<Arc<ReadPlan>, String> {
         let kept = exported.metas.len() >= PLAN_MIN_TENSORS;
         if kept {
-            let mut plans = self.plans.lock();
-            if let Some(i) = plans.iter().position(|p| p.fits(exported, target)) {
-                let p = plans.remove(i).expect("found above");
-                plans.push_front(p.clone());
+            if let Some(p) = self.plans.find(|p| p.fits(exported, target)) {
                 bump(&COUNTERS.read_plans_reused, 1);
                 return Ok(p);
             }
         }
         let p = Arc::new(ReadPlan::new(exported, target)?);
         if kept {
-            let mut plans = self.plans.lock();
-            plans.push_front(p.clone());
-            plans.truncate(PLANS_KEPT);
+            self.plans.keep(p.clone());
         }
         Ok(p)
     }
