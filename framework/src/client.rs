@@ -308,29 +308,26 @@ pub(crate) fn check_targets(
     metas: &[rdt_transport::TensorMeta],
     targets: &[Tensor],
 ) -> RdtResult<()> {
-    let bad = |message: String| Error::Targets {
-        object: id,
-        message,
-    };
-    if metas.len() != targets.len() {
-        return Err(bad(format!(
+    use rdt_transport::transport::{first_mismatch, MetaMismatch};
+    let message = match first_mismatch(metas, targets) {
+        None => return Ok(()),
+        Some(MetaMismatch::Count) => format!(
             "the object holds {} tensors and {} targets were given",
             metas.len(),
             targets.len()
-        )));
-    }
-    for (i, (m, t)) in metas.iter().zip(targets).enumerate() {
-        if m.dtype != t.dtype() || m.shape != t.shape() {
-            return Err(bad(format!(
-                "its tensor #{i} is {} {:?} and target #{i} is {} {:?}",
-                m.dtype,
-                m.shape,
-                t.dtype(),
-                t.shape()
-            )));
-        }
-    }
-    Ok(())
+        ),
+        Some(MetaMismatch::At(i)) => format!(
+            "its tensor #{i} is {} {:?} and target #{i} is {} {:?}",
+            metas[i].dtype,
+            metas[i].shape,
+            targets[i].dtype(),
+            targets[i].shape()
+        ),
+    };
+    Err(Error::Targets {
+        object: id,
+        message,
+    })
 }
 
 /// Object `id`'s tensors (`got`, as received) in `targets`: nothing to

@@ -476,6 +476,30 @@ pub trait TensorTransport: Send + Sync + 'static {
 /// How often the rdt worker calls [`TensorTransport::housekeeping`].
 pub const HOUSEKEEPING_PERIOD: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// Where tensors stop matching the metadata they should have (dtype and
+/// shape, one tensor per entry, in order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetaMismatch {
+    /// There are not as many tensors as entries.
+    Count,
+    /// Tensor `.0` has another dtype or shape than its entry.
+    At(usize),
+}
+
+/// The first place `got` does not match `expected`, if any: the one
+/// comparison behind [`check_received`] and the framework's check of
+/// `get_into` targets, which word the error each for its caller.
+pub fn first_mismatch(expected: &[TensorMeta], got: &[Tensor]) -> Option<MetaMismatch> {
+    if expected.len() != got.len() {
+        return Some(MetaMismatch::Count);
+    }
+    expected
+        .iter()
+        .zip(got)
+        .position(|(m, t)| m.dtype != t.dtype() || m.shape != t.shape())
+        .map(MetaMismatch::At)
+}
+
 /// Checks that `got` matches `expected` (contract point 2), as every
 /// transport's `receive` must.
 pub fn check_received(
@@ -483,29 +507,20 @@ pub fn check_received(
     expected: &[TensorMeta],
     got: &[Tensor],
 ) -> Result<(), TransportError> {
-    if expected.len() != got.len() {
-        return Err(TransportError::new(
-            transport,
-            format!(
-                "expected {} tensors, received {}",
-                expected.len(),
-                got.len()
-            ),
-        ));
-    }
-    for (i, (m, t)) in expected.iter().zip(got).enumerate() {
-        if m.dtype != t.dtype() || m.shape != t.shape() {
-            return Err(TransportError::new(
-                transport,
-                format!(
-                    "tensor #{i}: expected {} {:?}, received {} {:?}",
-                    m.dtype,
-                    m.shape,
-                    t.dtype(),
-                    t.shape()
-                ),
-            ));
-        }
-    }
-    Ok(())
+    let message = match first_mismatch(expected, got) {
+        None => return Ok(()),
+        Some(MetaMismatch::Count) => format!(
+            "expected {} tensors, received {}",
+            expected.len(),
+            got.len()
+        ),
+        Some(MetaMismatch::At(i)) => format!(
+            "tensor #{i}: expected {} {:?}, received {} {:?}",
+            expected[i].dtype,
+            expected[i].shape,
+            got[i].dtype(),
+            got[i].shape()
+        ),
+    };
+    Err(TransportError::new(transport, message))
 }
