@@ -47,6 +47,17 @@ where
     }
 }
 
+/// Process `pid` has exited: reaped, or a zombie (its memory released).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
 /// The producer learns of each finished read from NIXL's notification,
 /// which follows the read's completion by a moment.
 async fn producer_served(rt: &Runtime, p: &ProducerHandle, n: u64) {
@@ -421,6 +432,9 @@ async fn a_producer_that_died_fails_the_read_and_leaves_the_consumer_usable() {
         let pid = p.pid().expect("a local worker");
         // SAFETY: killing a worker process of this test.
         unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        // `kill` returns before the process is gone: a read made at once
+        // could still find its memory (CI saw it succeed). Dead first.
+        spin_until("the killed producer has exited", 20, || exited(pid)).await;
         // Read while the driver may or may not know yet: the call fails,
         // with the death or with NIXL's failure to read from the peer.
         let e = rt.get(c.sum(&r).remote()).await.unwrap_err().to_string();
