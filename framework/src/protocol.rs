@@ -95,7 +95,26 @@ pub struct WireExported {
     nbytes: u64,
     /// The decoded form, once read in this process.
     #[serde(skip)]
-    decoded: std::sync::OnceLock<Arc<Exported>>,
+    decoded: std::sync::OnceLock<Arc<Decoded>>,
+}
+
+/// A head decoded in this process, and the layout id it got then.
+#[derive(Debug)]
+struct Decoded {
+    exported: Exported,
+    /// Unique in this process, never reused: the same id means the same
+    /// decode, hence the same bytes ([`WireExported::layout`]).
+    layout: u64,
+}
+
+impl Decoded {
+    fn new(exported: Exported) -> Arc<Decoded> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Arc::new(Decoded {
+            exported,
+            layout: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
 }
 
 impl WireExported {
@@ -112,7 +131,7 @@ impl WireExported {
             head: Bytes::from(head),
             inline,
             nbytes,
-            decoded: std::sync::OnceLock::from(Arc::new(exported)),
+            decoded: std::sync::OnceLock::from(Decoded::new(exported)),
         })
     }
 
@@ -120,13 +139,13 @@ impl WireExported {
     /// use in this process; a head decoded lately, by content, is not
     /// decoded again: see [`RecentHeads`]).
     pub fn get(&self) -> Result<&Exported> {
-        if let Some(e) = self.decoded.get() {
-            return Ok(e);
+        if let Some(d) = self.decoded.get() {
+            return Ok(&d.exported);
         }
         let cacheable = self.inline.is_empty() && self.head.len() >= RecentHeads::MIN_HEAD;
         if cacheable {
-            if let Some(e) = RecentHeads::find(&self.head) {
-                return Ok(self.decoded.get_or_init(|| e));
+            if let Some(d) = RecentHeads::find(&self.head) {
+                return Ok(&self.decoded.get_or_init(|| d).exported);
             }
         }
         // An empty head is `Default`'s: a value without tensors.
@@ -142,11 +161,20 @@ impl WireExported {
             })?
         };
         e.inline = self.inline.clone();
-        let e = Arc::new(e);
+        let d = Decoded::new(e);
         if cacheable {
-            RecentHeads::keep(self.head.clone(), e.clone());
+            RecentHeads::keep(self.head.clone(), d.clone());
         }
-        Ok(self.decoded.get_or_init(|| e))
+        Ok(&self.decoded.get_or_init(|| d).exported)
+    }
+
+    /// Names the decoded form [`get`](Self::get) gave, in this process:
+    /// values whose heads were found among the recent ones share it, so
+    /// the same layout means byte-identical metadata and handles, and an
+    /// id is never reused. `None` before `get`. Transports key what they
+    /// work out once per layout on it ([`rdt_transport::TransferCtx::layout`]).
+    pub fn layout(&self) -> Option<u64> {
+        self.decoded.get().map(|d| d.layout)
     }
 
     /// Total tensor bytes described.
@@ -175,16 +203,16 @@ impl RecentHeads {
     pub(crate) const KEEP: usize = 8;
 
     /// The decoded form of `head`, if it was decoded lately.
-    fn find(head: &Bytes) -> Option<Arc<Exported>> {
-        RECENT_HEADS.find(|(h, _)| h == head).map(|(_, e)| e)
+    fn find(head: &Bytes) -> Option<Arc<Decoded>> {
+        RECENT_HEADS.find(|(h, _)| h == head).map(|(_, d)| d)
     }
 
-    fn keep(head: Bytes, e: Arc<Exported>) {
-        RECENT_HEADS.keep((head, e));
+    fn keep(head: Bytes, d: Arc<Decoded>) {
+        RECENT_HEADS.keep((head, d));
     }
 }
 
-static RECENT_HEADS: rdt_transport::recent::Recent<(Bytes, Arc<Exported>)> =
+static RECENT_HEADS: rdt_transport::recent::Recent<(Bytes, Arc<Decoded>)> =
     rdt_transport::recent::Recent::new(RecentHeads::KEEP);
 
 fn lost_bytes(e: rdt_transport::arriving::ArriveError) -> Error {
@@ -1934,15 +1962,23 @@ mod tests {
         let (a, b) = (arrived(metas(300, 4)), arrived(metas(300, 4)));
         assert!(a.head.len() >= RecentHeads::MIN_HEAD);
         assert!(std::ptr::eq(a.get().unwrap(), b.get().unwrap()));
-        // Another head (other shapes) is decoded on its own, and right.
+        // ... and one layout, which transports key their plans on.
+        assert!(a.layout().is_some());
+        assert_eq!(a.layout(), b.layout());
+        // Another head (other shapes) is decoded on its own, and right,
+        // with a layout of its own.
         let c = arrived(metas(300, 5));
         assert!(!std::ptr::eq(a.get().unwrap(), c.get().unwrap()));
         assert_eq!(c.get().unwrap().metas[0].shape.as_slice(), &[5]);
-        // Small heads are not kept: each decodes.
+        assert_ne!(a.layout(), c.layout());
+        // Small heads are not kept: each decodes, and each decode is a
+        // layout of its own (equal content, but not known to be).
         let (d, e) = (arrived(metas(2, 4)), arrived(metas(2, 4)));
         assert!(d.head.len() < RecentHeads::MIN_HEAD);
+        assert_eq!(d.layout(), None, "no layout before the head is read");
         assert!(!std::ptr::eq(d.get().unwrap(), e.get().unwrap()));
         assert_eq!(d.get().unwrap().metas, e.get().unwrap().metas);
+        assert_ne!(d.layout(), e.layout());
     }
 
     #[test]

@@ -658,11 +658,12 @@ impl Runtime {
             (a.peer(p, wv.transport.name()), p)
         };
         let deadline = self.inner.config.transfer_timeout;
+        let exported = wv.exported.get()?;
         let cx = rdt_transport::TransferCtx {
             target,
+            layout: wv.exported.layout(),
             ..rdt_transport::TransferCtx::new(0)
         };
-        let exported = wv.exported.get()?;
         let read = tokio::time::timeout(deadline, inst.receive(&from, &cx, exported)).await;
         let dead = || {
             let st = self.inner.lock();

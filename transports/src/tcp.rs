@@ -583,9 +583,8 @@ mod tests {
                 Tensor::zeros(crate::DType::U8, &[33]),
             ];
             let cx = TransferCtx {
-                xfer: 20,
-                group: None,
                 target: crate::Target::Tensors(targets.clone()),
+                ..TransferCtx::new(20)
             };
             a.send(&peer(&b, 2), &cx, &ts).await.unwrap();
             let got = b.receive(&peer(&a, 1), &cx, &ex).await.unwrap();
@@ -597,6 +596,7 @@ mod tests {
             let cx = TransferCtx {
                 xfer: 21,
                 group: None,
+                layout: None,
                 target: crate::Target::Tensors(vec![
                     Tensor::zeros(crate::DType::F32, &[999]),
                     Tensor::zeros(crate::DType::U8, &[33]),

@@ -1117,6 +1117,7 @@ fn on_deliver(
                     xfer,
                     group,
                     target: shared.target_for(object, &exported.metas, transport.1.as_ref()),
+                    layout: d.value.exported.layout(),
                 };
                 rdt_transport::cuda::timeline("receive target chosen", xfer);
                 let tensors = transport
@@ -1195,11 +1196,22 @@ fn on_deliver(
                         landed.and(ack)
                     }
                 };
-                let _ = shared.tx.send(&ToDriver::Received {
+                let ok = ack.is_ok();
+                let msg = ToDriver::Received {
                     object,
                     xfer,
                     result: ack,
-                });
+                };
+                // A receive that ended well is acknowledged with the next
+                // frame (the call's `CallDone`, which settles it in the
+                // driver anyway: XF-5) or within `protocol::SOON`: one
+                // write and one driver wake-up fewer on a pass's path. A
+                // failure goes at once (it may break a group).
+                let _ = if ok {
+                    shared.tx.send_soon(&msg)
+                } else {
+                    shared.tx.send(&msg)
+                };
             };
             if landed_already {
                 acknowledge.await;
@@ -1392,9 +1404,8 @@ fn on_send(
     let job = Box::pin(
         async move {
             let cx = rdt_transport::TransferCtx {
-                xfer,
                 group,
-                target: Default::default(),
+                ..rdt_transport::TransferCtx::new(xfer)
             };
             #[cfg(feature = "failpoints")]
             let injected = fail::eval("rdt::send", |m| m.unwrap_or_else(|| "injected".into()));
