@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures::future::LocalBoxFuture;
 use rdt_transport::value::Payload;
-use rdt_transport::Tensor;
+use rdt_transport::TensorList;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -85,7 +85,7 @@ pub static ACTOR_TYPES: [ActorRegistration];
 pub struct CallArgs {
     pub(crate) actor: Arc<str>,
     pub(crate) method: &'static str,
-    pub(crate) values: Vec<(Bytes, std::sync::Arc<Vec<Tensor>>)>,
+    pub(crate) values: Vec<(Bytes, std::sync::Arc<TensorList>)>,
     /// The refs in the return value, held until its reply is queued
     /// (CL-2).
     pub(crate) held: std::rc::Rc<std::cell::RefCell<Vec<crate::client::AnyRef>>>,
@@ -102,7 +102,7 @@ impl CallArgs {
                 self.values.len()
             ))
         })?;
-        crate::client::decode(None, data, tensors).map_err(|e| Error::Decode {
+        crate::client::decode_list(None, data, tensors).map_err(|e| Error::Decode {
             what: format!(
                 "argument {name} of {}.{} as {}",
                 self.actor,

@@ -154,6 +154,19 @@ pub(crate) fn decode<T: DeserializeOwned>(
     reading_refs(client, || value::decode(data, tensors))
 }
 
+/// [`decode`] from a [`TensorList`]: a lazy one makes only the tensors the
+/// value names, each once ([`value::decode_list`]).
+pub(crate) fn decode_list<T: DeserializeOwned>(
+    client: Option<&Client>,
+    data: &[u8],
+    tensors: &rdt_transport::TensorList,
+) -> Result<T, ValueError> {
+    let client = client
+        .cloned()
+        .or_else(|| crate::worker::shared().map(Client::Actor));
+    reading_refs(client, || value::decode_list(data, tensors))
+}
+
 /// Runs `read` (a deserialization) with refs and handles bound to
 /// `client`; in an actor, the borrows met go out in one message at the end
 /// (CL-3). Outside such a scope, reading a ref or a handle is an error.

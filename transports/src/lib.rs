@@ -30,6 +30,7 @@ mod shape;
 pub mod shm;
 pub mod tcp;
 mod tensor;
+pub mod tensor_list;
 pub mod transport;
 pub mod value;
 pub mod wire;
@@ -42,6 +43,7 @@ pub use shape::Shape;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
 pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError, TensorMeta};
+pub use tensor_list::{MakeTensors, TensorList};
 pub use transport::{
     Exported, GroupRef, GroupSpec, ObjectKey, Peer, Sidedness, Target, TensorTransport,
     TransferCtx, TransferId, TransportError,

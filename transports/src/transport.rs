@@ -368,6 +368,24 @@ pub trait TensorTransport: Send + Sync + 'static {
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>>;
 
+    /// [`receive`](Self::receive), as a [`TensorList`](crate::TensorList):
+    /// what the framework calls. A transport that lays a large object out
+    /// in a few ranges may return a lazy list, whose tensors are made when
+    /// a call's decode wants them instead of all at once here (`nixl`'s
+    /// planned receives). The default is `receive`'s list.
+    fn receive_list<'a>(
+        &'a self,
+        from: &'a Peer,
+        cx: &'a TransferCtx,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<crate::TensorList, TransportError>> {
+        Box::pin(async move {
+            self.receive(from, cx, exported)
+                .await
+                .map(crate::TensorList::from)
+        })
+    }
+
     /// Rank 0 of a collective group about to be created: make what every
     /// member needs to join it (NCCL: the unique id, whose bootstrap root
     /// lives in this process until every rank has joined). The framework

@@ -26,7 +26,7 @@ use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::{DType, Shape, Tensor};
+use crate::{DType, Shape, Tensor, TensorList};
 
 /// A value split into its serialized non-tensor part and its tensors.
 #[derive(Clone, Debug, Default)]
@@ -141,6 +141,9 @@ enum Ctx {
     /// call (see there): a weights value has thousands of tensors, and
     /// copying the list first cost a clone and a drop of each.
     Source(*const [Tensor]),
+    /// The same, from a [`TensorList`] (a lazy one makes each tensor
+    /// here, once: [`decode_list`]).
+    List(*const TensorList),
 }
 
 thread_local! {
@@ -196,6 +199,28 @@ pub fn decode<T: DeserializeOwned>(data: &[u8], tensors: &[Tensor]) -> Result<T,
     })
 }
 
+/// [`decode`], taking each tensor from `tensors` by index: a lazy list
+/// makes only the tensors the value names, each once, without making its
+/// whole slice first.
+pub fn decode_list<T: DeserializeOwned>(
+    data: &[u8],
+    tensors: &TensorList,
+) -> Result<T, ValueError> {
+    if !tensors.is_lazy() {
+        return decode(data, tensors.as_slice());
+    }
+    // As in `decode`: the pointer is read only while this call runs.
+    let _guard = enter(Ctx::List(tensors as *const TensorList));
+    MISSING.with(|m| m.set(None));
+    postcard::from_bytes(data).map_err(|e| match MISSING.with(|m| m.take()) {
+        Some(index) => ValueError::MissingTensor {
+            index,
+            count: tensors.len(),
+        },
+        None => ValueError::Serde(e.to_string()),
+    })
+}
+
 #[derive(Serialize, Deserialize)]
 struct SelfContained {
     dtype: DType,
@@ -228,19 +253,28 @@ impl Serialize for Tensor {
 
 impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        enum From {
+            Slice(*const [Tensor]),
+            List(*const TensorList),
+        }
         let source = CTX.with(|c| match &*c.borrow() {
-            Some(Ctx::Source(v)) => Some(*v),
+            Some(Ctx::Source(v)) => Some(From::Slice(*v)),
+            Some(Ctx::List(l)) => Some(From::List(*l)),
             _ => None,
         });
-        if let Some(v) = source {
+        if let Some(from) = source {
             #[derive(Deserialize)]
             #[serde(rename = "__rdt_tensor")]
             struct Index(u32);
             let Index(i) = Index::deserialize(d)?;
-            // SAFETY: set by `decode` from a slice that outlives the
-            // context, hence this call (see there).
-            let v: &[Tensor] = unsafe { &*v };
-            v.get(i as usize).cloned().ok_or_else(|| {
+            let t = match from {
+                // SAFETY: set by `decode` from a slice that outlives the
+                // context, hence this call (see there).
+                From::Slice(v) => unsafe { &*v }.get(i as usize).cloned(),
+                // SAFETY: the same, by `decode_list`.
+                From::List(l) => unsafe { &*l }.tensor(i as usize),
+            };
+            t.ok_or_else(|| {
                 MISSING.with(|m| m.set(Some(i)));
                 serde::de::Error::custom(format!("tensor #{i} is missing"))
             })

@@ -43,7 +43,7 @@ use crate::object_ref::{ArgOut, ObjectRef};
 use crate::protocol::{SubmitMsg, ToDriver, WireExported, WireValue};
 use crate::runtime::inline_value;
 use crate::transport::Transport;
-use rdt_transport::{Blob, Sidedness, Tensor};
+use rdt_transport::{Blob, Sidedness, Tensor, TensorList};
 
 /// The actor's refs, counted locally (CL-1).
 #[derive(Default)]
@@ -343,7 +343,10 @@ impl ActorRuntime {
         if copied.is_none() {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
         }
-        self.decode(id, &v.data, copied.as_deref().unwrap_or(&v.tensors))
+        match copied {
+            Some(c) => self.decode(id, &v.data, &c.into()),
+            None => self.decode(id, &v.data, &v.tensors),
+        }
     }
 
     /// Object `id` as this worker stores it, delivered first if it is not
@@ -392,8 +395,8 @@ impl ActorRuntime {
         Ok(())
     }
 
-    fn decode<T: DeserializeOwned>(&self, id: u64, data: &[u8], tensors: &[Tensor]) -> Result<T> {
-        crate::client::decode(None, data, tensors).map_err(|e| Error::Decode {
+    fn decode<T: DeserializeOwned>(&self, id: u64, data: &[u8], tensors: &TensorList) -> Result<T> {
+        crate::client::decode_list(None, data, tensors).map_err(|e| Error::Decode {
             what: format!("object {id} as {}", std::any::type_name::<T>()),
             message: e.to_string(),
         })
@@ -515,7 +518,7 @@ impl ActorRuntime {
             id,
             Slot::Ready(StoredValue {
                 data: encoded.payload.data.clone(),
-                tensors: Arc::new(encoded.payload.tensors.clone()),
+                tensors: Arc::new(encoded.payload.tensors.clone().into()),
                 transport,
                 produced: true,
             }),

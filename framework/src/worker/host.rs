@@ -40,7 +40,7 @@ use bytes::Bytes;
 use futures::future::LocalBoxFuture;
 use futures::FutureExt;
 use rdt_transport::hot::{self, hot};
-use rdt_transport::{Blob, Sidedness, Tensor};
+use rdt_transport::{Blob, Sidedness};
 use tracing::Instrument;
 
 use super::{panic_message, Landing, Slot, StoredValue, WorkerShared};
@@ -96,7 +96,7 @@ struct Header {
 
 /// A call's arguments, ready for the method.
 struct Resolved {
-    values: Vec<(Bytes, Arc<Vec<Tensor>>)>,
+    values: Vec<(Bytes, Arc<rdt_transport::TensorList>)>,
     refs: Vec<u64>,
 }
 
@@ -241,7 +241,7 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
             // Large ones may still be arriving (cut-through).
             WireArg::Value(v) => {
                 let (data, tensors) = super::unpack_inline(&v).await?;
-                values.push((data, Arc::new(tensors)))
+                values.push((data, Arc::new(tensors.into())))
             }
             WireArg::Ref(id) => {
                 refs.push(id);
@@ -406,7 +406,7 @@ async fn run_call<A: RdtActor>(
             msg.result,
             Slot::Ready(StoredValue {
                 data: payload.data.clone(),
-                tensors: Arc::new(payload.tensors),
+                tensors: Arc::new(payload.tensors.into()),
                 transport,
                 produced: true,
             }),

@@ -37,7 +37,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
-use rdt_transport::{object_store, Peer, Sidedness, Target, Tensor};
+use rdt_transport::{object_store, Peer, Sidedness, Target, Tensor, TensorList};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};
 use tracing::Instrument;
@@ -258,7 +258,9 @@ struct StoredValue {
     data: Bytes,
     /// Shared: a call that takes the value, or a `get` of it in the actor,
     /// clones the list's handle, not each of its (thousands of) tensors.
-    tensors: Arc<Vec<Tensor>>,
+    /// A lazy list (a planned `nixl` receive) makes each tensor when a
+    /// decode wants it.
+    tensors: Arc<TensorList>,
     transport: Transport,
     /// Produced here (released through the transport on free).
     produced: bool,
@@ -528,7 +530,7 @@ impl WorkerShared {
         }
     }
 
-    fn received_value(&self, t: Transport, data: Bytes, tensors: Vec<Tensor>) -> Slot {
+    fn received_value(&self, t: Transport, data: Bytes, tensors: TensorList) -> Slot {
         *self.received.lock().entry(t).or_default() += 1;
         Slot::Ready(StoredValue {
             data,
@@ -1009,8 +1011,8 @@ async fn control_loop<A: RdtActor>(
                     // behind the Free waits (on the 2xH200 host a weights
                     // pass's delivery waited ~1 ms for the previous pass's
                     // free): the blocking pool drops them beside it.
-                    let aside = v.tensors.len() >= DROP_ASIDE_MIN
-                        || v.tensors.iter().map(Tensor::nbytes).sum::<usize>() >= DROP_ASIDE_BYTES;
+                    let aside =
+                        v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES;
                     if aside {
                         shared.drops.drop_aside(v);
                     }
@@ -1029,7 +1031,7 @@ async fn control_loop<A: RdtActor>(
                         Some(Slot::Ready(v)) => inline_value(
                             rdt_transport::value::Payload {
                                 data: v.data,
-                                tensors: Arc::unwrap_or_clone(v.tensors),
+                                tensors: Arc::unwrap_or_clone(v.tensors).into_vec(),
                             },
                             Vec::new(),
                         ),
@@ -1122,7 +1124,7 @@ fn on_deliver(
                 rdt_transport::cuda::timeline("receive target chosen", xfer);
                 let tensors = transport
                     .1
-                    .receive(&from, &cx, exported)
+                    .receive_list(&from, &cx, exported)
                     .await
                     .map_err(Error::from)?;
                 rdt_transport::cuda::timeline("receive returned", xfer);
@@ -1251,7 +1253,7 @@ fn on_deliver_inline(
     value: crate::protocol::WireValue,
 ) {
     let slot = move |shared: &WorkerShared, got: Result<(Bytes, Vec<Tensor>)>| match got {
-        Ok((data, tensors)) => shared.received_value(t, data, tensors),
+        Ok((data, tensors)) => shared.received_value(t, data, tensors.into()),
         Err(e) => Slot::Failed(e),
     };
     let mut unpacking = Box::pin(async move { unpack_inline(&value).await });

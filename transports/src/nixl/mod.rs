@@ -91,7 +91,7 @@ use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, Target, TensorTransport, TransferCtx,
     TransportError,
 };
-use crate::{Device, Exported, ExternalMemory, Tensor, TensorMeta};
+use crate::{Device, Exported, ExternalMemory, MakeTensors, Tensor, TensorList, TensorMeta};
 
 use agent::{Agent, Desc, Mem};
 pub use api::NixlError;
@@ -1130,7 +1130,7 @@ impl NixlTransport {
         from: &Peer,
         cx: &TransferCtx,
         exported: &Exported,
-    ) -> Result<Vec<Tensor>, TransportError> {
+    ) -> Result<TensorList, TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         crate::cuda::timeline("nixl receive start", cx.xfer);
         let agent = self.agent()?;
@@ -1181,9 +1181,9 @@ impl NixlTransport {
                     let Some(d) = d else { continue };
                     pairs.push(h.pair(p, d.desc, d.local_reg));
                 }
-                (out, coalesce(pairs), keep)
+                (TensorList::from(out), coalesce(pairs), keep)
             }
-            Into::Fresh(plan) => self.take_planned(&agent, plan, metas, from)?,
+            Into::Fresh(plan) => self.take_planned(&agent, plan, from)?,
         };
         crate::cuda::timeline("nixl destinations ready", cx.xfer);
         let poller = Poller::get(&agent);
@@ -1283,7 +1283,10 @@ impl NixlTransport {
             target: Target::Any,
             ..cx.clone()
         };
-        let received = self.receive_inner(from, &on_gpu, exported).await?;
+        let received = self
+            .receive_inner(from, &on_gpu, exported)
+            .await?
+            .into_vec();
         let agent = self.agent()?;
         let len = received
             .iter()
@@ -1567,6 +1570,8 @@ struct ReadPlan {
     host_len: usize,
     /// Where each tensor lands.
     at: Vec<At>,
+    /// The bytes of all tensors.
+    nbytes: usize,
     /// The coalesced (local, remote) descriptor lists, each local address
     /// an offset in its lane (`dev` is the lane's GPU) or in the host
     /// region.
@@ -1676,6 +1681,7 @@ impl ReadPlan {
             h,
             lanes,
             host_len,
+            nbytes: metas.iter().map(TensorMeta::nbytes).sum(),
             at,
             lists,
         })
@@ -1728,14 +1734,16 @@ impl NixlTransport {
     /// Takes the memory `plan` lays out (one range per GPU, one host
     /// region), makes each tensor a view of it, and turns the plan's
     /// descriptor offsets into addresses in it.
+    ///
+    /// The tensors of a kept plan (a large object) come back as a lazy list
+    /// ([`PlannedViews`]): each view is made when a call's decode wants it.
     #[allow(clippy::type_complexity)]
     fn take_planned(
         &self,
         agent: &Arc<Agent>,
-        plan: &ReadPlan,
-        metas: &[TensorMeta],
+        plan: &Arc<ReadPlan>,
         from: &Peer,
-    ) -> Result<(Vec<Tensor>, Vec<(Vec<Desc>, Vec<Desc>)>, Vec<Kept>), TransportError> {
+    ) -> Result<(TensorList, Vec<(Vec<Desc>, Vec<Desc>)>, Vec<Kept>), TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         let mut keep = Vec::new();
         // Each GPU's range and registration are found once, not per
@@ -1795,22 +1803,22 @@ impl NixlTransport {
             .map_err(|e| err(e.to_string()))?;
             Some((region, whole))
         };
-        let mut out = Vec::with_capacity(metas.len());
-        for (m, a) in metas.iter().zip(&plan.at) {
-            // Laid out by the plan within the lane's or the region's length.
-            let t = match (*a, &host) {
-                (At::Lane(l, offset), _) => {
-                    let whole = &lanes[l as usize].whole;
-                    Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset)
-                }
-                (At::Host(offset), Some((_, whole))) => {
-                    Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset)
-                }
-                _ => Tensor::from_bytes(m.dtype, &m.shape, Vec::new())
-                    .map_err(|e| err(e.to_string()))?,
-            };
-            out.push(t);
-        }
+        let bases: Vec<u64> = lanes.iter().map(|l| l.base).collect();
+        let host_ptr = host.as_ref().map(|(r, _)| r.ptr() as usize);
+        let views = PlannedViews {
+            plan: plan.clone(),
+            lanes: lanes.into_iter().map(|l| l.whole).collect(),
+            host: host.map(|(_, whole)| whole),
+        };
+        let out = if plan.at.len() >= PLAN_MIN_TENSORS {
+            TensorList::lazy(Arc::new(views))
+        } else {
+            TensorList::from(
+                (0..plan.at.len())
+                    .map(|i| views.make(i))
+                    .collect::<Vec<_>>(),
+            )
+        };
         let lists = plan
             .lists
             .iter()
@@ -1823,8 +1831,8 @@ impl NixlTransport {
                                 .lanes
                                 .iter()
                                 .position(|&(o, _)| o as u64 == d.dev)
-                                .map(|l| lanes[l].base as usize),
-                            _ => host.as_ref().map(|(r, _)| r.ptr() as usize),
+                                .map(|l| bases[l] as usize),
+                            _ => host_ptr,
                         }
                         .expect("the plan's descriptors lie in its lanes and region");
                         Desc {
@@ -1837,6 +1845,54 @@ impl NixlTransport {
             })
             .collect();
         Ok((out, lists, keep))
+    }
+}
+
+/// Device memory read into this process's host memory: through its GPU
+/// ([`NixlTransport::receive_to_host_through_gpu`]).
+fn to_host_through_gpu(cx: &TransferCtx, exported: &Exported) -> bool {
+    matches!(cx.target, Target::Host)
+        && crate::cuda::available().is_ok()
+        && exported.metas.iter().any(|m| !m.device.is_cpu())
+}
+
+/// The tensors of a receive through a read plan, made on demand: views of
+/// the ranges the receive took (one per GPU) and of its host region, where
+/// the plan lays each tensor out (within the range's or the region's
+/// length, by construction).
+struct PlannedViews {
+    plan: Arc<ReadPlan>,
+    /// A tensor over each GPU's range, in the plan's lane order.
+    lanes: Vec<Tensor>,
+    /// A tensor over the host region, if the plan has one.
+    host: Option<Tensor>,
+}
+
+impl MakeTensors for PlannedViews {
+    fn len(&self) -> usize {
+        self.plan.at.len()
+    }
+
+    fn make(&self, i: usize) -> Tensor {
+        // The plan's metadata is the receive's (its key: equal content,
+        // or the same layout).
+        let m = &self.plan.metas[i];
+        match (self.plan.at[i], &self.host) {
+            (At::Lane(l, offset), _) => {
+                Tensor::view_of_storage(m.dtype, &m.shape, self.lanes[l as usize].storage(), offset)
+            }
+            (At::Host(offset), Some(whole)) => {
+                Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset)
+            }
+            // `At::Empty`: a host tensor of no bytes (the plan gives every
+            // host tensor with bytes a place in the region).
+            _ => Tensor::from_bytes(m.dtype, &m.shape, Vec::new())
+                .expect("a tensor the plan placed nowhere has no bytes"),
+        }
+    }
+
+    fn nbytes(&self) -> usize {
+        self.plan.nbytes
     }
 }
 
@@ -2086,14 +2142,32 @@ impl TensorTransport for NixlTransport {
         cx: &'a TransferCtx,
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
-        let device_to_host = matches!(cx.target, Target::Host)
-            && crate::cuda::available().is_ok()
-            && exported.metas.iter().any(|m| !m.device.is_cpu());
-        if device_to_host {
+        if to_host_through_gpu(cx, exported) {
             Box::pin(self.receive_to_host_through_gpu(from, cx, exported))
         } else {
-            Box::pin(self.receive_inner(from, cx, exported))
+            Box::pin(async move {
+                self.receive_inner(from, cx, exported)
+                    .await
+                    .map(TensorList::into_vec)
+            })
         }
+    }
+
+    fn receive_list<'a>(
+        &'a self,
+        from: &'a Peer,
+        cx: &'a TransferCtx,
+        exported: &'a Exported,
+    ) -> BoxFuture<'a, Result<TensorList, TransportError>> {
+        Box::pin(async move {
+            if to_host_through_gpu(cx, exported) {
+                self.receive_to_host_through_gpu(from, cx, exported)
+                    .await
+                    .map(TensorList::from)
+            } else {
+                self.receive_inner(from, cx, exported).await
+            }
+        })
     }
 
     fn release(&self, key: ObjectKey) -> BoxFuture<'_, Result<(), TransportError>> {
@@ -2308,9 +2382,15 @@ mod tests {
 
     #[test]
     fn a_plan_is_found_by_its_layout_without_reading_the_content_again() {
-        // 100 host tensors of 64 B, neighbours in one registration.
+        // 100 host tensors of 64 B, neighbours in one registration (only
+        // metadata: no tensor, so the process-wide host pool, which
+        // another test counts, is left alone).
         let metas: Vec<TensorMeta> = (0..100)
-            .map(|_| Tensor::zeros(crate::DType::U8, &[64]).meta())
+            .map(|_| TensorMeta {
+                dtype: crate::DType::U8,
+                shape: [64usize][..].into(),
+                device: Device::Cpu,
+            })
             .collect();
         let h = Handles {
             agent: "producer".into(),

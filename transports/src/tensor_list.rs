@@ -1,0 +1,216 @@
+//! [`TensorList`]: a value's tensors, as a list or made on demand.
+//!
+//! A receive of a weights object into fresh memory lays its tensors out
+//! in a few ranges (one per GPU, one host region), and each tensor is a
+//! view of one of them. Making all the views when the bytes land, storing
+//! them, and cloning each again when a call decodes the value cost two
+//! tensor constructions per tensor per pass (about 25 and 45 ns each for
+//! 10 000 tensors on one H100 host). A lazy list keeps the ranges and the
+//! layout instead ([`MakeTensors`]); a call's decode makes each tensor
+//! once, where it is needed ([`TensorList::tensor`]). Anything that wants
+//! a slice gets one, made once and kept ([`Deref`](std::ops::Deref)).
+//!
+//! # Invariants
+//! 1. Index `i` is the same tensor however it is reached: made on demand
+//!    or from the kept slice, it has the same dtype, shape, storage and
+//!    byte offset (a [`MakeTensors`] is a pure function of `i`).
+//! 2. [`len`](TensorList::len) and [`nbytes`](TensorList::nbytes) never
+//!    make tensors.
+
+use std::sync::{Arc, OnceLock};
+
+use crate::Tensor;
+
+/// Makes the tensors of a lazy [`TensorList`], each on demand.
+pub trait MakeTensors: Send + Sync {
+    /// The number of tensors.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Tensor `i` (`i < len()`); the same tensor at every call
+    /// (invariant 1).
+    fn make(&self, i: usize) -> Tensor;
+    /// The bytes of all tensors.
+    fn nbytes(&self) -> usize;
+}
+
+/// A value's tensors: a list, or made on demand from a layout (see the
+/// module's documentation). It reads as a `&[Tensor]`.
+#[derive(Clone, Default)]
+pub struct TensorList {
+    /// The tensors, once made (from the start for a list).
+    made: OnceLock<Vec<Tensor>>,
+    /// What makes them on demand (lazy lists).
+    maker: Option<Arc<dyn MakeTensors>>,
+}
+
+impl TensorList {
+    /// A lazy list: each tensor is made by `maker` when it is wanted.
+    pub fn lazy(maker: Arc<dyn MakeTensors>) -> TensorList {
+        TensorList {
+            made: OnceLock::new(),
+            maker: Some(maker),
+        }
+    }
+
+    /// The number of tensors (none made).
+    pub fn len(&self) -> usize {
+        match (self.made.get(), &self.maker) {
+            (Some(v), _) => v.len(),
+            (None, Some(m)) => m.len(),
+            (None, None) => 0,
+        }
+    }
+
+    /// Whether there are no tensors.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes of all tensors (none made).
+    pub fn nbytes(&self) -> usize {
+        match (self.made.get(), &self.maker) {
+            (Some(v), _) => v.iter().map(Tensor::nbytes).sum(),
+            (None, Some(m)) => m.nbytes(),
+            (None, None) => 0,
+        }
+    }
+
+    /// Tensor `i`: a clone of the kept one, or made now for a lazy list
+    /// that has not made its slice. `None` past the end.
+    pub fn tensor(&self, i: usize) -> Option<Tensor> {
+        match (self.made.get(), &self.maker) {
+            (Some(v), _) => v.get(i).cloned(),
+            (None, Some(m)) => (i < m.len()).then(|| m.make(i)),
+            (None, None) => None,
+        }
+    }
+
+    /// Whether the tensors are made on demand and not all made yet.
+    pub fn is_lazy(&self) -> bool {
+        self.made.get().is_none() && self.maker.is_some()
+    }
+
+    /// All tensors, made once and kept.
+    pub fn as_slice(&self) -> &[Tensor] {
+        self.made.get_or_init(|| match &self.maker {
+            Some(m) => (0..m.len()).map(|i| m.make(i)).collect(),
+            None => Vec::new(),
+        })
+    }
+
+    /// The tensors, as a vector.
+    pub fn into_vec(mut self) -> Vec<Tensor> {
+        self.as_slice();
+        self.made.take().unwrap_or_default()
+    }
+}
+
+impl From<Vec<Tensor>> for TensorList {
+    fn from(v: Vec<Tensor>) -> TensorList {
+        TensorList {
+            made: OnceLock::from(v),
+            maker: None,
+        }
+    }
+}
+
+impl std::ops::Deref for TensorList {
+    type Target = [Tensor];
+    fn deref(&self) -> &[Tensor] {
+        self.as_slice()
+    }
+}
+
+impl std::fmt::Debug for TensorList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorList")
+            .field("len", &self.len())
+            .field("lazy", &self.is_lazy())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Views of one flat tensor, counting what it made.
+    struct Views {
+        flat: Tensor,
+        n: usize,
+        made: AtomicUsize,
+    }
+
+    impl MakeTensors for Views {
+        fn len(&self) -> usize {
+            self.n
+        }
+        fn make(&self, i: usize) -> Tensor {
+            self.made.fetch_add(1, Ordering::Relaxed);
+            self.flat.view(i * 4, DType::F32, &[1]).unwrap()
+        }
+        fn nbytes(&self) -> usize {
+            self.n * 4
+        }
+    }
+
+    #[test]
+    fn a_lazy_list_makes_only_what_is_asked_and_the_same_tensors_as_its_slice() {
+        let flat =
+            Tensor::from_slice(&(0..100).map(|i| i as f32).collect::<Vec<_>>(), &[100]).unwrap();
+        let views = Arc::new(Views {
+            flat: flat.clone(),
+            n: 100,
+            made: AtomicUsize::new(0),
+        });
+        let list = TensorList::lazy(views.clone());
+        // Length and bytes make nothing (invariant 2).
+        assert_eq!((list.len(), list.nbytes()), (100, 400));
+        assert!(list.is_lazy());
+        assert_eq!(views.made.load(Ordering::Relaxed), 0);
+        // One tensor asked, one made, and the right one.
+        let t = list.tensor(7).unwrap();
+        assert_eq!(views.made.load(Ordering::Relaxed), 1);
+        assert_eq!(t.to_vec::<f32>().unwrap(), [7.0]);
+        assert!(t.shares_storage(&flat));
+        assert!(list.tensor(100).is_none());
+        // The slice is made once, and index 7 is the same tensor there
+        // (invariant 1).
+        let s = list.as_slice();
+        assert_eq!(s.len(), 100);
+        assert_eq!(views.made.load(Ordering::Relaxed), 101);
+        assert_eq!(
+            (s[7].byte_offset(), s[7].shape()),
+            (t.byte_offset(), t.shape())
+        );
+        assert!(!list.is_lazy());
+        let again = list.tensor(7).unwrap();
+        assert_eq!(
+            views.made.load(Ordering::Relaxed),
+            101,
+            "kept, not made again"
+        );
+        assert_eq!(again.byte_offset(), t.byte_offset());
+        assert_eq!(list.into_vec().len(), 100);
+    }
+
+    #[test]
+    fn a_plain_list_is_its_vector() {
+        let v = vec![
+            Tensor::zeros(DType::U8, &[3]),
+            Tensor::zeros(DType::U8, &[5]),
+        ];
+        let list = TensorList::from(v.clone());
+        assert!(!list.is_lazy());
+        assert_eq!((list.len(), list.nbytes()), (2, 8));
+        assert!(list.tensor(1).unwrap().shares_storage(&v[1]));
+        assert!(list.tensor(2).is_none());
+        assert_eq!(TensorList::default().len(), 0);
+        assert!(TensorList::default().tensor(0).is_none());
+    }
+}
