@@ -1198,22 +1198,17 @@ fn on_deliver(
                         landed.and(ack)
                     }
                 };
-                let ok = ack.is_ok();
-                let msg = ToDriver::Received {
+                // Sent now, not held for the call's `CallDone`
+                // (`send_soon`): tried on one H200, that cost a wake-up of
+                // the writer task per receive (cached `cuda_ipc` hand-off
+                // 63.5-68.4 -> 71.0-72.2 µs), and a driver that heard
+                // nothing during a long read had left its hot window when
+                // the reply came (+75 µs).
+                let _ = shared.tx.send(&ToDriver::Received {
                     object,
                     xfer,
                     result: ack,
-                };
-                // A receive that ended well is acknowledged with the next
-                // frame (the call's `CallDone`, which settles it in the
-                // driver anyway: XF-5) or within `protocol::SOON`: one
-                // write and one driver wake-up fewer on a pass's path. A
-                // failure goes at once (it may break a group).
-                let _ = if ok {
-                    shared.tx.send_soon(&msg)
-                } else {
-                    shared.tx.send(&msg)
-                };
+                });
             };
             if landed_already {
                 acknowledge.await;

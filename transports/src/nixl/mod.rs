@@ -1323,7 +1323,7 @@ impl NixlTransport {
             // Laid out within the region's length (`len` above).
             out.push(Tensor::view_of_storage(
                 t.dtype(),
-                t.shape(),
+                t.shape().into(),
                 whole.storage(),
                 off,
             ));
@@ -1878,11 +1878,14 @@ impl MakeTensors for PlannedViews {
         // or the same layout).
         let m = &self.plan.metas[i];
         match (self.plan.at[i], &self.host) {
-            (At::Lane(l, offset), _) => {
-                Tensor::view_of_storage(m.dtype, &m.shape, self.lanes[l as usize].storage(), offset)
-            }
+            (At::Lane(l, offset), _) => Tensor::view_of_storage(
+                m.dtype,
+                m.shape.clone(),
+                self.lanes[l as usize].storage(),
+                offset,
+            ),
             (At::Host(offset), Some(whole)) => {
-                Tensor::view_of_storage(m.dtype, &m.shape, whole.storage(), offset)
+                Tensor::view_of_storage(m.dtype, m.shape.clone(), whole.storage(), offset)
             }
             // `At::Empty`: a host tensor of no bytes (the plan gives every
             // host tensor with bytes a place in the region).
