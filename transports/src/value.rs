@@ -185,16 +185,24 @@ pub fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Payload, ValueError> {
 
 /// Deserializes a value, putting `tensors` back in place of placeholders.
 pub fn decode<T: DeserializeOwned>(data: &[u8], tensors: &[Tensor]) -> Result<T, ValueError> {
-    // The context holds a pointer to `tensors`, valid while this call
-    // runs: the guard puts the previous context back before it returns
-    // (or unwinds), so nothing reads the pointer after (invariant 3).
-    let _guard = enter(Ctx::Source(tensors as *const [Tensor]));
+    decode_from(Ctx::Source(tensors as *const [Tensor]), data, tensors.len())
+}
+
+/// Deserializes `data` with `source` (a [`Ctx::Source`] or [`Ctx::List`]
+/// of `count` tensors) as the context.
+///
+/// The context holds a pointer to the caller's tensors, valid while this
+/// call runs: the guard puts the previous context back before it returns
+/// (or unwinds), so nothing reads the pointer after (invariant 3).
+fn decode_from<T: DeserializeOwned>(
+    source: Ctx,
+    data: &[u8],
+    count: usize,
+) -> Result<T, ValueError> {
+    let _guard = enter(source);
     MISSING.with(|m| m.set(None));
     postcard::from_bytes(data).map_err(|e| match MISSING.with(|m| m.take()) {
-        Some(index) => ValueError::MissingTensor {
-            index,
-            count: tensors.len(),
-        },
+        Some(index) => ValueError::MissingTensor { index, count },
         None => ValueError::Serde(e.to_string()),
     })
 }
@@ -209,16 +217,7 @@ pub fn decode_list<T: DeserializeOwned>(
     if !tensors.is_lazy() {
         return decode(data, tensors.as_slice());
     }
-    // As in `decode`: the pointer is read only while this call runs.
-    let _guard = enter(Ctx::List(tensors as *const TensorList));
-    MISSING.with(|m| m.set(None));
-    postcard::from_bytes(data).map_err(|e| match MISSING.with(|m| m.take()) {
-        Some(index) => ValueError::MissingTensor {
-            index,
-            count: tensors.len(),
-        },
-        None => ValueError::Serde(e.to_string()),
-    })
+    decode_from(Ctx::List(tensors as *const TensorList), data, tensors.len())
 }
 
 #[derive(Serialize, Deserialize)]
