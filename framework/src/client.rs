@@ -148,10 +148,7 @@ pub(crate) fn decode<T: DeserializeOwned>(
     data: &[u8],
     tensors: &[Tensor],
 ) -> Result<T, ValueError> {
-    let client = client
-        .cloned()
-        .or_else(|| crate::worker::shared().map(Client::Actor));
-    reading_refs(client, || value::decode(data, tensors))
+    reading_refs(bound_to(client), || value::decode(data, tensors))
 }
 
 /// [`decode`] from a [`TensorList`]: a lazy one makes only the tensors the
@@ -161,10 +158,15 @@ pub(crate) fn decode_list<T: DeserializeOwned>(
     data: &[u8],
     tensors: &rdt_transport::TensorList,
 ) -> Result<T, ValueError> {
-    let client = client
+    reading_refs(bound_to(client), || value::decode_list(data, tensors))
+}
+
+/// The client a decoded value's refs are bound to: `client`, or this
+/// worker's.
+fn bound_to(client: Option<&Client>) -> Option<Client> {
+    client
         .cloned()
-        .or_else(|| crate::worker::shared().map(Client::Actor));
-    reading_refs(client, || value::decode_list(data, tensors))
+        .or_else(|| crate::worker::shared().map(Client::Actor))
 }
 
 /// Runs `read` (a deserialization) with refs and handles bound to

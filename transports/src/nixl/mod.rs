@@ -2383,6 +2383,24 @@ mod tests {
         assert_eq!(lists[0].1.len(), 2);
     }
 
+    /// Handles of `tensors` in one host registration of `len` bytes at
+    /// `base`.
+    fn in_one_dram_region(base: u64, len: u64, tensors: Vec<Piece>) -> Handles {
+        Handles {
+            agent: "a".into(),
+            conn: vec![1],
+            regions: vec![RegionHandle {
+                generation: 1,
+                mem: Mem::Dram,
+                base,
+                len,
+                dev: 0,
+                md: vec![1],
+            }],
+            tensors,
+        }
+    }
+
     #[test]
     fn a_plan_is_found_by_its_layout_without_reading_the_content_again() {
         // 100 host tensors of 64 B, neighbours in one registration (only
@@ -2395,25 +2413,17 @@ mod tests {
                 device: Device::Cpu,
             })
             .collect();
-        let h = Handles {
-            agent: "producer".into(),
-            conn: vec![1],
-            regions: vec![RegionHandle {
-                generation: 1,
-                mem: Mem::Dram,
-                base: 1 << 20,
-                len: 1 << 20,
-                dev: 0,
-                md: vec![1],
-            }],
-            tensors: (0..100)
+        let h = in_one_dram_region(
+            1 << 20,
+            1 << 20,
+            (0..100)
                 .map(|i| Piece {
                     region: 0,
                     offset: i * 64,
                     len: 64,
                 })
                 .collect(),
-        };
+        );
         let ex = Exported {
             metas,
             handles: h.encode().unwrap(),
@@ -2550,23 +2560,15 @@ mod tests {
     #[test]
     fn malformed_handles_are_errors() {
         let meta = Tensor::zeros(crate::DType::F32, &[4]).meta();
-        let h = Handles {
-            agent: "a".into(),
-            conn: vec![1],
-            regions: vec![RegionHandle {
-                generation: 1,
-                mem: Mem::Dram,
-                base: 0,
-                len: 8,
-                dev: 0,
-                md: vec![],
-            }],
-            tensors: vec![Piece {
+        let h = in_one_dram_region(
+            0,
+            8,
+            vec![Piece {
                 region: 0,
                 offset: 0,
                 len: 16,
             }],
-        };
+        );
         let e = check_handles(&h, std::slice::from_ref(&meta)).unwrap_err();
         assert!(e.contains("reaches past its registration"), "{e}");
         let mut bad = h.clone();
