@@ -44,6 +44,15 @@
 //!   fails the transfer the same way.
 //! - **OW-7 (one connection):** messages to one actor go out on one ordered
 //!   connection, so a `Free` never overtakes the delivery it frees.
+//! - **OW-9 (straight from the producer):** a one-sided object still
+//!   pending when a consumer on the driver's host needs it is delivered by
+//!   its producer (`ToWorker::DeliverTo`), not through `waiting`: its
+//!   transfer and the consumer's `Receiving` copy are recorded when the
+//!   order goes out, and its deadline is armed when the producer's reply
+//!   comes (a long method is not a slow transfer). The reply names the
+//!   orders carried out (`worker::peer`, PD-1); each other one is
+//!   withdrawn and the object delivered by the driver, as if it had
+//!   waited (OW-4), to a consumer that still needs it.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
 //!   go out (a delivery that waited for a pending object too): no transfer
@@ -94,6 +103,9 @@ pub(crate) struct Entry {
     /// Consumers that hold or are receiving a copy.
     copies: HashMap<ActorId, Copy>,
     waiting: Vec<ActorId>,
+    /// Consumers its producer was asked to deliver to itself, with their
+    /// transfers (OW-9), while it is pending.
+    straight: Vec<(ActorId, u64)>,
     pub getters: Vec<oneshot::Sender<()>>,
     passed_back: bool,
     sent_elsewhere: bool,
@@ -166,6 +178,7 @@ impl Entry {
             needs: HashMap::new(),
             copies: HashMap::new(),
             waiting: Vec::new(),
+            straight: Vec::new(),
             getters: Vec::new(),
             passed_back: false,
             sent_elsewhere: false,
@@ -216,6 +229,9 @@ pub(crate) struct ActorInfo {
     pub dead: Option<String>,
     pub host: String,
     pub endpoints: HashMap<String, String>,
+    /// Where it takes deliveries straight from producers (workers the
+    /// driver spawned, peer delivery on).
+    pub peer_socket: Option<String>,
 }
 
 impl ActorInfo {
@@ -278,10 +294,14 @@ pub(crate) struct OwnerTable {
     pub objects: HashMap<u64, Entry>,
     transfers: HashMap<u64, InFlight>,
     /// Transfers started and ended since the driver last looked: it arms
-    /// and cancels their deadlines.
+    /// their deadlines, and wakes those waiting for transfers to settle.
+    /// A straight order its producer answered counts as ended here (OW-9:
+    /// it was unsettled until then).
     started: Vec<u64>,
     ended: Vec<u64>,
     next_xfer: u64,
+    /// Straight orders (OW-9) whose producer has not answered yet.
+    straight_orders: usize,
 }
 
 impl OwnerTable {
@@ -388,6 +408,14 @@ impl OwnerTable {
         self.transfers.len()
     }
 
+    /// Transfers in flight, and straight orders (OW-9) whose producer has
+    /// not answered: the consumer may have finished with the value while
+    /// the producer's reply, which makes the object ready and may free it,
+    /// is still on its way.
+    pub fn transfers_unsettled(&self) -> usize {
+        self.transfers.len() + self.straight_orders
+    }
+
     /// A submitted call to `consumer` takes object `id`.
     pub fn need(&mut self, id: u64, consumer: ActorId, actors: &Actors, groups: &dyn GroupLookup) {
         let Some(e) = self.objects.get_mut(&id) else {
@@ -398,10 +426,71 @@ impl OwnerTable {
         };
         *e.needs.entry(consumer).or_default() += 1;
         if matches!(e.state, ObjState::Pending) {
-            e.waiting.push(consumer);
+            if !self.order_straight(id, consumer, actors) {
+                let e = self.objects.get_mut(&id).expect("looked up above");
+                e.waiting.push(consumer);
+            }
         } else {
             self.deliver(id, consumer, actors, groups);
         }
+    }
+
+    /// OW-9: asks the producer of pending object `id` to deliver it to
+    /// `consumer` itself, if both are workers on this host that take
+    /// such deliveries and the object's transport is one-sided. Returns
+    /// whether the order went out.
+    fn order_straight(&mut self, id: u64, consumer: ActorId, actors: &Actors) -> bool {
+        let Some(e) = self.objects.get_mut(&id) else {
+            return false;
+        };
+        let Some(producer) = e.producer else {
+            return false;
+        };
+        // OW-3: a copy on its way (an earlier call's order) is enough.
+        if producer == consumer
+            || e.sidedness() != Sidedness::OneSided
+            || e.copies.contains_key(&consumer)
+        {
+            return false;
+        }
+        let path = match (actors.get(&producer), actors.get(&consumer)) {
+            (Some(p), Some(c)) if p.dead.is_none() && c.dead.is_none() => {
+                match (&p.peer_socket, &c.peer_socket) {
+                    (Some(_), Some(path)) => path.clone(),
+                    _ => return false,
+                }
+            }
+            _ => return false,
+        };
+        self.next_xfer += 1;
+        let xfer = self.next_xfer;
+        let order = ToWorker::DeliverTo {
+            object: id,
+            xfer,
+            to: crate::protocol::PeerSocket {
+                actor: consumer,
+                path,
+            },
+        };
+        if send(actors, producer, &order).is_err() {
+            return false;
+        }
+        rdt_transport::cuda::timeline("driver ordered straight delivery", xfer);
+        e.copies.insert(consumer, Copy::Receiving(xfer));
+        e.straight.push((consumer, xfer));
+        self.straight_orders += 1;
+        e.sent_elsewhere = true;
+        self.transfers.insert(
+            xfer,
+            InFlight {
+                object: id,
+                producer: Some(producer),
+                consumer,
+                transport: e.transport,
+                two_sided: false,
+            },
+        );
+        true
     }
 
     fn deliver(&mut self, id: u64, consumer: ActorId, actors: &Actors, groups: &dyn GroupLookup) {
@@ -475,12 +564,15 @@ impl OwnerTable {
     }
 
     /// A call finished: record its result and release its arguments.
+    /// `delivered`: the transfers its producer carried out itself (OW-9).
+    #[allow(clippy::too_many_arguments)]
     pub fn call_done(
         &mut self,
         result: u64,
         outcome: Result<WireValue, Error>,
         consumer: ActorId,
         args: &[u64],
+        delivered: &[u64],
         actors: &Actors,
         groups: &dyn GroupLookup,
     ) {
@@ -500,7 +592,32 @@ impl OwnerTable {
                 }
                 let nested = e.nested.clone();
                 let waiting = std::mem::take(&mut e.waiting);
+                let straight = std::mem::take(&mut e.straight);
                 self.hold(&nested);
+                // OW-9: the orders carried out run against their deadline
+                // from now; the others are withdrawn, and the driver
+                // delivers as for a consumer that waited.
+                self.straight_orders -= straight.len();
+                for (c, xfer) in straight {
+                    self.ended.push(xfer);
+                    if !self.transfers.contains_key(&xfer) {
+                        // Acknowledged already, or aborted (the consumer
+                        // died): nothing left to do.
+                        continue;
+                    }
+                    if delivered.contains(&xfer) {
+                        self.started.push(xfer);
+                        continue;
+                    }
+                    self.end_transfer(xfer);
+                    let e = self.objects.get_mut(&result).expect("looked up above");
+                    if e.copies.get(&c) == Some(&Copy::Receiving(xfer)) {
+                        e.copies.remove(&c);
+                    }
+                    if e.needs.contains_key(&c) {
+                        self.deliver(result, c, actors, groups);
+                    }
+                }
                 for c in waiting {
                     self.deliver(result, c, actors, groups);
                 }

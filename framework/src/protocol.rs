@@ -291,6 +291,21 @@ pub struct SpawnOrder {
     /// The driver's transport ids: messages name a transport by its index
     /// here (`transport::set_wire_table`).
     pub transports: Vec<String>,
+    /// Where this worker listens for deliveries straight from producers
+    /// (`worker::peer`): a Unix socket in the runtime's private directory,
+    /// for workers the driver spawned on its host; `None` for workers
+    /// started by hand.
+    pub peer_socket: Option<String>,
+}
+
+/// A consumer as a producer reaches it to deliver a value straight
+/// (`ToWorker::DeliverTo`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeerSocket {
+    /// The consumer's actor id.
+    pub actor: u64,
+    /// Its peer socket ([`SpawnOrder::peer_socket`]).
+    pub path: String,
 }
 
 /// The first id of the `n`th actor's own id space (n ≥ 1): the top bit
@@ -335,6 +350,21 @@ pub enum ToWorker {
         object: u64,
         /// The value or why there is none.
         value: std::result::Result<Delivery, Error>,
+    },
+    /// One-sided transports: when the call producing `object` finishes,
+    /// deliver its value to `to` yourself, as transfer `xfer`, on the
+    /// connection between the two workers, and say so in the call's
+    /// `CallDone` (`delivered`). An order that comes after the call
+    /// finished is dropped: the driver delivers what `CallDone` does not
+    /// name (`worker::peer`, PD-1).
+    DeliverTo {
+        /// Object id (a call's result).
+        object: u64,
+        /// Transfer id, acknowledged by the consumer as for the driver's
+        /// deliveries.
+        xfer: u64,
+        /// The consumer.
+        to: PeerSocket,
     },
     /// Two-sided transports: send an object's tensors to a peer.
     SendTo {
@@ -445,6 +475,10 @@ pub enum ToDriver {
         call: u64,
         /// The result value or the error.
         result: std::result::Result<WireValue, Error>,
+        /// The transfers of `DeliverTo` orders this worker carried out
+        /// (the value went to those consumers straight); the driver
+        /// delivers to the others itself.
+        delivered: Vec<u64>,
     },
     /// The consumer's receive of a delivery finished: the object is in its
     /// store (`Ok`), or the receive failed. Every delivery of a direct
@@ -908,6 +942,17 @@ impl Sender {
             self.inner.soon.notify_one();
         }
         Ok(())
+    }
+
+    /// Whether `other` sends on the same connection.
+    pub fn same_connection(&self, other: &Sender) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Whether the connection is closed (its writer gave up): what is sent
+    /// now is dropped.
+    pub fn is_closed(&self) -> bool {
+        self.inner.queue.lock().closed
     }
 
     /// Sends `msg`. A closed connection is not an error here: its reader
@@ -1741,6 +1786,7 @@ mod tests {
             args,
             id_space: actor_id_space(1),
             transports: vec![],
+            peer_socket: None,
         })
     }
 

@@ -58,6 +58,7 @@ pub struct RuntimeBuilder {
     heartbeat_timeout: Duration,
     tls: Option<(Vec<u8>, Vec<u8>)>,
     hot_window: Option<Duration>,
+    peer_delivery: bool,
 }
 
 /// Default control frame limit (8 GiB).
@@ -75,6 +76,7 @@ impl Default for RuntimeBuilder {
             heartbeat_timeout: Duration::from_secs(10),
             tls: None,
             hot_window: None,
+            peer_delivery: std::env::var("RDT_PEER_DELIVERY").map_or(true, |v| v.trim() != "0"),
         }
     }
 }
@@ -146,6 +148,18 @@ impl RuntimeBuilder {
     /// [`rdt_transport::hot`].
     pub fn hot_window(mut self, d: Duration) -> Self {
         self.hot_window = Some(d);
+        self
+    }
+    /// Whether a producer hands a value straight to the consumer whose
+    /// call was submitted while the producing call still ran, on a
+    /// connection between the two workers, instead of through the driver
+    /// (one-sided transports, workers the driver spawned on its host).
+    /// It saves the driver's hop on the path of a pass: about 10 µs of a
+    /// cached `cuda_ipc` hand-off. Default: on (`RDT_PEER_DELIVERY=0`
+    /// turns the default off, for comparisons). See the book's Internals,
+    /// "Deliveries straight from the producer".
+    pub fn peer_delivery(mut self, on: bool) -> Self {
+        self.peer_delivery = on;
         self
     }
 
@@ -1119,15 +1133,19 @@ impl Runtime {
     }
 
     /// Number of direct transfers delivered to a consumer and not yet
-    /// acknowledged by it (or aborted).
+    /// acknowledged by it (or aborted), and of deliveries ordered straight
+    /// from a producer whose call has not finished yet
+    /// ([`RuntimeBuilder::peer_delivery`]).
     pub fn transfers_in_flight(&self) -> usize {
-        self.inner.lock().table.transfers_in_flight()
+        self.inner.lock().table.transfers_unsettled()
     }
 
     /// Waits until no direct transfer is in flight: every receive was
-    /// acknowledged or aborted, and the frees they held back went out.
+    /// acknowledged or aborted, every producer asked to deliver a value
+    /// straight has answered, and the frees they held back went out.
     /// Each transfer has a deadline (`RuntimeBuilder::transfer_timeout`),
-    /// so this ends.
+    /// and an order ends with the producer's call, so this ends once the
+    /// calls involved do.
     pub async fn transfers_settled(&self) {
         loop {
             let notified = self.inner.settled.notified();
@@ -1570,7 +1588,7 @@ impl Inner {
             if let Err(e) = conn.send(&msg) {
                 // Too large to send: the call fails, nothing waits.
                 let pc = st.calls.remove(&call).expect("inserted above");
-                end_call(st, pc, Err(e));
+                end_call(st, pc, Err(e), &[]);
             }
         }
         self.sync_transfers(st);
@@ -1613,6 +1631,7 @@ impl Inner {
                     dead: None,
                     host: String::new(),
                     endpoints: HashMap::new(),
+                    peer_socket: self.peer_socket(id),
                 },
             );
         }
@@ -1723,6 +1742,19 @@ impl Inner {
             heartbeat_ms: (!local).then_some(self.config.heartbeat_timeout.as_millis() as u64),
             args: Blob::new(args.into()),
             id_space: protocol::actor_id_space(self.id_spaces.fetch_add(1, Ordering::Relaxed)),
+            peer_socket: if local { self.peer_socket(id) } else { None },
+        })
+    }
+
+    /// Where a worker the driver spawns listens for deliveries straight
+    /// from producers (`worker::peer`): beside the control socket, in the
+    /// runtime's private directory. `None` when peer delivery is off.
+    fn peer_socket(&self, id: u64) -> Option<String> {
+        let dir = self.sock.parent()?;
+        self.config.peer_delivery.then(|| {
+            dir.join(format!("peer-{id}.sock"))
+                .to_string_lossy()
+                .into_owned()
         })
     }
 
@@ -1765,6 +1797,7 @@ impl Inner {
                     dead: None,
                     host: v.host.clone(),
                     endpoints: HashMap::new(),
+                    peer_socket: None,
                 },
             );
         }
@@ -1804,12 +1837,16 @@ impl Inner {
                 }
             }
             ToDriver::Pong => {}
-            ToDriver::CallDone { call, result } => {
+            ToDriver::CallDone {
+                call,
+                result,
+                delivered,
+            } => {
                 let Some(pc) = st.calls.remove(&call) else {
                     tracing::warn!("actor {actor} finished unknown call {call}; ignored");
                     return;
                 };
-                end_call(st, pc, result);
+                end_call(st, pc, result, &delivered);
                 self.sync_transfers(st);
             }
             ToDriver::Received {
@@ -2012,7 +2049,7 @@ impl Inner {
         let failed = st.calls.of(actor);
         for c in failed {
             let pc = st.calls.remove(&c).expect("listed above");
-            end_call(st, pc, Err(err.clone()));
+            end_call(st, pc, Err(err.clone()), &[]);
         }
         // CL-4: what it borrowed and was getting, it holds no more.
         let gets: Vec<(u64, usize)> = st
@@ -2085,13 +2122,16 @@ fn settled(st: &State, id: u64) -> Option<Result<()>> {
 
 /// A call ended (its reply, its callee's death, or a send that failed):
 /// its result is recorded, its arguments and the refs in them released.
-fn end_call(st: &mut State, pc: PendingCall, outcome: Result<WireValue>) {
+/// `delivered`: the transfers its producer carried out itself
+/// (`DeliverTo`, PD-1).
+fn end_call(st: &mut State, pc: PendingCall, outcome: Result<WireValue>, delivered: &[u64]) {
     let groups = GroupView {
         groups: &st.groups,
         actors: &st.actors,
     };
-    st.table
-        .call_done(pc.result, outcome, pc.actor, &pc.args, &st.actors, &groups);
+    st.table.call_done(
+        pc.result, outcome, pc.actor, &pc.args, delivered, &st.actors, &groups,
+    );
     st.table.unhold(&pc.nested, &st.actors);
 }
 

@@ -513,6 +513,12 @@ impl Consumer {
     async fn sums(&mut self, ts: Vec<Tensor>) -> rdt::Result<Vec<f64>> {
         Ok(ts.iter().map(Tensor::sum).collect::<Result<_, _>>()?)
     }
+
+    /// Values this worker received straight from their producers (see
+    /// `rdt::straight_deliveries`).
+    async fn straight(&mut self) -> u64 {
+        rdt::straight_deliveries()
+    }
 }
 
 /// An actor whose constructor can fail.

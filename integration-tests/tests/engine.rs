@@ -347,3 +347,183 @@ async fn xf_6_an_endless_transfer_timeout_is_no_deadline() {
     })
     .await;
 }
+
+/// Keeps `p`'s actor busy for `ms`: a call queued behind it is still
+/// running when its consumer's call is submitted, so its value is pending
+/// then (OW-9), and the link between the two workers is up by the time it
+/// finishes (PD-3).
+fn busy(p: &ProducerHandle, ms: u64) -> ObjectRef<u64> {
+    p.block(ms).remote()
+}
+
+/// OW-9, PD-1: a value still being produced when its consumer's call is
+/// submitted goes from the producer to the consumer straight (the
+/// consumer counts it, and received it over `shm`), lands whole, and
+/// leaves nothing in the owner table or in either store.
+#[tokio::test]
+async fn ow_9_a_pending_value_goes_straight_from_its_producer() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        for i in 1..=3u32 {
+            let _busy = busy(&p, 200);
+            let r = p.make(i as f32, 1000).transport(Transport::Shm).remote();
+            let s = c.sum(&r).remote();
+            drop(r);
+            assert_eq!(rt.get(&s).await.unwrap(), 1000.0 * i as f64);
+        }
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 3);
+        assert_eq!(rt.get(c.received("shm").remote()).await.unwrap(), 3);
+        rt.transfers_settled().await;
+        assert_eq!(rt.transfers_in_flight(), 0);
+        assert_eq!(rt.live_objects(), 0);
+        assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "consumer");
+        assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0, "producer");
+    })
+    .await;
+}
+
+/// OW-9: the driver delivers a value that is ready when its consumer's
+/// call comes (one hop from the driver is the shortest path then), and
+/// every value when peer delivery is off.
+#[tokio::test]
+async fn ow_9_ready_values_and_peer_delivery_off_go_through_the_driver() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let r = p.make(2.0, 100).transport(Transport::Shm).remote();
+        rt.wait(&r).await.unwrap();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 200.0);
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 0);
+
+        let rt = Runtime::builder()
+            .peer_delivery(false)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let _busy = busy(&p, 200);
+        let r = p.make(3.0, 100).transport(Transport::Shm).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 300.0);
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 0);
+        assert_eq!(rt.get(c.received("shm").remote()).await.unwrap(), 1);
+    })
+    .await;
+}
+
+/// PD-2, OW-9: a producing call that fails, or whose actor dies, reaches
+/// the consumer ordered to take its value straight as its error (the
+/// driver delivers it), and the consumer goes on: a value from another
+/// producer reaches it straight.
+#[tokio::test]
+async fn pd_2_a_failed_or_dead_producer_reaches_a_straight_consumer_as_its_error() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let _busy = busy(&p, 200);
+        let r = p
+            .fail("no weights today".to_string())
+            .transport(Transport::Shm)
+            .remote();
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(matches!(e, Error::Dependency { .. }), "{e}");
+        assert!(e.to_string().contains("no weights today"), "{e}");
+
+        let _busy = busy(&p, 200);
+        let r = p.die().transport(Transport::Shm).remote();
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(
+            matches!(e.root_cause(), Error::ActorDied { actor, .. } if actor == p.name()),
+            "{e}"
+        );
+        let p2 = rt.spawn::<Producer>(()).await.unwrap();
+        let _busy = busy(&p2, 200);
+        let r2 = p2.make(1.5, 100).transport(Transport::Shm).remote();
+        assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 150.0);
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 1);
+        drop((r, r2));
+        rt.transfers_settled().await;
+        assert_eq!(rt.transfers_in_flight(), 0);
+    })
+    .await;
+}
+
+/// OW-9, OW-5: a consumer killed while its value was on order leaves the
+/// value whole for another consumer, and nothing in flight or stored.
+#[tokio::test]
+async fn ow_9_a_consumer_killed_while_its_value_was_ordered_loses_nothing() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let doomed = rt.spawn::<Consumer>(()).await.unwrap();
+        let b = busy(&p, 300);
+        let r = p.make(4.0, 100).transport(Transport::Shm).remote();
+        let s = doomed.sum(&r).remote();
+        doomed.kill();
+        let e = rt.get(&s).await.unwrap_err();
+        assert!(
+            matches!(e.root_cause(), Error::ActorDied { actor, .. } if actor == doomed.name()),
+            "{e}"
+        );
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 400.0);
+        drop((b, r, s));
+        rt.transfers_settled().await;
+        assert_eq!(rt.transfers_in_flight(), 0);
+        assert_eq!(rt.live_objects(), 0);
+        assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0, "producer");
+        assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "consumer");
+    })
+    .await;
+}
+
+/// PD-5, XF-6: a straight delivery lost on its way (a fail point drops it
+/// after the producer counted it sent) fails the consumer's call at the
+/// transfer's deadline, with a timeout naming the transfer, instead of
+/// leaving it waiting; the next value reaches the consumer straight.
+#[tokio::test]
+async fn pd_5_a_straight_delivery_that_never_comes_fails_at_the_deadline() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(Duration::from_secs(2))
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        rt.get(
+            p.failpoint("rdt::straight_delivery".to_string(), "1*return".to_string())
+                .remote(),
+        )
+        .await
+        .unwrap();
+        let b1 = busy(&p, 200);
+        let r = p.make(1.0, 100).transport(Transport::Shm).remote();
+        let t0 = Instant::now();
+        let e = rt.get(c.sum(&r).remote()).await.unwrap_err();
+        assert!(
+            matches!(e.root_cause(), Error::Timeout { what, .. } if what.contains("transfer")),
+            "{e}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 0);
+        let b2 = busy(&p, 200);
+        let r2 = p.make(2.0, 100).transport(Transport::Shm).remote();
+        assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 200.0);
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 1);
+        drop((b1, b2, r, r2));
+        rt.transfers_settled().await;
+        assert_eq!(rt.transfers_in_flight(), 0);
+        assert_eq!(rt.live_objects(), 0);
+    })
+    .await;
+}

@@ -524,3 +524,20 @@ async fn a_producer_killed_mid_read_fails_the_read_and_leaves_the_consumer_usabl
     })
     .await;
 }
+
+/// OW-9 over `nixl`: a value still being produced when its consumer's call
+/// comes is delivered by its producer straight (the consumer counts it)
+/// and read over NIXL (one READ posted, one served).
+#[tokio::test]
+async fn a_pending_value_is_delivered_straight_and_read_over_nixl() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let _busy = p.block(200).remote();
+        let r = p.make(2.0, 4096).transport(Transport::Nixl).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 8192.0);
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 1);
+        assert_eq!(of_consumer(&rt, &c).await.reads_posted, 1);
+        producer_served(&rt, &p, 1).await;
+    })
+    .await;
+}

@@ -296,11 +296,19 @@ async fn run_and_reply<A: RdtActor>(
         ok = result.is_ok(),
         "call done"
     );
-    if let Err(e) = shared.tx.send(&ToDriver::CallDone { call, result }) {
+    // Straight to the consumers the driver named first (OW-9): their
+    // receive starts while the reply is on its way.
+    let delivered = super::peer::deliver_result(&shared, result_id, &result);
+    if let Err(e) = shared.tx.send(&ToDriver::CallDone {
+        call,
+        result,
+        delivered: delivered.clone(),
+    }) {
         // Too large for a frame: the call fails instead.
         let _ = shared.tx.send(&ToDriver::CallDone {
             call,
             result: Err(e),
+            delivered,
         });
     }
     drop(held);

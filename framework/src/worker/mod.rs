@@ -46,6 +46,7 @@ use crate::actor::{Actor as RdtActor, ACTOR_TYPES};
 
 mod client;
 mod host;
+mod peer;
 use crate::error::{Error, Result};
 use crate::protocol::{self, Delivery, ToDriver, ToWorker};
 use crate::runtime::inline_value;
@@ -385,6 +386,8 @@ pub(crate) struct WorkerShared {
     targets: Mutex<HashMap<u64, Vec<Tensor>>>,
     /// `get_into` calls whose receive wrote into the targets itself.
     in_place: std::sync::atomic::AtomicU64,
+    /// Deliveries straight from producers to consumers (OW-9).
+    peer: peer::PeerDelivery,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -630,6 +633,16 @@ pub fn received_objects(transport: Transport) -> u64 {
         .unwrap_or(0)
 }
 
+/// Inside an actor: how many values this worker received straight from
+/// the actor that produced them, on a link between the two workers, rather
+/// than through the driver (see [`RuntimeBuilder::peer_delivery`]). Tests
+/// use it to prove which path a value took; outside an actor it is 0.
+///
+/// [`RuntimeBuilder::peer_delivery`]: crate::RuntimeBuilder::peer_delivery
+pub fn straight_deliveries() -> u64 {
+    WORKER.get().map(|w| w.peer.received()).unwrap_or(0)
+}
+
 /// Inside an actor: how many of its `get_into` calls had their tensors
 /// written into the targets by the receive itself (`nccl` and `nixl` land
 /// the bytes there; `tcp`, `shm` and `cuda_ipc` copy into them as they
@@ -755,6 +768,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
     } = joined;
     // Before any message that names a transport (ids, not names, travel).
     crate::transport::set_wire_table(&order.transports);
+    let peer_secret = <[u8; 32]>::try_from(&secret[..]).ok();
     let tcp_bind = match (&order.tcp_bind, local_ip) {
         (Some(b), _) => b.clone(),
         (None, Some(ip)) => std::net::SocketAddr::new(ip, 0).to_string(),
@@ -795,7 +809,21 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             self_calls: Mutex::new(Default::default()),
             targets: Mutex::new(HashMap::new()),
             in_place: Default::default(),
+            peer: peer::PeerDelivery::new(
+                hostname(),
+                &endpoints,
+                peer_secret.unwrap_or_default(),
+                order.max_frame,
+            ),
         });
+        // PD-4: listening before the driver hears the actor exists.
+        if let (Some(path), Some(_)) = (&order.peer_socket, peer_secret) {
+            if let Err(e) = peer::listen(&shared, path, &handle) {
+                tracing::warn!(
+                    "cannot listen for straight deliveries on {path} ({e}); values for this actor go through the driver"
+                );
+            }
+        }
         // Before the constructor: its argument may carry actor handles,
         // which read this worker's client.
         let _ = WORKER.set(shared.clone());
@@ -917,18 +945,29 @@ async fn control_loop<A: RdtActor>(
                 // The actor replies itself, from its own thread (no hop back
                 // here); a full or closed mailbox fails the call at once.
                 let id = call.call;
+                let result = call.result;
                 rdt_transport::cuda::timeline("call received", id);
+                // PD-1: orders to deliver its value straight are taken
+                // from now until it finishes.
+                let straight = call.transport.sidedness() == Sidedness::OneSided;
+                if straight {
+                    shared.peer.open_call(result);
+                }
                 let sent = addr.try_send(Invoke(call));
                 // After the call is in the mailbox: each wake of the actor's
                 // thread costs a system call here, and the call's own wake
                 // (try_send) is the one the actor waits for.
                 shared.call_arrived.notify_waiters();
                 if let Err(e) = sent {
+                    if straight {
+                        shared.peer.close_call(result);
+                    }
                     let _ = tx.send(&ToDriver::CallDone {
                         call: id,
                         result: Err(Error::Protocol(format!(
                             "actor mailbox refused the call: {e}"
                         ))),
+                        delivered: Vec::new(),
                     });
                 }
             }
@@ -938,6 +977,7 @@ async fn control_loop<A: RdtActor>(
                 }
                 on_deliver(&shared, object, value)
             }
+            ToWorker::DeliverTo { object, xfer, to } => peer::order(&shared, object, xfer, to),
             ToWorker::SendTo {
                 object,
                 xfer,
@@ -981,9 +1021,21 @@ async fn control_loop<A: RdtActor>(
                     tracing::debug!(xfer, object, "transfer aborted: {error}");
                     let _ = abort.send(error);
                 }
+                // Not received, not receiving: a straight delivery that
+                // has not come (PD-5; a delivery from the driver comes
+                // before its abort on this connection, and a finished
+                // receive stored its value or error before its Free).
+                None if shared.store.get(object).is_none()
+                    && !shared.receiving.lock().contains_key(&object) =>
+                {
+                    tracing::debug!(xfer, object, "straight delivery given up: {error}");
+                    shared.peer.give_up(xfer);
+                    shared.store.insert(object, Slot::Failed(error));
+                }
                 None => tracing::trace!(xfer, object, "abort of a finished transfer"),
             },
             ToWorker::PeerGone { actor } => {
+                shared.peer.peer_gone(actor);
                 for t in Transport::registered() {
                     if let Some(inst) = t.existing_instance() {
                         inst.peer_gone(actor);
