@@ -945,6 +945,12 @@ impl GpuProducer {
             Tensor::full(2.0 * v, &[n]),
         ))
     }
+    /// Blocks this actor's thread for `ms` milliseconds: a call queued
+    /// behind it is still running when its consumer's call comes.
+    async fn block(&mut self, ms: u64) -> u64 {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        ms
+    }
 }
 
 /// What [`GpuConsumer::fill_own_copy`] saw: (sum of the copy as taken,
@@ -1217,6 +1223,11 @@ impl GpuConsumer {
     async fn pool_stats(&mut self) -> (u64, u64, usize) {
         let s = rdt::data::host_pool::stats();
         (s.hits, s.misses, s.pinned_bytes)
+    }
+    /// Values this worker received straight from their producers (see
+    /// `rdt::straight_deliveries`).
+    async fn straight(&mut self) -> u64 {
+        rdt::straight_deliveries()
     }
 }
 

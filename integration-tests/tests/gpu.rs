@@ -312,6 +312,45 @@ gpu_test2!(actor_passes_a_cuda_ipc_ref_to_actor_across_gpus, async {
     actor_to_actor_ipc(rt, p, c).await
 });
 
+/// OW-9 on the GPU: CUDA tensors still being produced when their
+/// consumer's call comes go from the producer to the consumer straight
+/// (the consumer counts them) over `cuda_ipc` and `nixl`, and land whole.
+async fn straight_deliveries_of_cuda_tensors(
+    rt: Runtime,
+    p: GpuProducerHandle,
+    c: GpuConsumerHandle,
+) {
+    for (i, t) in [IPC, Transport::Nixl, IPC].into_iter().enumerate() {
+        let b = p.block(200).remote();
+        let v = 1.0 + i as f32;
+        let r = p.make(v, 1 << 20).transport(t).remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote()).await.unwrap(),
+            (f64::from(v) * (1u64 << 20) as f64, true),
+            "over {t}"
+        );
+        drop((b, r));
+    }
+    assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 3);
+    assert_eq!(rt.get(c.received("cuda_ipc").remote()).await.unwrap(), 2);
+    assert_eq!(rt.get(c.received("nixl").remote()).await.unwrap(), 1);
+    rt.transfers_settled().await;
+    assert_eq!(rt.live_objects(), 0);
+    rt.shutdown().await;
+}
+
+gpu_test!(straight_deliveries_same_gpu, async {
+    require_gpu();
+    let (rt, p, c) = setup_on(&[0], &[0]).await;
+    straight_deliveries_of_cuda_tensors(rt, p, c).await
+});
+
+gpu_test2!(straight_deliveries_across_gpus, async {
+    require_two_gpus();
+    let (rt, p, c) = setup_on(&[0], &[1]).await;
+    straight_deliveries_of_cuda_tensors(rt, p, c).await
+});
+
 gpu_test!(nested_values, async {
     let (rt, p, c) = setup().await;
     let b = p.batch(7).transport(IPC).remote();
