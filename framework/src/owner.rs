@@ -597,16 +597,19 @@ impl OwnerTable {
                 // OW-9: the orders carried out run against their deadline
                 // from now; the others are withdrawn, and the driver
                 // delivers as for a consumer that waited.
+                // Each order answered wakes those waiting for transfers to
+                // settle (`ended`; `end_transfer` notes the withdrawn ones).
                 self.straight_orders -= straight.len();
                 for (c, xfer) in straight {
-                    self.ended.push(xfer);
                     if !self.transfers.contains_key(&xfer) {
                         // Acknowledged already, or aborted (the consumer
                         // died): nothing left to do.
+                        self.ended.push(xfer);
                         continue;
                     }
                     if delivered.contains(&xfer) {
                         self.started.push(xfer);
+                        self.ended.push(xfer);
                         continue;
                     }
                     self.end_transfer(xfer);
