@@ -661,10 +661,12 @@ async fn many_tensors(
             rdt::data::cuda::timeline("driver many end", i as u64);
             let many_took = t.elapsed();
             let t = Instant::now();
+            rdt::data::cuda::timeline("driver into start", i as u64);
             let r = src.many(MANY_N, each).transport(transport).remote();
             let sum = rt.get(sink.update(&r, MANY_N, each).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
+            rdt::data::cuda::timeline("driver into end", i as u64);
             if i > 0 {
                 one.push(one_took);
                 many.push(many_took);

@@ -519,6 +519,11 @@ impl Consumer {
     async fn straight(&mut self) -> u64 {
         rdt::straight_deliveries()
     }
+
+    /// Forgets the parameters: the next `update_params` makes new ones.
+    async fn drop_params(&mut self) -> usize {
+        std::mem::take(&mut self.params).len()
+    }
 }
 
 /// An actor whose constructor can fail.

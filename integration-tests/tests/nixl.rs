@@ -151,6 +151,64 @@ async fn every_step_of_a_weight_sync_reads_through_the_first_steps_plan() {
     .await;
 }
 
+/// A weight update in place, step after step (`get_into` the same
+/// parameters, the producer's same tensors in a new object each step):
+/// the first step works out the read into the parameters, and the later
+/// ones find that plan (NX-8), each with its own READ of the new values.
+/// New parameters (other storages) get a plan of their own.
+#[tokio::test]
+async fn every_update_in_place_reads_through_the_first_updates_plan() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let (n, numel) = (200usize, 16usize);
+        let want = |first: f32| -> Vec<f64> {
+            (0..n)
+                .map(|i| (first + i as f32) as f64 * numel as f64)
+                .collect()
+        };
+        let at = rt.get(p.keep_many(n, numel, 0.0).remote()).await.unwrap();
+        let update = |first: f32| {
+            let (rt, p, c) = (&rt, &p, &c);
+            async move {
+                rt.get(p.step_kept(at, n, first).remote()).await.unwrap();
+                let r = p.kept_range(at, n).transport(Transport::Nixl).remote();
+                let (sums, same) = rt
+                    .get(c.update_params(&r, n, numel).remote())
+                    .await
+                    .unwrap();
+                assert!(same, "the value got back holds the parameters");
+                assert_eq!(sums, want(first), "every parameter holds its new value");
+            }
+        };
+        let c0 = of_consumer(&rt, &c).await;
+        for step in 0..3 {
+            update(1000.0 * step as f32).await;
+        }
+        let c1 = of_consumer(&rt, &c).await;
+        assert_eq!(c1.reads_posted - c0.reads_posted, 3, "one READ per step");
+        assert_eq!(
+            c1.target_plans_reused - c0.target_plans_reused,
+            2,
+            "the later steps found the first step's plan"
+        );
+        assert_eq!(rt.get(c.in_place().remote()).await.unwrap(), 3);
+        // Other parameters: the plan does not fit them, and the update
+        // still lands in them.
+        assert_eq!(rt.get(c.drop_params().remote()).await.unwrap(), n);
+        update(7.0).await;
+        let c2 = of_consumer(&rt, &c).await;
+        assert_eq!(
+            c2.target_plans_reused, c1.target_plans_reused,
+            "new parameters, a new plan"
+        );
+        update(8.0).await;
+        let c3 = of_consumer(&rt, &c).await;
+        assert_eq!(c3.target_plans_reused - c2.target_plans_reused, 1);
+        assert_eq!(rt.get(c.in_place().remote()).await.unwrap(), 5);
+    })
+    .await;
+}
+
 /// A weight update of 10 000 tensors into an actor's own parameters
 /// (`get_into`): the first moves the parameters into one registered
 /// region, and from then on each update is one READ of one descriptor

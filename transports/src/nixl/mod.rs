@@ -166,6 +166,9 @@ pub struct NixlStats {
     pub read_plans_reused: u64,
     /// Read plans made (decoded handles, layout, coalesced descriptors).
     pub read_plans_made: u64,
+    /// Receives into target tensors that found the plan an earlier receive
+    /// of the same layout into the same targets made (NX-8).
+    pub target_plans_reused: u64,
 }
 
 #[derive(Default)]
@@ -188,6 +191,7 @@ struct Counters {
     read_asks_after_yield: AtomicU64,
     read_plans_reused: AtomicU64,
     read_plans_made: AtomicU64,
+    target_plans_reused: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -226,6 +230,7 @@ pub fn stats() -> NixlStats {
         read_asks_after_yield: c.read_asks_after_yield.load(Ordering::Relaxed),
         read_plans_reused: c.read_plans_reused.load(Ordering::Relaxed),
         read_plans_made: c.read_plans_made.load(Ordering::Relaxed),
+        target_plans_reused: c.target_plans_reused.load(Ordering::Relaxed),
     }
 }
 
@@ -772,6 +777,8 @@ pub struct NixlTransport {
     remotes: Mutex<HashMap<String, RemoteAgent>>,
     /// Read plans of recent layouts, the last used first (NX-7).
     plans: crate::recent::Recent<Arc<ReadPlan>>,
+    /// Plans of recent receives into target tensors (NX-8).
+    target_plans: crate::recent::Recent<Arc<TargetPlan>>,
 }
 
 /// What an export keeps alive.
@@ -869,6 +876,7 @@ impl NixlTransport {
             slabs: Default::default(),
             remotes: Default::default(),
             plans: crate::recent::Recent::new(PLANS_KEPT),
+            target_plans: crate::recent::Recent::new(PLANS_KEPT),
         }
     }
 
@@ -1134,26 +1142,28 @@ impl NixlTransport {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         crate::cuda::timeline("nixl receive start", cx.xfer);
         let agent = self.agent()?;
-        let metas = &exported.metas;
-        // Into the caller's tensors: worked out on each receive. Into fresh
-        // memory: through the layout's plan, made once (NX-7).
+        // Into fresh memory: through the layout's plan, made once (NX-7).
+        // Into the caller's tensors: through the plan of the same layout
+        // and targets (NX-8), worked out now if there is none.
         enum Into<'t> {
-            Targets(&'t [Tensor], Handles),
+            Targets(&'t [Tensor], Arc<TargetPlan>),
             Fresh(Arc<ReadPlan>),
         }
-        let into = match &cx.target {
+        let (into, mut target_keep) = match &cx.target {
             Target::Tensors(ts) => {
-                let h = Handles::decode(&exported.handles, metas).map_err(err)?;
-                check_handles(&h, metas).map_err(err)?;
-                Into::Targets(ts, h)
+                let (plan, keep) = self.target_plan(&agent, exported, ts, cx.layout, from)?;
+                (Into::Targets(ts, plan), keep)
             }
-            t => Into::Fresh(
-                self.read_plan(exported, PlanTarget::of(t), cx.layout)
-                    .map_err(err)?,
+            t => (
+                Into::Fresh(
+                    self.read_plan(exported, PlanTarget::of(t), cx.layout)
+                        .map_err(err)?,
+                ),
+                Vec::new(),
             ),
         };
         let h: &Handles = match &into {
-            Into::Targets(_, h) => h,
+            Into::Targets(_, plan) => &plan.h,
             Into::Fresh(plan) => &plan.h,
         };
         if h.agent == agent.name() {
@@ -1172,17 +1182,11 @@ impl NixlTransport {
         self.load_remote(&agent, h).map_err(|e| reading(e.0))?;
         crate::cuda::timeline("nixl remote loaded", cx.xfer);
         let (out, lists, keep) = match &into {
-            Into::Targets(ts, _) => {
-                let (out, dests, keep) = self.target_destinations(&agent, metas, ts, from)?;
-                // Pair remote and local ranges (one pair per tensor, in
-                // order: no map on a path that 10 000 tensors take).
-                let mut pairs: Vec<Pair> = Vec::with_capacity(h.tensors.len());
-                for (p, d) in h.tensors.iter().zip(&dests) {
-                    let Some(d) = d else { continue };
-                    pairs.push(h.pair(p, d.desc, d.local_reg));
-                }
-                (TensorList::from(out), coalesce(pairs), keep)
-            }
+            Into::Targets(ts, plan) => (
+                TensorList::from(ts.to_vec()),
+                plan.lists.clone(),
+                std::mem::take(&mut target_keep),
+            ),
             Into::Fresh(plan) => self.take_planned(&agent, plan, from)?,
         };
         crate::cuda::timeline("nixl destinations ready", cx.xfer);
@@ -1378,7 +1382,7 @@ impl NixlTransport {
         metas: &[TensorMeta],
         ts: &[Tensor],
         from: &Peer,
-    ) -> Result<(Vec<Tensor>, Vec<Option<Dest>>, Vec<Kept>), TransportError> {
+    ) -> Result<TargetDests, TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         let mut keep = Vec::new();
         let mut dests: Vec<Option<Dest>> = Vec::with_capacity(metas.len());
@@ -1431,12 +1435,13 @@ impl NixlTransport {
         }
         keep.push(Kept::Tensors(storages));
         let mut regs = SlabRegistrations::default();
+        let mut runs = Vec::new();
         // Views of one storage (a flat buffer of parameters) share
         // its lookup: each lies at the storage's base plus its
         // offset. (The lookup also orders rdt's stream after the
         // storage's last writer, once per storage.)
         let mut last: Option<(usize, Desc, u64)> = None; // storage, its base, registration
-        for t in ts {
+        for (i, t) in ts.iter().enumerate() {
             let dest = match &last {
                 Some((id, base, reg)) if *id == t.storage_id() && t.nbytes() > 0 => Some(Dest {
                     desc: Desc {
@@ -1454,6 +1459,12 @@ impl NixlTransport {
                             ..d.desc
                         };
                         last = Some((t.storage_id(), base, d.local_reg));
+                        runs.push(Run {
+                            first: i,
+                            storage: Arc::downgrade(t.storage()),
+                            base,
+                            reg: d.local_reg,
+                        });
                     }
                     d
                 }
@@ -1461,7 +1472,105 @@ impl NixlTransport {
             dests.push(dest);
         }
         keep.extend(regs.into_kept());
-        Ok((ts.to_vec(), dests, keep))
+        Ok(TargetDests { dests, keep, runs })
+    }
+
+    /// The plan of a receive into `ts` (NX-8): a kept one made for the
+    /// same content and the same targets whose memory has not moved, or
+    /// one worked out now (and kept, for a large object). With it, what
+    /// the read keeps alive: a tensor per target storage and the slab
+    /// registrations (PL-1).
+    fn target_plan(
+        &self,
+        agent: &Arc<Agent>,
+        exported: &Exported,
+        ts: &[Tensor],
+        layout: Option<u64>,
+        from: &Peer,
+    ) -> Result<(Arc<TargetPlan>, Vec<Kept>), TransportError> {
+        let err = |m: String| TransportError::with_peer(NAME, from, m);
+        let metas = &exported.metas;
+        let kept = metas.len() >= PLAN_MIN_TENSORS;
+        if kept {
+            if let Some(p) = self
+                .target_plans
+                .find(|p| p.content.fits(exported, layout) && p.same_places(ts))
+            {
+                // Contract point 2: the targets are what the metadata says.
+                check_received(NAME, metas, ts).map_err(|e| err(e.message))?;
+                if let Some(keep) = self.target_memory_unmoved(agent, &p, ts) {
+                    bump(&COUNTERS.target_plans_reused, 1);
+                    return Ok((p, keep));
+                }
+            }
+        }
+        let h = Handles::decode(&exported.handles, metas).map_err(err)?;
+        check_handles(&h, metas).map_err(err)?;
+        let TargetDests { dests, keep, runs } = self.target_destinations(agent, metas, ts, from)?;
+        // Pair remote and local ranges (one pair per tensor, in order: no
+        // map on a path that 10 000 tensors take).
+        let mut pairs: Vec<Pair> = Vec::with_capacity(h.tensors.len());
+        for (p, d) in h.tensors.iter().zip(&dests) {
+            let Some(d) = d else { continue };
+            pairs.push(h.pair(p, d.desc, d.local_reg));
+        }
+        let lists = coalesce(pairs);
+        let content = if kept {
+            PlanContent {
+                handles: exported.handles.clone(),
+                metas: metas.clone(),
+                layout: AtomicU64::new(layout.unwrap_or(0)),
+            }
+        } else {
+            PlanContent::default()
+        };
+        let plan = Arc::new(TargetPlan {
+            content,
+            h,
+            places: ts
+                .iter()
+                .map(|t| (t.storage_id(), t.byte_offset()))
+                .collect(),
+            runs,
+            lists,
+        });
+        if kept {
+            self.target_plans.keep(plan.clone());
+        }
+        Ok((plan, keep))
+    }
+
+    /// Whether each target storage of `plan` is still where it was, in the
+    /// same registration (NX-8): looked up once per storage, as a receive
+    /// without a plan does. Then what the read keeps alive.
+    fn target_memory_unmoved(
+        &self,
+        agent: &Arc<Agent>,
+        plan: &TargetPlan,
+        ts: &[Tensor],
+    ) -> Option<Vec<Kept>> {
+        let mut regs = SlabRegistrations::default();
+        let mut storages = Vec::with_capacity(plan.runs.len());
+        for run in &plan.runs {
+            let t = &ts[run.first];
+            let d = self.local_dest(agent, t, &mut regs).ok()??;
+            let base = Desc {
+                addr: d.desc.addr - t.byte_offset(),
+                ..d.desc
+            };
+            if base != run.base || d.local_reg != run.reg {
+                return None;
+            }
+            if storages
+                .last()
+                .is_none_or(|l: &Tensor| !l.shares_storage(t))
+            {
+                storages.push(t.clone());
+            }
+        }
+        let mut keep = vec![Kept::Tensors(storages)];
+        keep.extend(regs.into_kept());
+        Some(keep)
     }
 
     /// Where `t`'s bytes are in registered memory of this process.
@@ -1521,6 +1630,90 @@ impl NixlTransport {
     }
 }
 
+/// What [`NixlTransport::target_destinations`] worked out.
+struct TargetDests {
+    /// Where each target's bytes are (`None`: it has none).
+    dests: Vec<Option<Dest>>,
+    /// What the read keeps alive.
+    keep: Vec<Kept>,
+    /// Where each run of targets in one storage started.
+    runs: Vec<Run>,
+}
+
+/// Targets in a row in one storage, as a [`TargetPlan`] found them.
+struct Run {
+    /// The first of them.
+    first: usize,
+    /// Their storage. Weak: a plan does not keep a caller's memory alive,
+    /// yet the storage's address is not reused while this lives, so a
+    /// target at that address is that storage.
+    storage: std::sync::Weak<crate::tensor::Storage>,
+    /// Where the storage's bytes started (its descriptor at offset 0).
+    base: Desc,
+    /// The registration they were in.
+    reg: u64,
+}
+
+/// The content a plan was made for: the handles' bytes and the metadata,
+/// compared once per layout and found by the layout's id after.
+#[derive(Default)]
+struct PlanContent {
+    handles: Vec<u8>,
+    metas: Vec<TensorMeta>,
+    /// The last layout ([`TransferCtx::layout`]) found to be that content
+    /// (0: none yet).
+    layout: AtomicU64,
+}
+
+impl PlanContent {
+    /// Made for `exported`'s content. A layout seen before answers at
+    /// once; otherwise the content is compared, and the layout of a match
+    /// remembered.
+    fn fits(&self, exported: &Exported, layout: Option<u64>) -> bool {
+        if layout.is_some_and(|l| self.layout.load(Ordering::Relaxed) == l) {
+            return true;
+        }
+        let same = self.handles == exported.handles && self.metas == exported.metas;
+        if let (true, Some(l)) = (same, layout) {
+            self.layout.store(l, Ordering::Relaxed);
+        }
+        same
+    }
+}
+
+/// A receive into target tensors, worked out once per layout and targets
+/// (NX-8): a weight update reads the same layout into the same parameters
+/// at every step, and working out its 10 000 destinations, pairs and
+/// coalesced descriptors each time cost most of its pass.
+struct TargetPlan {
+    content: PlanContent,
+    /// The handles, decoded and checked against the metadata.
+    h: Handles,
+    /// Each target's storage and byte offset.
+    places: Vec<(usize, usize)>,
+    /// Each run of targets in one storage: checked on every receive.
+    runs: Vec<Run>,
+    /// The coalesced (local, remote) descriptor lists.
+    lists: Vec<(Vec<Desc>, Vec<Desc>)>,
+}
+
+impl TargetPlan {
+    /// Whether `ts` are the targets this plan was made for: the same
+    /// storages (each still alive, see [`Run::storage`]) at the same
+    /// offsets. Their memory is checked apart.
+    fn same_places(&self, ts: &[Tensor]) -> bool {
+        ts.len() == self.places.len()
+            && self.runs.iter().all(|r| {
+                r.storage.strong_count() > 0
+                    && std::sync::Weak::as_ptr(&r.storage) as usize == ts[r.first].storage_id()
+            })
+            && ts
+                .iter()
+                .zip(&self.places)
+                .all(|(t, &(s, o))| t.storage_id() == s && t.byte_offset() == o)
+    }
+}
+
 /// The target of a receive into fresh memory, as a read plan keys it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum PlanTarget {
@@ -1554,13 +1747,9 @@ enum At {
 /// A receive into fresh memory, worked out once per layout (NX-7).
 struct ReadPlan {
     target: PlanTarget,
-    /// The handles' bytes and the metadata it was made for (its key).
-    handles: Vec<u8>,
-    metas: Vec<TensorMeta>,
-    /// The last layout ([`TransferCtx::layout`]) found to be that key: a
-    /// receive of the same layout takes the plan without comparing the
-    /// content again (0: none yet).
-    layout: AtomicU64,
+    /// The handles' bytes and the metadata it was made for (its key,
+    /// with the target).
+    content: PlanContent,
     /// The handles, decoded and checked against the metadata.
     h: Handles,
     /// Bytes taken on each GPU, one range per GPU: (ordinal, length).
@@ -1675,9 +1864,11 @@ impl ReadPlan {
         bump(&COUNTERS.read_plans_made, 1);
         Ok(ReadPlan {
             target,
-            handles: exported.handles.clone(),
-            metas: metas.clone(),
-            layout: AtomicU64::new(0),
+            content: PlanContent {
+                handles: exported.handles.clone(),
+                metas: metas.clone(),
+                layout: AtomicU64::new(0),
+            },
             h,
             lanes,
             host_len,
@@ -1687,21 +1878,9 @@ impl ReadPlan {
         })
     }
 
-    /// Made for this content and target. A layout seen before answers at
-    /// once; otherwise the content is compared, and the layout of a match
-    /// remembered.
+    /// Made for this content and target.
     fn fits(&self, exported: &Exported, target: PlanTarget, layout: Option<u64>) -> bool {
-        if self.target != target {
-            return false;
-        }
-        if layout.is_some_and(|l| self.layout.load(Ordering::Relaxed) == l) {
-            return true;
-        }
-        let same = self.handles == exported.handles && self.metas == exported.metas;
-        if let (true, Some(l)) = (same, layout) {
-            self.layout.store(l, Ordering::Relaxed);
-        }
-        same
+        self.target == target && self.content.fits(exported, layout)
     }
 }
 
@@ -1723,7 +1902,7 @@ impl NixlTransport {
         }
         let p = Arc::new(ReadPlan::new(exported, target)?);
         if let Some(l) = layout {
-            p.layout.store(l, Ordering::Relaxed);
+            p.content.layout.store(l, Ordering::Relaxed);
         }
         if kept {
             self.plans.keep(p.clone());
@@ -1876,7 +2055,7 @@ impl MakeTensors for PlannedViews {
     fn make(&self, i: usize) -> Tensor {
         // The plan's metadata is the receive's (its key: equal content,
         // or the same layout).
-        let m = &self.plan.metas[i];
+        let m = &self.plan.content.metas[i];
         match (self.plan.at[i], &self.host) {
             (At::Lane(l, offset), _) => Tensor::view_of_storage(
                 m.dtype,
