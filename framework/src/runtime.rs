@@ -576,7 +576,7 @@ impl Runtime {
             rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
                 Some(inst) => {
                     crate::client::check_targets(r.id, &wv.exported.get()?.metas, targets)?;
-                    let target = Target::Tensors(targets.to_vec());
+                    let target = Target::Tensors(targets.into());
                     let tensors = self.get_direct(r.id, &wv, inst, target).await?;
                     let copied = crate::client::into_targets(r.id, targets, &tensors)?;
                     let placed = copied.as_deref().unwrap_or(&tensors);

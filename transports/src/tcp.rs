@@ -583,7 +583,7 @@ mod tests {
                 Tensor::zeros(crate::DType::U8, &[33]),
             ];
             let cx = TransferCtx {
-                target: crate::Target::Tensors(targets.clone()),
+                target: crate::Target::Tensors(targets.clone().into()),
                 ..TransferCtx::new(20)
             };
             a.send(&peer(&b, 2), &cx, &ts).await.unwrap();
@@ -597,10 +597,13 @@ mod tests {
                 xfer: 21,
                 group: None,
                 layout: None,
-                target: crate::Target::Tensors(vec![
-                    Tensor::zeros(crate::DType::F32, &[999]),
-                    Tensor::zeros(crate::DType::U8, &[33]),
-                ]),
+                target: crate::Target::Tensors(
+                    vec![
+                        Tensor::zeros(crate::DType::F32, &[999]),
+                        Tensor::zeros(crate::DType::U8, &[33]),
+                    ]
+                    .into(),
+                ),
             };
             a.send(&peer(&b, 2), &cx, &ts).await.unwrap();
             let e = b.receive(&peer(&a, 1), &cx, &ex).await.unwrap_err();

@@ -10,6 +10,12 @@
 //! once, where it is needed ([`TensorList::tensor`]). Anything that wants
 //! a slice gets one, made once and kept ([`Deref`](std::ops::Deref)).
 //!
+//! A receive into target tensors returns the targets themselves: a
+//! shared list ([`TensorList::shared`]) holds them as the caller's
+//! `Arc<[Tensor]>`, not a clone of each (10 000 parameters are 10 000
+//! clones and drops), and tells the caller that they are its own
+//! ([`TensorList::is_shared`]).
+//!
 //! # Invariants
 //! 1. Index `i` is the same tensor however it is reached: made on demand
 //!    or from the kept slice, it has the same dtype, shape, storage and
@@ -44,6 +50,8 @@ pub struct TensorList {
     made: OnceLock<Vec<Tensor>>,
     /// What makes them on demand (lazy lists).
     maker: Option<Arc<dyn MakeTensors>>,
+    /// The tensors, shared with whoever gave them (shared lists).
+    shared: Option<Arc<[Tensor]>>,
 }
 
 impl TensorList {
@@ -52,11 +60,32 @@ impl TensorList {
         TensorList {
             made: OnceLock::new(),
             maker: Some(maker),
+            shared: None,
         }
+    }
+
+    /// A list of `tensors`, shared (no tensor cloned).
+    pub fn shared(tensors: Arc<[Tensor]>) -> TensorList {
+        TensorList {
+            made: OnceLock::new(),
+            maker: None,
+            shared: Some(tensors),
+        }
+    }
+
+    /// Whether this list is `tensors` itself (made by
+    /// [`shared`](Self::shared) from that `Arc`).
+    pub fn is_shared(&self, tensors: &Arc<[Tensor]>) -> bool {
+        self.shared
+            .as_ref()
+            .is_some_and(|s| Arc::ptr_eq(s, tensors))
     }
 
     /// The number of tensors (none made).
     pub fn len(&self) -> usize {
+        if let Some(s) = &self.shared {
+            return s.len();
+        }
         match (self.made.get(), &self.maker) {
             (Some(v), _) => v.len(),
             (None, Some(m)) => m.len(),
@@ -71,6 +100,9 @@ impl TensorList {
 
     /// The bytes of all tensors (none made).
     pub fn nbytes(&self) -> usize {
+        if let Some(s) = &self.shared {
+            return s.iter().map(Tensor::nbytes).sum();
+        }
         match (self.made.get(), &self.maker) {
             (Some(v), _) => v.iter().map(Tensor::nbytes).sum(),
             (None, Some(m)) => m.nbytes(),
@@ -81,6 +113,9 @@ impl TensorList {
     /// Tensor `i`: a clone of the kept one, or made now for a lazy list
     /// that has not made its slice. `None` past the end.
     pub fn tensor(&self, i: usize) -> Option<Tensor> {
+        if let Some(s) = &self.shared {
+            return s.get(i).cloned();
+        }
         match (self.made.get(), &self.maker) {
             (Some(v), _) => v.get(i).cloned(),
             (None, Some(m)) => (i < m.len()).then(|| m.make(i)),
@@ -95,6 +130,9 @@ impl TensorList {
 
     /// All tensors, made once and kept.
     pub fn as_slice(&self) -> &[Tensor] {
+        if let Some(s) = &self.shared {
+            return s;
+        }
         self.made.get_or_init(|| match &self.maker {
             Some(m) => (0..m.len()).map(|i| m.make(i)).collect(),
             None => Vec::new(),
@@ -103,6 +141,9 @@ impl TensorList {
 
     /// The tensors, as a vector.
     pub fn into_vec(mut self) -> Vec<Tensor> {
+        if let Some(s) = &self.shared {
+            return s.to_vec();
+        }
         self.as_slice();
         self.made.take().unwrap_or_default()
     }
@@ -113,6 +154,7 @@ impl From<Vec<Tensor>> for TensorList {
         TensorList {
             made: OnceLock::from(v),
             maker: None,
+            shared: None,
         }
     }
 }
@@ -157,6 +199,26 @@ mod tests {
         fn nbytes(&self) -> usize {
             self.n * 4
         }
+    }
+
+    #[test]
+    fn a_shared_list_is_the_given_tensors_and_knows_it() {
+        let ts: Arc<[Tensor]> = (0..3)
+            .map(|i| Tensor::from_slice(&[i as f32], &[1]).unwrap())
+            .collect::<Vec<_>>()
+            .into();
+        let list = TensorList::shared(ts.clone());
+        assert!(list.is_shared(&ts));
+        assert!(!list.is_lazy());
+        assert_eq!((list.len(), list.nbytes()), (3, 12));
+        // The slice is the shared one: no tensor was cloned.
+        assert!(std::ptr::eq(list.as_slice(), &ts[..]));
+        assert!(list.tensor(2).unwrap().shares_storage(&ts[2]));
+        // Another list of equal tensors is not that list.
+        let other: Arc<[Tensor]> = ts.to_vec().into();
+        assert!(!list.is_shared(&other));
+        assert!(!TensorList::from(ts.to_vec()).is_shared(&ts));
+        assert_eq!(list.into_vec().len(), 3);
     }
 
     #[test]

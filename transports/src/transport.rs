@@ -76,6 +76,8 @@
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 
+use std::sync::Arc;
+
 use crate::{Blob, Device, Tensor, TensorMeta};
 
 /// Identifies an object in the producer's store (the framework's object id).
@@ -170,8 +172,10 @@ pub enum Target {
     #[default]
     Any,
     /// Into these tensors, one per received tensor, in metadata order:
-    /// the receiver's memory does not grow.
-    Tensors(Vec<Tensor>),
+    /// the receiver's memory does not grow. Shared, not cloned: a
+    /// receive that puts the bytes there returns this very list
+    /// ([`TensorList::shared`](crate::TensorList::shared)).
+    Tensors(Arc<[Tensor]>),
     /// Onto this process's CUDA device (ordinal), whatever device the
     /// producer's tensors were on; CPU tensors stay on the CPU.
     Device(usize),
@@ -233,7 +237,7 @@ impl Target {
                         TransportError::new(transport, format!("copy into the target: {e}"))
                     })?;
                 }
-                Ok(targets.clone())
+                Ok(targets.to_vec())
             }
         }
     }

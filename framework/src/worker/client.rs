@@ -270,9 +270,14 @@ impl Drop for GetGuard<'_> {
 
 /// The targets of one `get_into`, registered for the object's delivery
 /// while the get lasts (WK-7).
+/// `get_into`'s targets, and where the list registered for them is told.
+type TargetsOut<'a> = (&'a [Tensor], &'a mut Option<Arc<[Tensor]>>);
+
 struct TargetsGuard<'a> {
     w: &'a WorkerShared,
     object: u64,
+    /// The list registered.
+    targets: Arc<[Tensor]>,
 }
 
 impl<'a> TargetsGuard<'a> {
@@ -283,8 +288,9 @@ impl<'a> TargetsGuard<'a> {
         match w.targets.lock().entry(object) {
             Entry::Occupied(_) => None,
             Entry::Vacant(e) => {
-                e.insert(targets.to_vec());
-                Some(TargetsGuard { w, object })
+                let targets: Arc<[Tensor]> = targets.into();
+                e.insert(targets.clone());
+                Some(TargetsGuard { w, object, targets })
             }
         }
     }
@@ -338,8 +344,16 @@ impl ActorRuntime {
         targets: &[Tensor],
     ) -> Result<T> {
         let id = r.borrow().id;
-        let v = self.stored(id, Some(targets)).await?;
-        let copied = crate::client::into_targets(id, targets, &v.tensors)?;
+        let mut registered = None;
+        let v = self.stored(id, Some((targets, &mut registered))).await?;
+        // The receive returned the very list registered (a clone of
+        // `targets`, which this borrow keeps as they are): in place, with
+        // nothing to compare.
+        let copied = if registered.is_some_and(|ts| v.tensors.is_shared(&ts)) {
+            None
+        } else {
+            crate::client::into_targets(id, targets, &v.tensors)?
+        };
         if copied.is_none() {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
         }
@@ -351,8 +365,8 @@ impl ActorRuntime {
 
     /// Object `id` as this worker stores it, delivered first if it is not
     /// here (AC-2); `targets` are where that delivery's receive puts the
-    /// tensors (WK-7).
-    async fn stored(&self, id: u64, targets: Option<&[Tensor]>) -> Result<StoredValue> {
+    /// tensors (WK-7), and where the list registered for it is told.
+    async fn stored(&self, id: u64, targets: Option<TargetsOut<'_>>) -> Result<StoredValue> {
         if let Some(Slot::Ready(v)) = self.w.store.get(id) {
             // Produced here, or a copy held: no message at all.
             if !self.w.landing.lock().contains_key(&id) {
@@ -362,7 +376,11 @@ impl ActorRuntime {
         self.refuse_endless_wait(id)?;
         // Registered before the `Get` goes out, so that its delivery finds
         // them; gone when this get ends, however it ends.
-        let _targets = targets.and_then(|ts| TargetsGuard::register(&self.w, id, ts));
+        let _targets = targets.and_then(|(ts, registered)| {
+            let guard = TargetsGuard::register(&self.w, id, ts)?;
+            *registered = Some(guard.targets.clone());
+            Some(guard)
+        });
         self.w.tx.send(&ToDriver::Get { object: id })?;
         let _done = GetGuard {
             w: &self.w,

@@ -383,7 +383,7 @@ pub(crate) struct WorkerShared {
     /// (HO-6).
     self_calls: Mutex<std::collections::HashSet<u64>>,
     /// Target tensors `get_into` waits to fill, by object (WK-7).
-    targets: Mutex<HashMap<u64, Vec<Tensor>>>,
+    targets: Mutex<HashMap<u64, Arc<[Tensor]>>>,
     /// `get_into` calls whose receive wrote into the targets itself.
     in_place: std::sync::atomic::AtomicU64,
     /// Deliveries straight from producers to consumers (OW-9).

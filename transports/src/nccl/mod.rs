@@ -310,7 +310,7 @@ impl TensorTransport for NcclTransport {
                 _ => false,
             };
             let tensors: Vec<Tensor> = match (&cx.target, in_place) {
-                (Target::Tensors(ts), true) => ts.clone(),
+                (Target::Tensors(ts), true) => ts.to_vec(),
                 _ => exported
                     .metas
                     .iter()

@@ -1146,7 +1146,7 @@ impl NixlTransport {
         // Into the caller's tensors: through the plan of the same layout
         // and targets (NX-8), worked out now if there is none.
         enum Into<'t> {
-            Targets(&'t [Tensor], Arc<TargetPlan>),
+            Targets(&'t Arc<[Tensor]>, Arc<TargetPlan>),
             Fresh(Arc<ReadPlan>),
         }
         let (into, mut target_keep) = match &cx.target {
@@ -1183,7 +1183,7 @@ impl NixlTransport {
         crate::cuda::timeline("nixl remote loaded", cx.xfer);
         let (out, lists, keep) = match &into {
             Into::Targets(ts, plan) => (
-                TensorList::from(ts.to_vec()),
+                TensorList::shared(Arc::clone(ts)),
                 plan.lists.clone(),
                 std::mem::take(&mut target_keep),
             ),
