@@ -231,6 +231,42 @@ gpu_test!(receive_into_cuda_targets, async {
     assert_eq!(sums, want(7.0), "the driver's own CUDA tensors");
 });
 
+// Weight updates in place on the GPU, step after step: the trainer's same
+// tensors (host, updated in place) in a new object at each step, read over
+// `nixl` into views of one flat CUDA buffer. The later steps read through
+// the first step's plan (NX-8), and each lands its own values.
+gpu_test!(updates_into_cuda_targets_read_through_one_plan, async {
+    require_gpu();
+    rdt_integration_tests::logs();
+    let rt = Runtime::start().await.unwrap();
+    let p = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<GpuConsumer>(()).on_gpus([0]).await.unwrap();
+    let (n, len) = (200usize, 256usize);
+    let at = rt.get(p.keep_many(n, len, 0.0).remote()).await.unwrap();
+    let s0 = rt.get(c.nixl_stats().remote()).await.unwrap();
+    for step in 0..3 {
+        let first = 100.0 * step as f32;
+        rt.get(p.step_kept(at, n, first).remote()).await.unwrap();
+        let r = p.kept_range(at, n).transport(Transport::Nixl).remote();
+        let (sums, same, one_buffer) = rt.get(c.update_params(&r, n, len).remote()).await.unwrap();
+        let want: Vec<f64> = (0..n)
+            .map(|i| f64::from(first + i as f32) * len as f64)
+            .collect();
+        assert_eq!(
+            sums, want,
+            "step {step}: every parameter holds its new value"
+        );
+        assert!(same && one_buffer, "step {step}: in place, in one buffer");
+    }
+    let s1 = rt.get(c.nixl_stats().remote()).await.unwrap();
+    assert_eq!(s1.reads_posted - s0.reads_posted, 3, "one READ per step");
+    assert_eq!(
+        s1.target_plans_reused - s0.target_plans_reused,
+        2,
+        "the later steps found the first step's plan"
+    );
+});
+
 gpu_test!(point_to_point, async {
     let (rt, p, c) = setup().await;
     let r = p.make(2.0, 1000).transport(IPC).remote();
