@@ -99,6 +99,16 @@ async fn ow_6_a_delivery_too_large_fails_the_call_that_needed_it() {
     .await;
 }
 
+/// Once every transfer settled, no transfer is in flight, and no object
+/// is left: not in the owner table, not in either actor's store.
+async fn nothing_left(rt: &Runtime, p: &ProducerHandle, c: &ConsumerHandle) {
+    rt.transfers_settled().await;
+    assert_eq!(rt.transfers_in_flight(), 0);
+    assert_eq!(rt.live_objects(), 0);
+    assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0, "producer");
+    assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "consumer");
+}
+
 /// Defect 2 / OW-1, XF-5: a call that fails on its first argument while
 /// its second is still arriving over tcp. The driver frees the second only
 /// after the consumer acknowledged its receive, so nothing is left in any
@@ -117,10 +127,7 @@ async fn xf_5_free_waits_for_the_receive_ack() {
             let e = rt.get(c.sum2(&failed, &big).remote()).await.unwrap_err();
             assert!(e.to_string().contains("first argument"), "{e}");
             drop((failed, big));
-            rt.transfers_settled().await;
-            assert_eq!(rt.live_objects(), 0);
-            assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "consumer");
-            assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0, "producer");
+            nothing_left(&rt, &p, &c).await;
         }
     })
     .await;
@@ -376,11 +383,7 @@ async fn ow_9_a_pending_value_goes_straight_from_its_producer() {
         }
         assert_eq!(rt.get(c.straight().remote()).await.unwrap(), 3);
         assert_eq!(rt.get(c.received("shm").remote()).await.unwrap(), 3);
-        rt.transfers_settled().await;
-        assert_eq!(rt.transfers_in_flight(), 0);
-        assert_eq!(rt.live_objects(), 0);
-        assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "consumer");
-        assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0, "producer");
+        nothing_left(&rt, &p, &c).await;
     })
     .await;
 }
@@ -476,11 +479,7 @@ async fn ow_9_a_consumer_killed_while_its_value_was_ordered_loses_nothing() {
         );
         assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 400.0);
         drop((b, r, s));
-        rt.transfers_settled().await;
-        assert_eq!(rt.transfers_in_flight(), 0);
-        assert_eq!(rt.live_objects(), 0);
-        assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0, "producer");
-        assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "consumer");
+        nothing_left(&rt, &p, &c).await;
     })
     .await;
 }

@@ -268,11 +268,11 @@ impl Drop for GetGuard<'_> {
     }
 }
 
-/// The targets of one `get_into`, registered for the object's delivery
-/// while the get lasts (WK-7).
 /// `get_into`'s targets, and where the list registered for them is told.
 type TargetsOut<'a> = (&'a [Tensor], &'a mut Option<Arc<[Tensor]>>);
 
+/// The targets of one `get_into`, registered for the object's delivery
+/// while the get lasts (WK-7).
 struct TargetsGuard<'a> {
     w: &'a WorkerShared,
     object: u64,

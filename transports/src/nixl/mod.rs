@@ -1425,15 +1425,7 @@ impl NixlTransport {
                 off = (off + t.storage_nbytes()).next_multiple_of(ALIGN);
             }
         }
-        // One tensor per storage keeps its memory (a flat buffer's
-        // views are one).
-        let mut storages: Vec<Tensor> = Vec::new();
-        for t in ts {
-            if storages.last().is_none_or(|l| !l.shares_storage(t)) {
-                storages.push(t.clone());
-            }
-        }
-        keep.push(Kept::Tensors(storages));
+        keep.push(one_per_storage(ts));
         let mut regs = SlabRegistrations::default();
         let mut runs = Vec::new();
         // Views of one storage (a flat buffer of parameters) share
@@ -1550,7 +1542,6 @@ impl NixlTransport {
         ts: &[Tensor],
     ) -> Option<Vec<Kept>> {
         let mut regs = SlabRegistrations::default();
-        let mut storages = Vec::with_capacity(plan.runs.len());
         for run in &plan.runs {
             let t = &ts[run.first];
             let d = self.local_dest(agent, t, &mut regs).ok()??;
@@ -1561,14 +1552,8 @@ impl NixlTransport {
             if base != run.base || d.local_reg != run.reg {
                 return None;
             }
-            if storages
-                .last()
-                .is_none_or(|l: &Tensor| !l.shares_storage(t))
-            {
-                storages.push(t.clone());
-            }
         }
-        let mut keep = vec![Kept::Tensors(storages)];
+        let mut keep = vec![one_per_storage(plan.runs.iter().map(|r| &ts[r.first]))];
         keep.extend(regs.into_kept());
         Some(keep)
     }
@@ -1630,6 +1615,18 @@ impl NixlTransport {
     }
 }
 
+/// One tensor per storage of `ts` (neighbours of one storage count once:
+/// a flat buffer's views are one), which keeps their memory alive.
+fn one_per_storage<'a>(ts: impl IntoIterator<Item = &'a Tensor>) -> Kept {
+    let mut storages: Vec<Tensor> = Vec::new();
+    for t in ts {
+        if storages.last().is_none_or(|l| !l.shares_storage(t)) {
+            storages.push(t.clone());
+        }
+    }
+    Kept::Tensors(storages)
+}
+
 /// What [`NixlTransport::target_destinations`] worked out.
 struct TargetDests {
     /// Where each target's bytes are (`None`: it has none).
@@ -1644,9 +1641,10 @@ struct TargetDests {
 struct Run {
     /// The first of them.
     first: usize,
-    /// Their storage. Weak: a plan does not keep a caller's memory alive,
-    /// yet the storage's address is not reused while this lives, so a
-    /// target at that address is that storage.
+    /// Their storage, held, never read. Weak: a plan does not keep a
+    /// caller's memory alive, yet the storage's address is not reused
+    /// while this lives, so a target at that address is that storage.
+    #[allow(dead_code)]
     storage: std::sync::Weak<crate::tensor::Storage>,
     /// Where the storage's bytes started (its descriptor at offset 0).
     base: Desc,
@@ -1699,14 +1697,12 @@ struct TargetPlan {
 
 impl TargetPlan {
     /// Whether `ts` are the targets this plan was made for: the same
-    /// storages (each still alive, see [`Run::storage`]) at the same
-    /// offsets. Their memory is checked apart.
+    /// storages at the same offsets. An equal address is the same storage:
+    /// each storage with bytes among the targets starts a run, whose weak
+    /// reference keeps its address from being reused ([`Run::storage`]).
+    /// Their memory is checked apart.
     fn same_places(&self, ts: &[Tensor]) -> bool {
         ts.len() == self.places.len()
-            && self.runs.iter().all(|r| {
-                r.storage.strong_count() > 0
-                    && std::sync::Weak::as_ptr(&r.storage) as usize == ts[r.first].storage_id()
-            })
             && ts
                 .iter()
                 .zip(&self.places)
