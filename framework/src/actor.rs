@@ -93,7 +93,7 @@ pub struct CallArgs {
 
 impl CallArgs {
     /// Decodes argument `i` (named `name` in the signature).
-    pub fn decode<T: DeserializeOwned>(&self, i: usize, name: &str) -> Result<T> {
+    pub fn decode<T: DeserializeOwned + 'static>(&self, i: usize, name: &str) -> Result<T> {
         let (data, tensors) = self.values.get(i).ok_or_else(|| {
             Error::Protocol(format!(
                 "{}.{} got {} arguments; argument {i} ({name}) is missing",

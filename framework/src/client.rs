@@ -143,7 +143,7 @@ pub(crate) fn encode<T: Serialize + ?Sized>(value: &T) -> Result<Encoded, ValueE
 /// bound to `client` (`None`: this worker's). In an actor, the borrows of
 /// refs met for the first time go out in one message when decoding ends
 /// (CL-3).
-pub(crate) fn decode<T: DeserializeOwned>(
+pub(crate) fn decode<T: DeserializeOwned + 'static>(
     client: Option<&Client>,
     data: &[u8],
     tensors: &[Tensor],
@@ -153,7 +153,7 @@ pub(crate) fn decode<T: DeserializeOwned>(
 
 /// [`decode`] from a [`TensorList`]: a lazy one makes only the tensors the
 /// value names, each once ([`value::decode_list`]).
-pub(crate) fn decode_list<T: DeserializeOwned>(
+pub(crate) fn decode_list<T: DeserializeOwned + 'static>(
     client: Option<&Client>,
     data: &[u8],
     tensors: &rdt_transport::TensorList,

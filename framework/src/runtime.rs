@@ -524,7 +524,10 @@ impl Runtime {
 
     /// Waits for an object and returns its value. Waits until the producer
     /// replies or dies; see [`Runtime::get_timeout`] for a deadline.
-    pub async fn get<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
+    pub async fn get<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+    ) -> Result<T> {
         let r = r.borrow();
         let wv = self.inner.wait_value(r.id).await?;
         // A value through the driver may still be arriving (cut-through).
@@ -558,7 +561,7 @@ impl Runtime {
     /// fails as for [`Runtime::get`]. Targets that do not fit fail with
     /// [`Error::Targets`] before any byte moves, and the object stays
     /// readable.
-    pub async fn get_into<T: DeserializeOwned>(
+    pub async fn get_into<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         targets: &[rdt_transport::Tensor],
@@ -601,7 +604,7 @@ impl Runtime {
     /// (a checkpoint, an evaluation on the CPU). For objects on a
     /// transport that serves the driver (`nixl`); others fail with a
     /// message that says to use [`Runtime::get`].
-    pub async fn get_on_host<T: DeserializeOwned>(
+    pub async fn get_on_host<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
     ) -> Result<T> {
@@ -627,7 +630,10 @@ impl Runtime {
     /// Gets several objects: every one is waited for and every direct read
     /// is started before any is awaited (Ray's `get` of a list; no
     /// one-at-a-time fetches, ray#61453). Fails with the first error.
-    pub async fn get_all<T: DeserializeOwned>(&self, refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
+    pub async fn get_all<T: DeserializeOwned + 'static>(
+        &self,
+        refs: &[ObjectRef<T>],
+    ) -> Result<Vec<T>> {
         futures::future::try_join_all(refs.iter().map(|r| self.get(r))).await
     }
 
@@ -732,7 +738,7 @@ impl Runtime {
     }
 
     /// [`Runtime::get`] with a deadline.
-    pub async fn get_timeout<T: DeserializeOwned>(
+    pub async fn get_timeout<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         deadline: Duration,
@@ -743,7 +749,7 @@ impl Runtime {
 
     /// Gets a value through the object-store path whatever its transport:
     /// the producer serializes it, tensors included, to the driver.
-    pub async fn get_via_object_store<T: DeserializeOwned>(
+    pub async fn get_via_object_store<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
     ) -> Result<T> {
@@ -1190,7 +1196,11 @@ impl Runtime {
 }
 
 /// Decodes a value whose bytes are all here ([`WireValue::arrived`]).
-fn decode_wire<T: DeserializeOwned>(inner: &Arc<Inner>, wv: &WireValue, id: u64) -> Result<T> {
+fn decode_wire<T: DeserializeOwned + 'static>(
+    inner: &Arc<Inner>,
+    wv: &WireValue,
+    id: u64,
+) -> Result<T> {
     let tensors = object_store::unpack(wv.exported.get()?)?;
     decode_in_driver(inner, wv, id, &tensors)
 }
@@ -1198,7 +1208,7 @@ fn decode_wire<T: DeserializeOwned>(inner: &Arc<Inner>, wv: &WireValue, id: u64)
 /// Decodes object `id`'s value in the driver, with `tensors` put back; refs
 /// in it become driver refs. Never called under the state lock (a ref
 /// read takes it).
-fn decode_in_driver<T: DeserializeOwned>(
+fn decode_in_driver<T: DeserializeOwned + 'static>(
     inner: &Arc<Inner>,
     wv: &WireValue,
     id: u64,

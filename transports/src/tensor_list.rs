@@ -139,6 +139,19 @@ impl TensorList {
         })
     }
 
+    /// The tensors, as a new vector: a lazy list makes each (and keeps
+    /// none), the others clone theirs.
+    pub fn to_vec(&self) -> Vec<Tensor> {
+        if let Some(s) = &self.shared {
+            return s.to_vec();
+        }
+        match (self.made.get(), &self.maker) {
+            (Some(v), _) => v.clone(),
+            (None, Some(m)) => (0..m.len()).map(|i| m.make(i)).collect(),
+            (None, None) => Vec::new(),
+        }
+    }
+
     /// The tensors, as a vector.
     pub fn into_vec(mut self) -> Vec<Tensor> {
         if let Some(s) = &self.shared {
@@ -176,16 +189,27 @@ impl std::fmt::Debug for TensorList {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::DType;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    /// Views of one flat tensor, counting what it made.
-    struct Views {
+    /// Views of one flat tensor of `f32`s, counting what it made.
+    pub(crate) struct Views {
         flat: Tensor,
         n: usize,
         made: AtomicUsize,
+    }
+
+    impl Views {
+        /// `flat` split evenly into `n` views.
+        pub(crate) fn of(flat: Tensor, n: usize) -> Views {
+            Views {
+                flat,
+                n,
+                made: AtomicUsize::new(0),
+            }
+        }
     }
 
     impl MakeTensors for Views {
@@ -194,10 +218,11 @@ mod tests {
         }
         fn make(&self, i: usize) -> Tensor {
             self.made.fetch_add(1, Ordering::Relaxed);
-            self.flat.view(i * 4, DType::F32, &[1]).unwrap()
+            let each = self.flat.nbytes() / self.n;
+            self.flat.view(i * each, DType::F32, &[each / 4]).unwrap()
         }
         fn nbytes(&self) -> usize {
-            self.n * 4
+            self.flat.nbytes()
         }
     }
 

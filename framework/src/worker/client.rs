@@ -308,7 +308,10 @@ impl ActorRuntime {
     /// (a collective transport needs a group with that actor, as for a
     /// call). Waits until the producer replies or dies; see
     /// [`ActorRuntime::get_timeout`] for a deadline.
-    pub async fn get<T: DeserializeOwned>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<T> {
+    pub async fn get<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+    ) -> Result<T> {
         let id = r.borrow().id;
         let v = self.stored(id, None).await?;
         self.decode(id, &v.data, &v.tensors)
@@ -338,7 +341,7 @@ impl ActorRuntime {
     /// rdt::runtime().get_into(&weights, params).await?;
     /// # Ok(()) }
     /// ```
-    pub async fn get_into<T: DeserializeOwned>(
+    pub async fn get_into<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         targets: &[Tensor],
@@ -413,7 +416,12 @@ impl ActorRuntime {
         Ok(())
     }
 
-    fn decode<T: DeserializeOwned>(&self, id: u64, data: &[u8], tensors: &TensorList) -> Result<T> {
+    fn decode<T: DeserializeOwned + 'static>(
+        &self,
+        id: u64,
+        data: &[u8],
+        tensors: &TensorList,
+    ) -> Result<T> {
         crate::client::decode_list(None, data, tensors).map_err(|e| Error::Decode {
             what: format!("object {id} as {}", std::any::type_name::<T>()),
             message: e.to_string(),
@@ -421,7 +429,7 @@ impl ActorRuntime {
     }
 
     /// [`ActorRuntime::get`] with a deadline.
-    pub async fn get_timeout<T: DeserializeOwned>(
+    pub async fn get_timeout<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         deadline: Duration,
@@ -432,7 +440,10 @@ impl ActorRuntime {
 
     /// Gets several objects: every transfer starts before any is awaited.
     /// Fails with the first error.
-    pub async fn get_all<T: DeserializeOwned>(&self, refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
+    pub async fn get_all<T: DeserializeOwned + 'static>(
+        &self,
+        refs: &[ObjectRef<T>],
+    ) -> Result<Vec<T>> {
         futures::future::try_join_all(refs.iter().map(|r| self.get(r))).await
     }
 
