@@ -119,13 +119,16 @@ impl Source {
 
 #[rdt::actor]
 pub struct Sink {
-    params: Vec<Tensor>,
+    /// Kept as one `rdt::Targets`, as a trainer keeps its weights.
+    params: rdt::Targets,
 }
 
 #[rdt::actor]
 impl Sink {
     fn new() -> Self {
-        Sink { params: Vec::new() }
+        Sink {
+            params: rdt::Targets::default(),
+        }
     }
 
     /// A weight update: the object behind `r` received into this actor's

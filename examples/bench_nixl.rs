@@ -102,13 +102,16 @@ impl NixlSource {
 
 #[rdt::actor]
 pub struct NixlSink {
-    params: Vec<Tensor>,
+    /// Kept as one `rdt::Targets`, as a trainer keeps its weights.
+    params: rdt::Targets,
 }
 
 #[rdt::actor]
 impl NixlSink {
     fn new() -> Self {
-        NixlSink { params: Vec::new() }
+        NixlSink {
+            params: rdt::Targets::default(),
+        }
     }
 
     /// Makes its parameters: `n` views of `each` bytes of one flat CUDA

@@ -23,6 +23,7 @@ mod owner;
 mod protocol;
 mod runtime;
 mod startup;
+mod targets;
 mod transport;
 mod worker;
 
@@ -33,6 +34,7 @@ pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::register_transport;
 pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
 pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
+pub use targets::Targets;
 pub use transport::Transport;
 pub use worker::{
     group_memberships, init, local_objects, received_in_place, received_objects, runtime,

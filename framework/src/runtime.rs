@@ -564,9 +564,10 @@ impl Runtime {
     pub async fn get_into<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
-        targets: &[rdt_transport::Tensor],
+        targets: impl Into<crate::Targets>,
     ) -> Result<T> {
         let r = r.borrow();
+        let targets: crate::Targets = targets.into();
         let wv = self.inner.wait_value(r.id).await?;
         wv.arrived().await?;
         let wv = match wv.transport.sidedness() {
@@ -578,10 +579,10 @@ impl Runtime {
             }
             rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
                 Some(inst) => {
-                    crate::client::check_targets(r.id, &wv.exported.get()?.metas, targets)?;
-                    let target = Target::Tensors(targets.into());
+                    crate::client::check_targets(r.id, &wv.exported.get()?.metas, &targets)?;
+                    let target = Target::Tensors(targets.shared().clone());
                     let tensors = self.get_direct(r.id, &wv, inst, target).await?;
-                    let copied = crate::client::into_targets(r.id, targets, &tensors)?;
+                    let copied = crate::client::into_targets(r.id, &targets, &tensors)?;
                     let placed = copied.as_deref().unwrap_or(&tensors);
                     return decode_in_driver(&self.inner, &wv, r.id, placed);
                 }
@@ -590,7 +591,7 @@ impl Runtime {
             rdt_transport::Sidedness::ThroughDriver => wv,
         };
         let tensors = object_store::unpack(wv.exported.get()?)?;
-        let copied = crate::client::into_targets(r.id, targets, &tensors)?;
+        let copied = crate::client::into_targets(r.id, &targets, &tensors)?;
         decode_in_driver(
             &self.inner,
             &wv,

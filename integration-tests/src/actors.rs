@@ -331,6 +331,8 @@ pub struct Consumer {
     seen: u64,
     held: Vec<Tensor>,
     params: Vec<Tensor>,
+    /// Parameters kept as `rdt::Targets` (`update_kept`).
+    kept: Option<rdt::Targets>,
 }
 
 #[rdt::actor]
@@ -340,6 +342,7 @@ impl Consumer {
             seen: 0,
             held: Vec::new(),
             params: Vec::new(),
+            kept: None,
         }
     }
 
@@ -523,6 +526,30 @@ impl Consumer {
     /// Forgets the parameters: the next `update_params` makes new ones.
     async fn drop_params(&mut self) -> usize {
         std::mem::take(&mut self.params).len()
+    }
+
+    /// `update_params` into parameters kept as one `rdt::Targets` (`n`
+    /// f32 tensors of `numel`, made at first use): the sums after, and
+    /// whether the value got back holds the parameters themselves.
+    async fn update_kept(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        numel: usize,
+    ) -> rdt::Result<(Vec<f64>, bool)> {
+        let kept = self.kept.get_or_insert_with(|| {
+            (0..n)
+                .map(|_| Tensor::zeros(DType::F32, &[numel]))
+                .collect()
+        });
+        let got = rdt::runtime().get_into(&r, &*kept).await?;
+        let same = got.len() == kept.len()
+            && got
+                .iter()
+                .zip(kept.iter())
+                .all(|(g, p)| g.shares_storage(p));
+        let sums = kept.iter().map(Tensor::sum).collect::<Result<_, _>>()?;
+        Ok((sums, same))
     }
 }
 

@@ -209,6 +209,74 @@ async fn every_update_in_place_reads_through_the_first_updates_plan() {
     .await;
 }
 
+/// Updates into parameters the consumer keeps as one `rdt::Targets`: from
+/// the second on, the read plan is found for that very list (no places or
+/// metadata compared), and each lands in place. An object of another
+/// layout still fails the check into the same targets, losing nothing,
+/// and the updates go on after it.
+#[tokio::test]
+async fn updates_into_kept_targets_are_checked_once_per_layout() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        // Enough tensors for a head that is kept and found again (2 KiB or
+        // more), so each step's head has the first one's layout.
+        let (n, numel) = (1000usize, 4usize);
+        let at = rt.get(p.keep_many(n, numel, 0.0).remote()).await.unwrap();
+        let update = |first: f32| {
+            let (rt, p, c) = (&rt, &p, &c);
+            async move {
+                rt.get(p.step_kept(at, n, first).remote()).await.unwrap();
+                let r = p.kept_range(at, n).transport(Transport::Nixl).remote();
+                let (sums, same) = rt.get(c.update_kept(&r, n, numel).remote()).await.unwrap();
+                assert!(same, "the value got back holds the kept parameters");
+                let want: Vec<f64> = (0..n)
+                    .map(|i| f64::from(first + i as f32) * numel as f64)
+                    .collect();
+                assert_eq!(sums, want, "every parameter holds its new value");
+            }
+        };
+        let c0 = of_consumer(&rt, &c).await;
+        for step in 0..3 {
+            update(100.0 * step as f32).await;
+        }
+        let c1 = of_consumer(&rt, &c).await;
+        assert_eq!(c1.reads_posted - c0.reads_posted, 3, "one READ per step");
+        assert_eq!(c1.target_plans_reused - c0.target_plans_reused, 2);
+        assert_eq!(
+            c1.target_lists_reused - c0.target_lists_reused,
+            2,
+            "the later steps read into the plan's own target list"
+        );
+        assert_eq!(rt.get(c.in_place().remote()).await.unwrap(), 3);
+
+        // Another layout (one element more per tensor) into the same
+        // targets: refused before any byte moves, and still readable.
+        let other = p
+            .make_version(n, numel + 1, 5.0)
+            .transport(Transport::Nixl)
+            .remote();
+        let e = rt
+            .get(c.update_kept(&other, n, numel).remote())
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("target tensors given for object"),
+            "a mismatch is a targets error: {e}"
+        );
+        let c2 = of_consumer(&rt, &c).await;
+        assert_eq!(c2.reads_posted, c1.reads_posted + 1, "read anywhere, once");
+        let sums: Vec<f64> = rt.get(c.sums(&other).remote()).await.unwrap();
+        assert_eq!(sums[0], 5.0 * (numel + 1) as f64, "the object is intact");
+
+        // The next step of the first layout lands in place again.
+        update(900.0).await;
+        let c3 = of_consumer(&rt, &c).await;
+        assert_eq!(c3.target_lists_reused - c2.target_lists_reused, 1);
+        assert_eq!(rt.get(c.in_place().remote()).await.unwrap(), 4);
+    })
+    .await;
+}
+
 /// A weight update of 10 000 tensors into an actor's own parameters
 /// (`get_into`): the first moves the parameters into one registered
 /// region, and from then on each update is one READ of one descriptor

@@ -42,8 +42,9 @@ use crate::error::{Error, Result};
 use crate::object_ref::{ArgOut, ObjectRef};
 use crate::protocol::{SubmitMsg, ToDriver, WireExported, WireValue};
 use crate::runtime::inline_value;
+use crate::targets::Targets;
 use crate::transport::Transport;
-use rdt_transport::{Blob, Sidedness, Tensor, TensorList};
+use rdt_transport::{Blob, Sidedness, TensorList};
 
 /// The actor's refs, counted locally (CL-1).
 #[derive(Default)]
@@ -268,29 +269,23 @@ impl Drop for GetGuard<'_> {
     }
 }
 
-/// `get_into`'s targets, and where the list registered for them is told.
-type TargetsOut<'a> = (&'a [Tensor], &'a mut Option<Arc<[Tensor]>>);
-
 /// The targets of one `get_into`, registered for the object's delivery
 /// while the get lasts (WK-7).
 struct TargetsGuard<'a> {
     w: &'a WorkerShared,
     object: u64,
-    /// The list registered.
-    targets: Arc<[Tensor]>,
 }
 
 impl<'a> TargetsGuard<'a> {
     /// `None` when another `get_into` of the object in this actor
     /// registered its own first (this one then copies).
-    fn register(w: &'a WorkerShared, object: u64, targets: &[Tensor]) -> Option<Self> {
+    fn register(w: &'a WorkerShared, object: u64, targets: &Targets) -> Option<Self> {
         use std::collections::hash_map::Entry;
         match w.targets.lock().entry(object) {
             Entry::Occupied(_) => None,
             Entry::Vacant(e) => {
-                let targets: Arc<[Tensor]> = targets.into();
-                e.insert(targets.clone());
-                Some(TargetsGuard { w, object, targets })
+                e.insert(targets.shared().clone());
+                Some(TargetsGuard { w, object })
             }
         }
     }
@@ -334,6 +329,10 @@ impl ActorRuntime {
     /// Targets that do not fit fail with [`Error::Targets`] and lose
     /// nothing: the object stays readable.
     ///
+    /// `targets` is a slice (its tensors are cloned to register them) or
+    /// a [`Targets`] kept from one update to the next (registered as it
+    /// is, and checked once per layout: see there).
+    ///
     /// ```no_run
     /// # use rdt::prelude::*;
     /// # async fn f(weights: ObjectRef<Vec<Tensor>>, params: &[Tensor]) -> rdt::Result<()> {
@@ -344,18 +343,17 @@ impl ActorRuntime {
     pub async fn get_into<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
-        targets: &[Tensor],
+        targets: impl Into<Targets>,
     ) -> Result<T> {
         let id = r.borrow().id;
-        let mut registered = None;
-        let v = self.stored(id, Some((targets, &mut registered))).await?;
-        // The receive returned the very list registered (a clone of
-        // `targets`, which this borrow keeps as they are): in place, with
-        // nothing to compare.
-        let copied = if registered.is_some_and(|ts| v.tensors.is_shared(&ts)) {
+        let targets: Targets = targets.into();
+        let v = self.stored(id, Some(&targets)).await?;
+        // The receive returned the very list registered (the targets'
+        // own, which nothing changes): in place, with nothing to compare.
+        let copied = if v.tensors.is_shared(targets.shared()) {
             None
         } else {
-            crate::client::into_targets(id, targets, &v.tensors)?
+            crate::client::into_targets(id, &targets, &v.tensors)?
         };
         if copied.is_none() {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
@@ -368,8 +366,8 @@ impl ActorRuntime {
 
     /// Object `id` as this worker stores it, delivered first if it is not
     /// here (AC-2); `targets` are where that delivery's receive puts the
-    /// tensors (WK-7), and where the list registered for it is told.
-    async fn stored(&self, id: u64, targets: Option<TargetsOut<'_>>) -> Result<StoredValue> {
+    /// tensors (WK-7).
+    async fn stored(&self, id: u64, targets: Option<&Targets>) -> Result<StoredValue> {
         if let Some(Slot::Ready(v)) = self.w.store.get(id) {
             // Produced here, or a copy held: no message at all.
             if !self.w.landing.lock().contains_key(&id) {
@@ -379,11 +377,7 @@ impl ActorRuntime {
         self.refuse_endless_wait(id)?;
         // Registered before the `Get` goes out, so that its delivery finds
         // them; gone when this get ends, however it ends.
-        let _targets = targets.and_then(|(ts, registered)| {
-            let guard = TargetsGuard::register(&self.w, id, ts)?;
-            *registered = Some(guard.targets.clone());
-            Some(guard)
-        });
+        let _targets = targets.and_then(|ts| TargetsGuard::register(&self.w, id, ts));
         self.w.tx.send(&ToDriver::Get { object: id })?;
         let _done = GetGuard {
             w: &self.w,

@@ -26,6 +26,8 @@
 //!    metadata; else anywhere (`get_into` then copies, or fails with
 //!    `Error::Targets` and the received value stays stored). A target that
 //!    does not fit never fails the receive: bad targets lose nothing.
+//!    The same registered list with the same layout over the same
+//!    transport as the last fit is not checked again ([`FittedTargets`]).
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -384,6 +386,8 @@ pub(crate) struct WorkerShared {
     self_calls: Mutex<std::collections::HashSet<u64>>,
     /// Target tensors `get_into` waits to fill, by object (WK-7).
     targets: Mutex<HashMap<u64, Arc<[Tensor]>>>,
+    /// The targets last found to fit (WK-7).
+    fitted: Mutex<Option<FittedTargets>>,
     /// `get_into` calls whose receive wrote into the targets itself.
     in_place: std::sync::atomic::AtomicU64,
     /// Deliveries straight from producers to consumers (OW-9).
@@ -503,14 +507,15 @@ impl WorkerShared {
         abort_rx
     }
 
-    /// A value received over `t`, counted, as it goes into the store.
     /// Where the receive of `object` puts its tensors (WK-7): the
-    /// targets a `get_into` registered, if they fit `metas`.
+    /// targets a `get_into` registered, if they fit `metas` (of `layout`,
+    /// as the head decoded here names it) and `transport` takes them.
     fn target_for(
         &self,
         object: u64,
         metas: &[rdt_transport::TensorMeta],
-        transport: &dyn rdt_transport::TensorTransport,
+        layout: Option<u64>,
+        transport: (Transport, &dyn rdt_transport::TensorTransport),
     ) -> Target {
         // Taken, not cloned (10 000 parameters are 10 000 clones): the
         // getter keeps its own and copies into them if this receive does
@@ -518,11 +523,20 @@ impl WorkerShared {
         let Some(ts) = self.targets.lock().remove(&object) else {
             return Target::Any;
         };
+        let fitted = FittedTargets::of(&ts, layout, transport.0);
+        if fitted.is_some() && *self.fitted.lock() == fitted {
+            return Target::Tensors(ts);
+        }
         let fit = crate::client::check_targets(object, metas, &ts)
             .map_err(|e| e.to_string())
-            .and_then(|()| transport.receives_into(&ts));
+            .and_then(|()| transport.1.receives_into(&ts));
         match fit {
-            Ok(()) => Target::Tensors(ts),
+            Ok(()) => {
+                if fitted.is_some() {
+                    *self.fitted.lock() = fitted;
+                }
+                Target::Tensors(ts)
+            }
             Err(why) => {
                 tracing::debug!(
                     object,
@@ -533,6 +547,7 @@ impl WorkerShared {
         }
     }
 
+    /// A value received over `t`, counted, as it goes into the store.
     fn received_value(&self, t: Transport, data: Bytes, tensors: TensorList) -> Slot {
         *self.received.lock().entry(t).or_default() += 1;
         Slot::Ready(StoredValue {
@@ -553,6 +568,42 @@ const DROP_ASIDE_MIN: usize = 64;
 
 /// ... or at least this many bytes.
 const DROP_ASIDE_BYTES: usize = 1 << 20;
+
+/// A registered target list found to fit a layout over a transport
+/// (WK-7). A weight update registers the same list (a
+/// [`Targets`](crate::Targets) the actor keeps) at every step, with a head
+/// found among the recent ones (the same layout id: byte-identical
+/// metadata). Nothing the check read can have changed: the list is shared
+/// and never written, a tensor's dtype, shape and storage are fixed, and
+/// the metadata is the same bytes. So the answer is the last one, and
+/// 10 000 targets are not compared again. The weak reference keeps the
+/// list's address from being taken by another list while this is kept.
+#[derive(Debug)]
+struct FittedTargets {
+    targets: std::sync::Weak<[Tensor]>,
+    layout: u64,
+    transport: Transport,
+}
+
+impl FittedTargets {
+    /// `None` for a head with no layout id (not decoded through
+    /// `WireExported::get`).
+    fn of(ts: &Arc<[Tensor]>, layout: Option<u64>, transport: Transport) -> Option<Self> {
+        Some(FittedTargets {
+            targets: Arc::downgrade(ts),
+            layout: layout?,
+            transport,
+        })
+    }
+}
+
+impl PartialEq for FittedTargets {
+    fn eq(&self, other: &Self) -> bool {
+        self.targets.ptr_eq(&other.targets)
+            && self.layout == other.layout
+            && self.transport == other.transport
+    }
+}
 
 /// Freed values being dropped on the blocking pool (WK-6).
 #[derive(Default)]
@@ -808,6 +859,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             actor: order.worker,
             self_calls: Mutex::new(Default::default()),
             targets: Mutex::new(HashMap::new()),
+            fitted: Mutex::new(None),
             in_place: Default::default(),
             peer: peer::PeerDelivery::new(
                 hostname(),
@@ -1170,7 +1222,12 @@ fn on_deliver(
                 let cx = rdt_transport::TransferCtx {
                     xfer,
                     group,
-                    target: shared.target_for(object, &exported.metas, transport.1.as_ref()),
+                    target: shared.target_for(
+                        object,
+                        &exported.metas,
+                        d.value.exported.layout(),
+                        (transport.0, transport.1.as_ref()),
+                    ),
                     layout: d.value.exported.layout(),
                 };
                 rdt_transport::cuda::timeline("receive target chosen", xfer);

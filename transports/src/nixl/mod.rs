@@ -169,6 +169,9 @@ pub struct NixlStats {
     /// Receives into target tensors that found the plan an earlier receive
     /// of the same layout into the same targets made (NX-8).
     pub target_plans_reused: u64,
+    /// Of those, the receives into the very target list the plan was made
+    /// for (a list the caller kept): neither places nor metadata compared.
+    pub target_lists_reused: u64,
 }
 
 #[derive(Default)]
@@ -192,6 +195,7 @@ struct Counters {
     read_plans_reused: AtomicU64,
     read_plans_made: AtomicU64,
     target_plans_reused: AtomicU64,
+    target_lists_reused: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -231,6 +235,7 @@ pub fn stats() -> NixlStats {
         read_plans_reused: c.read_plans_reused.load(Ordering::Relaxed),
         read_plans_made: c.read_plans_made.load(Ordering::Relaxed),
         target_plans_reused: c.target_plans_reused.load(Ordering::Relaxed),
+        target_lists_reused: c.target_lists_reused.load(Ordering::Relaxed),
     }
 }
 
@@ -1476,7 +1481,7 @@ impl NixlTransport {
         &self,
         agent: &Arc<Agent>,
         exported: &Exported,
-        ts: &[Tensor],
+        ts: &Arc<[Tensor]>,
         layout: Option<u64>,
         from: &Peer,
     ) -> Result<(Arc<TargetPlan>, Vec<Kept>), TransportError> {
@@ -1486,12 +1491,18 @@ impl NixlTransport {
         if kept {
             if let Some(p) = self
                 .target_plans
-                .find(|p| p.content.fits(exported, layout) && p.same_places(ts))
+                .find(|p| p.content.fits(exported, layout) && (p.made_for(ts) || p.same_places(ts)))
             {
-                // Contract point 2: the targets are what the metadata says.
-                check_received(NAME, metas, ts).map_err(|e| err(e.message))?;
+                // Contract point 2: the targets are what the metadata says
+                // (as they were when the plan was made, if they are its
+                // own list: nothing in it changes).
+                let own = p.made_for(ts);
+                if !own {
+                    check_received(NAME, metas, ts).map_err(|e| err(e.message))?;
+                }
                 if let Some(keep) = self.target_memory_unmoved(agent, &p, ts) {
                     bump(&COUNTERS.target_plans_reused, 1);
+                    bump(&COUNTERS.target_lists_reused, u64::from(own));
                     return Ok((p, keep));
                 }
             }
@@ -1518,6 +1529,7 @@ impl NixlTransport {
         };
         let plan = Arc::new(TargetPlan {
             content,
+            targets: Arc::downgrade(ts),
             h,
             places: ts
                 .iter()
@@ -1685,6 +1697,11 @@ impl PlanContent {
 /// coalesced descriptors each time cost most of its pass.
 struct TargetPlan {
     content: PlanContent,
+    /// The target list it was made for. A receive into that list again
+    /// (a [`Target::Tensors`] the caller kept) has the same places and
+    /// passes the same check, since a list is never written; the weak
+    /// reference keeps its address from being taken by another list.
+    targets: std::sync::Weak<[Tensor]>,
     /// The handles, decoded and checked against the metadata.
     h: Handles,
     /// Each target's storage and byte offset.
@@ -1696,6 +1713,11 @@ struct TargetPlan {
 }
 
 impl TargetPlan {
+    /// Whether `ts` is the very list this plan was made for.
+    fn made_for(&self, ts: &Arc<[Tensor]>) -> bool {
+        std::ptr::addr_eq(self.targets.as_ptr(), Arc::as_ptr(ts))
+    }
+
     /// Whether `ts` are the targets this plan was made for: the same
     /// storages at the same offsets. An equal address is the same storage:
     /// each storage with bytes among the targets starts a run, whose weak
