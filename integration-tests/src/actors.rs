@@ -1093,8 +1093,7 @@ impl GpuConsumer {
     }
 
     /// Keeps this process's GPU stream busy for a while (`reps` fills of
-    /// `bytes` bytes) and returns at once: transfers into fresh memory
-    /// wait for it.
+    /// `bytes` bytes) and returns at once.
     async fn busy(&mut self, bytes: usize, reps: usize) -> rdt::Result<()> {
         let t = Tensor::cuda_empty(DType::U8, &[bytes], 0).map_err(tensor_err)?;
         for i in 0..reps {
@@ -1102,6 +1101,56 @@ impl GpuConsumer {
         }
         self.held.push(t);
         Ok(())
+    }
+
+    /// Waits until rdt's stream on this process's GPU has done everything
+    /// enqueued so far: memory freed before is then clean (a transfer's
+    /// stream may write it without waiting for rdt's).
+    async fn gpu_settled(&mut self) -> rdt::Result<()> {
+        let g = rdt::data::cuda::gpu(0).map_err(|e| tensor_err(e.into()))?;
+        let done = g.completion().map_err(|e| tensor_err(e.into()))?;
+        done.wait().await.map_err(|e| tensor_err(e.into()))
+    }
+
+    /// Whether `t`'s bytes landed while rdt's stream was still busy with
+    /// work enqueued before its receive (`busy`), and its sum: a receive
+    /// into clean memory does not wait for unrelated compute.
+    async fn landed_while_busy(&mut self, t: Tensor) -> rdt::Result<(bool, f64)> {
+        let g = rdt::data::cuda::gpu(0).map_err(|e| tensor_err(e.into()))?;
+        let busy = loop {
+            if t.ready_event_passed().map_err(tensor_err)? {
+                break !g.stream_idle().map_err(|e| tensor_err(e.into()))?;
+            }
+            if g.stream_idle().map_err(|e| tensor_err(e.into()))? {
+                // The stream went idle first; the bytes land after.
+                t.cuda_ready().await.map_err(tensor_err)?;
+                break false;
+            }
+            tokio::task::yield_now().await;
+        };
+        Ok((busy, t.sum().map_err(tensor_err)?))
+    }
+
+    /// Watches `a` and `b` land (their transfers' done events) and says
+    /// whether `b` never landed before `a`, with both sums.
+    async fn landed_in_order(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(bool, f64, f64)> {
+        let mut in_order = true;
+        loop {
+            // `b` first: `a` seen not landed after `b` was seen landed is
+            // a real overtaking.
+            let b_landed = b.ready_event_passed().map_err(tensor_err)?;
+            let a_landed = a.ready_event_passed().map_err(tensor_err)?;
+            in_order &= a_landed || !b_landed;
+            if a_landed && b_landed {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        Ok((
+            in_order,
+            a.sum().map_err(tensor_err)?,
+            b.sum().map_err(tensor_err)?,
+        ))
     }
 
     /// A weight update on the GPU: receives the object behind `r` into

@@ -972,13 +972,34 @@ impl Tensor {
     /// An uninitialized CUDA tensor on local device `ordinal`, in
     /// exportable memory (see [`cuda::alloc`]).
     pub fn cuda_empty(dtype: DType, shape: &[usize], ordinal: usize) -> Result<Self, TensorError> {
-        let n = shape
-            .iter()
-            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
-            .ok_or_else(|| TensorError::Cuda(format!("shape {shape:?} is too large")))?;
+        let n = Self::byte_size(dtype, shape)?;
         let gpu = cuda::gpu(ordinal)?;
         let range = cuda::alloc::alloc(&gpu, n)?;
         Self::from_device_buffer(dtype, shape, gpu.device(), Box::new(range))
+    }
+
+    /// Like [`cuda_empty`](Self::cuda_empty), for a transfer's stream to
+    /// write: also whether the memory is clean (rdt's stream passed every
+    /// earlier use of it), so that the stream need not wait for rdt's
+    /// (`cuda::alloc`, invariant 5).
+    pub(crate) fn cuda_empty_for_other_stream(
+        dtype: DType,
+        shape: &[usize],
+        ordinal: usize,
+    ) -> Result<(Self, bool), TensorError> {
+        let n = Self::byte_size(dtype, shape)?;
+        let gpu = cuda::gpu(ordinal)?;
+        let (range, clean) = cuda::alloc::alloc_for_other_stream(&gpu, n)?;
+        let t = Self::from_device_buffer(dtype, shape, gpu.device(), Box::new(range))?;
+        Ok((t, clean))
+    }
+
+    /// Bytes of a contiguous tensor of `dtype` and `shape`.
+    fn byte_size(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
+        shape
+            .iter()
+            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+            .ok_or_else(|| TensorError::Cuda(format!("shape {shape:?} is too large")))
     }
 
     /// A CUDA tensor of zeros on local device `ordinal`.

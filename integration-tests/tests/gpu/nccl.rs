@@ -242,12 +242,11 @@ async fn assert_usable_producer(rt: &Runtime, p: &GpuProducerHandle) {
 
 gpu_test2!(nccl_receiver_dies_mid_transfer, async {
     let (rt, p, c, g) = nccl_pair().await;
-    // The consumer's stream is busy: its receive is enqueued (the method
-    // starts) but cannot land; the producer's send is stuck in NCCL. The
-    // consumer dies then.
+    // The producer's stream is busy with the tensor: the consumer's
+    // receive is enqueued (the method starts) but cannot land; the
+    // producer's send waits in NCCL. The consumer dies then.
     warm_up(&rt, &p, &c).await;
-    rt.get(c.busy(1 << 30, 1000).remote()).await.unwrap();
-    let r = p.make(1.0, 64 << 20).transport(NCCL).remote();
+    let r = p.make_busy(1.0, 64 << 20, 2000).transport(NCCL).remote();
     let e = rt.get(c.die_mid_transfer(&r).remote()).await.unwrap_err();
     assert!(
         matches!(e.root_cause(), Error::ActorDied { .. }),
@@ -369,4 +368,59 @@ gpu_test2!(nccl_receive_into_target_tensors, async {
         "both versions received in place"
     );
     assert_nccl_path(&rt, &c, 2).await;
+});
+
+gpu_test2!(nccl_receive_into_clean_memory_overlaps_compute, async {
+    let (rt, p, c, _) = nccl_pair().await;
+    warm_up(&rt, &p, &c).await;
+    // The warm-up's memory is freed, and rdt's stream seen done after:
+    // it is clean for the next receive.
+    rt.transfers_settled().await;
+    assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0);
+    rt.get(c.gpu_settled().remote()).await.unwrap();
+    // Compute that has nothing to do with the transfer keeps the
+    // consumer's stream busy for a long while; the receive lands under it
+    // (NC-6), and the method's kernel still sees every byte.
+    rt.get(c.busy(1 << 30, 1000).remote()).await.unwrap();
+    let n = 1 << 18;
+    let r = p.make(3.0, n).transport(NCCL).remote();
+    let (busy, s) = rt.get(c.landed_while_busy(&r).remote()).await.unwrap();
+    assert!(
+        busy,
+        "the receive landed while unrelated compute queued before it still ran"
+    );
+    assert_eq!(s, 3.0 * n as f64);
+    assert_nccl_path(&rt, &c, 2).await;
+});
+
+gpu_test2!(nccl_receives_from_two_groups_land_in_turn, async {
+    require_two_gpus();
+    // Two producers on GPU 0, each in a group of its own with one
+    // consumer on GPU 1 (NCCL allows one rank per GPU in a communicator).
+    let (rt, pa, c) = setup_on(&[0], &[1]).await;
+    let pb = rt.spawn::<GpuProducer>(()).on_gpus([0]).await.unwrap();
+    rt.create_collective_group(&[pa.id(), c.id()], NCCL)
+        .await
+        .unwrap();
+    rt.create_collective_group(&[pb.id(), c.id()], NCCL)
+        .await
+        .unwrap();
+    warm_up(&rt, &pa, &c).await;
+    warm_up(&rt, &pb, &c).await;
+    // A large tensor first, a small one second, both ready: the driver
+    // orders the first argument's transfer first. The second receive
+    // waits for the first on the consumer's GPU (NC-5) instead of
+    // overtaking it over the shared link.
+    let n = 256 << 20;
+    let a = pa.make(1.0, n).transport(NCCL).remote();
+    let b = pb.make(2.0, 1024).transport(NCCL).remote();
+    rt.wait(&a).await.unwrap();
+    rt.wait(&b).await.unwrap();
+    let (in_order, sa, sb) = rt.get(c.landed_in_order(&a, &b).remote()).await.unwrap();
+    assert!(
+        in_order,
+        "the small receive landed before the large one issued before it"
+    );
+    assert_eq!((sa, sb), (n as f64, 2048.0));
+    assert_nccl_path(&rt, &c, 4).await;
 });

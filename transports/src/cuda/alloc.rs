@@ -34,6 +34,13 @@
 //! 4. A retiring slab is never allocated from again; slab ids are never
 //!    reused, so an importer's cached mapping can never be mistaken for a
 //!    later slab at the same address.
+//! 5. **Another stream writes clean memory only.** A slab remembers the
+//!    free mark current at its last free (see the `cuda` module's free
+//!    marks, FM-1). [`alloc_for_other_stream`] takes a range of a clean
+//!    slab where one has room, else any (and says it is not clean: the
+//!    caller orders its stream after rdt's, as before), else a new slab
+//!    (clean). It never makes a slab only because the cached ones are not
+//!    clean, so memory does not grow for it.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -80,6 +87,8 @@ pub(crate) struct Slab {
     handle: OnceLock<Result<([u8; 64], u32), CudaError>>,
     /// Free ranges.
     free: FreeList,
+    /// The free mark current when a range of it was last freed (5).
+    freed_mark: AtomicU64,
     /// Run just before the slab is freed: what other parts of rdt made of
     /// its memory (a NIXL registration) is undone while it still exists.
     before_free: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
@@ -134,6 +143,13 @@ impl Slab {
 
     fn give(&self, off: usize, len: usize) {
         self.free.give(off, len)
+    }
+
+    /// Has rdt's stream passed every use of memory freed in this slab (5)?
+    fn clean(&self) -> bool {
+        self.gpu
+            .marks()
+            .clean(self.freed_mark.load(Ordering::SeqCst))
     }
 }
 
@@ -285,15 +301,44 @@ fn trim_locked(a: &mut Allocator) -> Trimmed {
     out
 }
 
-/// A fresh range of `len` bytes on `gpu` (contents undefined).
+/// A fresh range of `len` bytes on `gpu` (contents undefined), for rdt's
+/// stream.
 pub(crate) fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<SlabRange, CudaError> {
+    alloc_in(gpu, len, false).map(|(r, _)| r)
+}
+
+/// A fresh range of `len` bytes on `gpu` for another stream to write (a
+/// transfer's), and whether it is clean: rdt's stream passed every use of
+/// its memory, so the other stream need not wait for rdt's (invariant 5).
+pub(crate) fn alloc_for_other_stream(
+    gpu: &Arc<Gpu>,
+    len: usize,
+) -> Result<(SlabRange, bool), CudaError> {
+    alloc_in(gpu, len, true)
+}
+
+fn alloc_in(
+    gpu: &Arc<Gpu>,
+    len: usize,
+    prefer_clean: bool,
+) -> Result<(SlabRange, bool), CudaError> {
     let want = round(len, ALIGN);
     let mut a = allocator().lock();
     reclaim_locked(&mut a);
     let slabs = a.slabs.entry(gpu.ordinal()).or_default();
+    if prefer_clean {
+        for s in slabs.iter().filter(|s| s.clean()) {
+            if let Some(off) = s.take(want) {
+                return Ok((SlabRange::new(s.clone(), off, len, want), true));
+            }
+        }
+    }
     for s in slabs.iter() {
         if let Some(off) = s.take(want) {
-            return Ok(SlabRange::new(s.clone(), off, len, want));
+            // Asked only where it matters: a range for rdt's stream needs
+            // no answer.
+            let clean = prefer_clean && s.clean();
+            return Ok((SlabRange::new(s.clone(), off, len, want), clean));
         }
     }
     let slab_len = if want > SLAB_BYTES {
@@ -324,11 +369,12 @@ pub(crate) fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<SlabRange, CudaError> 
         len: slab_len,
         handle: OnceLock::new(),
         free: FreeList::new(slab_len),
+        freed_mark: AtomicU64::new(0),
         before_free: Mutex::new(Vec::new()),
     });
     let off = slab.take(want).expect("a fresh slab fits");
     slabs.push(slab.clone());
-    Ok(SlabRange::new(slab, off, len, want))
+    Ok((SlabRange::new(slab, off, len, want), true))
 }
 
 /// Bytes held in slabs (in use, cached or retiring) on each local ordinal.
@@ -429,6 +475,10 @@ impl SlabRange {
 
 impl Drop for SlabRange {
     fn drop(&mut self) {
+        // Every use of this range on rdt's stream was enqueued before now
+        // (invariant 5, FM-1).
+        let mark = self.slab.gpu.marks().current();
+        self.slab.freed_mark.fetch_max(mark, Ordering::SeqCst);
         let slot = *self.slot.get_mut();
         let mut a = allocator().lock();
         match (slot, counters()) {

@@ -35,6 +35,28 @@
 //! executor thread blocked or spinning for long; outside a tokio runtime
 //! it blocks the caller). Works on current-thread runtimes (actix).
 //!
+//! # Free marks (what another stream may write)
+//! Memory freed while rdt's stream may still use it is safe for rdt's
+//! stream at once (its later work runs after the earlier), but not for
+//! another stream (a transfer's): that one must wait until rdt's stream
+//! passed the free. Waiting for everything on rdt's stream would also wait
+//! for compute that has nothing to do with the memory, and a transfer would
+//! never overlap it. So each [`Gpu`] counts *marks* ([`FreeMarks`]): every
+//! time rdt records its stream's completion, or asks whether the stream is
+//! idle, it takes a new mark number first. A slab remembers the mark
+//! number current when memory in it was last freed (`alloc`); once a mark
+//! taken after that free is seen passed (a completion waited for, or the
+//! stream seen idle), every use before the free is done, and the slab is
+//! *clean*: another stream may write a fresh range of it without waiting.
+//! - **FM-1 (the mark comes after the free).** A free reads the current
+//!   number; a mark takes the number and only then records or queries.
+//!   Every atomic here is sequentially consistent, so a free that read `e`
+//!   came before the mark that took `e`, and so did every use of the
+//!   memory before the free.
+//! - **FM-2 (only seen marks count).** The clean bound moves only when a
+//!   mark's event was seen passed or the stream seen idle after the mark
+//!   was taken; a mark whose event is never waited for cleans nothing.
+//!
 //! # Memory
 //! Every CUDA tensor rdt allocates comes from [`alloc`]'s slab allocator over
 //! `cuMemAlloc` (never stream-ordered pools, whose memory cannot be exported
@@ -393,10 +415,54 @@ pub(crate) struct IpcEvent {
     pub(crate) handle: [u8; 64],
 }
 
+/// The free marks of one device (see the module docs, FM-1 and FM-2).
+#[derive(Debug)]
+pub struct FreeMarks {
+    /// The number the next mark takes (starts at 1: a slab never freed
+    /// into has mark 0 and is clean).
+    next: std::sync::atomic::AtomicU64,
+    /// Every free that read a number up to this one is behind rdt's stream.
+    clean_upto: std::sync::atomic::AtomicU64,
+}
+
+impl FreeMarks {
+    fn new() -> Self {
+        FreeMarks {
+            next: std::sync::atomic::AtomicU64::new(1),
+            clean_upto: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// The number a free made now reads (FM-1).
+    pub(crate) fn current(&self) -> u64 {
+        self.next.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Takes a mark: call before recording the event or querying the
+    /// stream it stands for (FM-1).
+    fn take(&self) -> u64 {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Mark `m` was seen passed (FM-2).
+    fn passed(&self, m: u64) {
+        self.clean_upto
+            .fetch_max(m, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Is memory last freed when the current number was `freed` behind
+    /// rdt's stream?
+    pub(crate) fn clean(&self, freed: u64) -> bool {
+        freed <= self.clean_upto.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 /// One visible device of this process: its primary context and rdt's stream.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     ordinal: usize,
+    /// What memory freed on this device another stream may write (FM-1).
+    marks: Arc<FreeMarks>,
     uuid: GpuUuid,
     stream: Stream,
     /// Interprocess events free for the next export (each export records
@@ -457,6 +523,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
     let g = Arc::new(Gpu {
         ctx,
         ordinal,
+        marks: Arc::new(FreeMarks::new()),
         uuid,
         stream: Stream(stream),
         ipc_events: Mutex::new(Vec::new()),
@@ -607,25 +674,37 @@ impl Gpu {
             return Ok(Completion {
                 event: None,
                 ctx: self.ctx.clone(),
+                mark: None,
             });
         }
         let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(|e| CudaError::call("cuEventCreate", e))?;
+        let mark = self.marks.take();
         // SAFETY: valid event and stream of this context.
         unsafe { cu::event::record(ev, self.stream.0) }
             .map_err(|e| CudaError::call("cuEventRecord", e))?;
         Ok(Completion {
             event: Some(Event(ev)),
             ctx: self.ctx.clone(),
+            mark: Some((self.marks.clone(), mark)),
         })
+    }
+
+    /// This device's free marks (see the module docs).
+    pub(crate) fn marks(&self) -> &Arc<FreeMarks> {
+        &self.marks
     }
 
     /// Has the GPU finished everything enqueued on the stream?
     pub fn stream_idle(&self) -> Result<bool, CudaError> {
         self.bind()?;
+        let mark = self.marks.take();
         // SAFETY: valid stream of the bound context.
         match unsafe { sys::cuStreamQuery(self.stream.0) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_SUCCESS => {
+                self.marks.passed(mark);
+                Ok(true)
+            }
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             r => Err(CudaError::call("cuStreamQuery", cu::DriverError(r))),
         }
@@ -701,6 +780,29 @@ impl Gpu {
             .map_err(|e| CudaError::call("cuStreamWaitEvent", e))?;
         }
         Ok(())
+    }
+
+    /// Makes `stream` wait for `ev` (nothing when it has passed already).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context.
+    pub(crate) unsafe fn order_stream_after_event(
+        &self,
+        stream: sys::CUstream,
+        ev: &StreamEvent,
+    ) -> Result<(), CudaError> {
+        if ev.passed()? {
+            return Ok(());
+        }
+        // SAFETY: valid event; the stream is the caller's promise.
+        unsafe {
+            cu::stream::wait_event(
+                stream,
+                ev.event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| CudaError::call("cuStreamWaitEvent", e))
     }
 
     /// Records an interprocess event of its own for one export on rdt's
@@ -888,6 +990,8 @@ pub struct Completion {
     /// The context the event was created in: bound before every query and
     /// at destruction, whatever thread polls (executors move futures).
     ctx: Arc<CudaContext>,
+    /// The free mark the event stands for, told when seen passed (FM-2).
+    mark: Option<(Arc<FreeMarks>, u64)>,
 }
 
 impl Completion {
@@ -942,7 +1046,10 @@ impl Completion {
             .map_err(|e| CudaError::call("cuCtxSetCurrent", e))?;
         // SAFETY: valid event of the bound context.
         match unsafe { sys::cuEventQuery(event.0) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_SUCCESS => {
+                self.seen_passed();
+                Ok(true)
+            }
             sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
             r => Err(CudaError::call("cuEventQuery", cu::DriverError(r))),
         }
@@ -956,7 +1063,16 @@ impl Completion {
         // SAFETY: valid event of the bound context.
         unsafe { sys::cuEventSynchronize(event.0) }
             .result()
-            .map_err(|e| CudaError::call("cuEventSynchronize", e))
+            .map_err(|e| CudaError::call("cuEventSynchronize", e))?;
+        self.seen_passed();
+        Ok(())
+    }
+
+    /// The event passed: so did its free mark (FM-2).
+    fn seen_passed(&self) {
+        if let Some((marks, m)) = &self.mark {
+            marks.passed(*m);
+        }
     }
 }
 

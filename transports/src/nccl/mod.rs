@@ -27,13 +27,26 @@
 //!   GPU. The method can start while the bytes arrive; its first kernel
 //!   waits. [`TensorTransport::landed`] tells the framework when the bytes
 //!   are in (it acknowledges the receive then).
+//! - **One GPU's receives in turn (NC-5).** The framework starts this
+//!   process's nccl receives one after the other in the driver's order,
+//!   across all its groups ([`TensorTransport::receives_in_turn`]), and
+//!   each receive's stream waits for the previous receive's done event on
+//!   the same GPU. Receives from several peers into one GPU thus land
+//!   first come, first served, each at the link's full speed, instead of
+//!   sharing it and all landing late: a consumer's first call can start
+//!   after one transfer, not after all of them (the overlap workload of
+//!   Ray's Compiled Graphs). The order is the driver's, the same at every
+//!   member, so this adds no wait that could close a cycle.
 //! - **Memory.** Received tensors come from rdt's allocator on the
 //!   communicator's GPU, or are the target tensors the receive was given.
 //!   Memory a transfer reads or writes stays alive until the GPU passed
 //!   the transfer's done event, whatever the framework frees meanwhile
-//!   (a stream-ordered free, as PyTorch's `record_stream`), and the
-//!   communicator's stream waits for rdt's stream before it writes fresh
-//!   memory (whose last user ran there).
+//!   (a stream-ordered free, as PyTorch's `record_stream`). Fresh memory
+//!   is taken clean where the allocator has some (rdt's stream passed its
+//!   last use: `cuda::alloc`, invariant 5), and then the receive does not
+//!   wait for rdt's stream, so it overlaps compute queued there (NC-6).
+//!   Otherwise, and for targets (which compute queued there may still
+//!   read), the communicator's stream waits for rdt's stream first.
 //! - **Failures.** `abort_group` aborts the communicator from a thread of
 //!   its own (`ncclCommAbort`); transfers in it fail with NCCL's message;
 //!   later transfers in the group are refused. The process, its other
@@ -86,6 +99,9 @@ pub struct NcclTransport {
     comms: Mutex<HashMap<u64, Arc<Communicator>>>,
     /// Receives that returned before their bytes landed, by transfer.
     landings: Mutex<HashMap<TransferId, oneshot::Receiver<Result<(), TransportError>>>>,
+    /// The done event of the last receive enqueued on each GPU (by
+    /// ordinal): the next one there waits for it (NC-5).
+    last_receive: Mutex<HashMap<usize, Arc<cuda::StreamEvent>>>,
     /// The framework's transfer deadline: also the bound on a destroy's
     /// wait for what is in flight.
     deadline: Duration,
@@ -97,6 +113,7 @@ impl NcclTransport {
         NcclTransport {
             comms: Mutex::new(HashMap::new()),
             landings: Mutex::new(HashMap::new()),
+            last_receive: Mutex::new(HashMap::new()),
             deadline,
         }
     }
@@ -274,7 +291,13 @@ impl TensorTransport for NcclTransport {
             cuda::timeline("nccl send start", cx.xfer);
             let (comm, peer) = self.comm(cx, to)?;
             let send = |ptr, len| P2p::Send { peer, ptr, len };
-            let done = enqueue(&comm, to, tensors, send, SEND, cx.xfer).await?;
+            // The tensors' producers ran on rdt's stream (device_range took
+            // their ready events over to it).
+            let after = After {
+                rdt: true,
+                event: None,
+            };
+            let done = enqueue(&comm, to, tensors, send, after, SEND, cx.xfer).await?;
             // The memory stays alive until the GPU read it (a free of the
             // object meanwhile does not recycle it).
             keep_until_done(comm, done, tensors.to_vec(), to.clone(), SEND, cx.xfer);
@@ -309,20 +332,42 @@ impl TensorTransport for NcclTransport {
                 }
                 _ => false,
             };
-            let tensors: Vec<Tensor> = match (&cx.target, in_place) {
-                (Target::Tensors(ts), true) => ts.to_vec(),
-                _ => exported
-                    .metas
-                    .iter()
-                    .map(|m| Tensor::cuda_empty(m.dtype, &m.shape, gpu.ordinal()))
-                    .collect::<Result<_, _>>()
-                    .map_err(err)?,
+            // NC-6: targets may have work pending on rdt's stream, and so
+            // may fresh memory that is not clean; then the receive waits
+            // for rdt's stream.
+            let (tensors, clean): (Vec<Tensor>, bool) = match (&cx.target, in_place) {
+                (Target::Tensors(ts), true) => (ts.to_vec(), false),
+                _ => {
+                    let mut clean = true;
+                    let ts = exported
+                        .metas
+                        .iter()
+                        .map(|m| {
+                            let (t, c) = Tensor::cuda_empty_for_other_stream(
+                                m.dtype,
+                                &m.shape,
+                                gpu.ordinal(),
+                            )?;
+                            clean &= c;
+                            Ok(t)
+                        })
+                        .collect::<Result<_, crate::TensorError>>()
+                        .map_err(err)?;
+                    (ts, clean)
+                }
             };
             cuda::timeline("nccl receive allocated", cx.xfer);
-            // Fresh memory was last used on rdt's stream, and targets may
-            // have work pending there: `enqueue` orders after it.
             let recv = |ptr, len| P2p::Recv { peer, ptr, len };
-            let done = enqueue(&comm, from, &tensors, recv, RECEIVE, cx.xfer).await?;
+            // NC-5: after the previous receive on this GPU. The framework
+            // started that one's `receive` before this one's and it
+            // returned first (receives_in_turn), so it is the one here.
+            let previous = self.last_receive.lock().get(&gpu.ordinal()).cloned();
+            let after = After {
+                rdt: !clean,
+                event: previous,
+            };
+            let done = enqueue(&comm, from, &tensors, recv, after, RECEIVE, cx.xfer).await?;
+            self.last_receive.lock().insert(gpu.ordinal(), done.clone());
             for t in &tensors {
                 t.set_ready_event(done.clone());
             }
@@ -336,6 +381,10 @@ impl TensorTransport for NcclTransport {
             }
             placed
         })
+    }
+
+    fn receives_in_turn(&self) -> bool {
+        true
     }
 
     fn landed(&self, xfer: TransferId) -> Option<BoxFuture<'static, Result<(), TransportError>>> {
@@ -364,15 +413,26 @@ const RECEIVE: Side = Side([
     "nccl receive landed",
 ]);
 
+/// What the communicator's stream waits for before a transfer's group
+/// call.
+struct After {
+    /// Everything enqueued on rdt's stream so far (the tensors' producers,
+    /// the last user of memory that is not clean, work on targets).
+    rdt: bool,
+    /// The previous receive on this GPU (NC-5).
+    event: Option<Arc<cuda::StreamEvent>>,
+}
+
 /// One side of a transfer (§6.4): `tensors` as one NCCL group call (`op`
 /// makes each tensor's send or receive) on the communicator's stream,
-/// after that stream waits for rdt's (the tensors' producers, and the last
-/// user of recycled memory). Returns the call's done event.
+/// after that stream waits for what `after` names. Returns the call's
+/// done event.
 async fn enqueue(
     comm: &Communicator,
     peer: &Peer,
     tensors: &[Tensor],
     op: impl Fn(u64, usize) -> P2p,
+    after: After,
     side: Side,
     xfer: TransferId,
 ) -> Result<Arc<cuda::StreamEvent>, TransportError> {
@@ -382,8 +442,14 @@ async fn enqueue(
         .enumerate()
         .map(|(i, t)| device_range(t, i, gpu).map(|(ptr, len)| op(ptr, len)))
         .collect::<Result<Vec<_>, _>>()?;
-    // SAFETY: the communicator's stream lives in this GPU's context.
-    unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
+    if after.rdt {
+        // SAFETY: the communicator's stream lives in this GPU's context.
+        unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
+    }
+    if let Some(ev) = &after.event {
+        // SAFETY: as above; the event is of a stream of this GPU's context.
+        unsafe { gpu.order_stream_after_event(comm.raw_stream(), ev) }.map_err(err)?;
+    }
     cuda::timeline(side.0[0], xfer);
     comm.group(&ops)
         .await
