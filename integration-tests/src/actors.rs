@@ -1103,6 +1103,42 @@ impl GpuConsumer {
         Ok(())
     }
 
+    /// A weight update behind work on the old weights: long fills keep
+    /// rdt's stream busy, a copy of the parameters (made by
+    /// `update_params`, `n` × `len` f32 in one buffer) is queued behind
+    /// them, then `get_into` receives the object behind `r` into the
+    /// parameters. Returns the copy's sum (the values the queued work
+    /// saw) and the parameters' sum after.
+    async fn copy_then_update(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        len: usize,
+    ) -> rdt::Result<(f64, f64)> {
+        let g = rdt::data::cuda::gpu(0).map_err(|e| tensor_err(e.into()))?;
+        let busy = Tensor::cuda_empty(DType::U8, &[1 << 30], 0).map_err(tensor_err)?;
+        for i in 0..500 {
+            busy.fill_(i as u8).map_err(tensor_err)?;
+        }
+        self.held.push(busy);
+        let copy = Tensor::cuda_empty(DType::F32, &[n * len], 0).map_err(tensor_err)?;
+        let src = self.params[0]
+            .with_device_buffer(|d| d.device_ptr())
+            .map_err(tensor_err)?;
+        let dst = copy
+            .with_device_buffer(|d| d.device_ptr())
+            .map_err(tensor_err)?;
+        g.copy_dtod(dst, src, n * len * 4)
+            .map_err(|e| tensor_err(e.into()))?;
+        rdt::runtime().get_into(&r, &self.params).await?;
+        let before = copy.sum().map_err(tensor_err)?;
+        let mut after = 0.0;
+        for p in &self.params {
+            after += p.sum().map_err(tensor_err)?;
+        }
+        Ok((before, after))
+    }
+
     /// Waits until rdt's stream on this process's GPU has done everything
     /// enqueued so far: memory freed before is then clean (a transfer's
     /// stream may write it without waiting for rdt's).

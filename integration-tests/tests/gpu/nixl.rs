@@ -146,3 +146,33 @@ gpu_test!(
         assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), (3000.0, true));
     }
 );
+
+gpu_test!(nixl_update_waits_for_work_queued_on_the_targets, async {
+    require_gpu();
+    let (rt, p, c) = setup_on(&[0], &[0]).await;
+    let (n, len) = (4usize, 1usize << 20);
+    let want = |first: f64| (0..n).map(|i| (first + i as f64) * len as f64).sum::<f64>();
+    let r = p.version(n, len, 1.0).transport(NIXL).remote();
+    rt.get(c.update_params(&r, n, len).remote()).await.unwrap();
+    // A copy of the parameters is queued on rdt's stream behind long
+    // fills; the update then reads the next version into them. UCX writes
+    // on a stream of its own: the READ waits for rdt's stream first
+    // (NX-9), so the copy sees the old values, never the new ones.
+    let r = p.version(n, len, 100.0).transport(NIXL).remote();
+    rt.wait(&r).await.unwrap();
+    let (before, after) = rt
+        .get(c.copy_then_update(&r, n, len).remote())
+        .await
+        .unwrap();
+    assert_eq!(
+        before,
+        want(1.0),
+        "work queued before the update saw the old weights"
+    );
+    assert_eq!(after, want(100.0), "the update landed in place");
+    assert_eq!(
+        rt.get(c.in_place().remote()).await.unwrap(),
+        2,
+        "both updates were read into the parameters"
+    );
+});

@@ -225,6 +225,8 @@ const SYMBOLS: &[&str] = &[
     "cuCtxSetCurrent",
     "cuCtxEnablePeerAccess",
     "cuStreamCreate",
+    "cuStreamCreateWithPriority",
+    "cuCtxGetStreamPriorityRange",
     "cuStreamSynchronize",
     "cuStreamQuery",
     "cuEventSynchronize",
@@ -780,6 +782,33 @@ impl Gpu {
             .map_err(|e| CudaError::call("cuStreamWaitEvent", e))?;
         }
         Ok(())
+    }
+
+    /// A new non-blocking stream of this device's primary context at the
+    /// highest priority it offers, for transfers that run beside compute:
+    /// the GPU's block scheduler starts their kernels' blocks ahead of
+    /// compute blocks still waiting for room, so a transfer is not held
+    /// back until a large kernel queued before it has placed every block.
+    /// The caller owns the stream (destroy it with `cuStreamDestroy`).
+    pub(crate) fn create_high_priority_stream(&self) -> Result<sys::CUstream, CudaError> {
+        self.bind()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: valid out-pointers; the device's context is bound.
+        unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) }
+            .result()
+            .map_err(|e| CudaError::call("cuCtxGetStreamPriorityRange", e))?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; a priority within the range.
+        unsafe {
+            sys::cuStreamCreateWithPriority(
+                &mut stream,
+                sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                greatest,
+            )
+        }
+        .result()
+        .map_err(|e| CudaError::call("cuStreamCreateWithPriority", e))?;
+        Ok(stream)
     }
 
     /// Makes `stream` wait for `ev` (nothing when it has passed already).

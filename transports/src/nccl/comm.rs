@@ -28,7 +28,9 @@
 //! - **NC-4 (own stream).** The communicator's work runs on a stream of
 //!   its own, in the primary context of its GPU (the one rdt uses), so
 //!   transfers overlap rdt's and the user's compute; order across streams
-//!   goes through events.
+//!   goes through events. The stream has the device's highest priority:
+//!   a transfer's blocks start as soon as compute blocks end, not after a
+//!   large kernel queued before it has placed all of its blocks.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -183,10 +185,14 @@ impl Communicator {
         if rank >= nranks {
             return Err(NcclError(format!("rank {rank} of {nranks} ranks")));
         }
-        // NCCL takes the device from the current context (NC-4).
+        // NCCL takes the device from the current context (NC-4). The
+        // stream has the highest priority: its kernels' blocks go ahead
+        // of compute's waiting ones, so a transfer overlaps a large kernel
+        // queued before it instead of waiting for its last blocks.
+        let stream = gpu
+            .create_high_priority_stream()
+            .map_err(|e| NcclError(format!("creating the communicator's stream: {e}")))?;
         gpu.bind().map_err(|e| NcclError(e.to_string()))?;
-        let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-            .map_err(|e| NcclError(format!("creating the communicator's stream: {e:?}")))?;
         let mut config = Api::nonblocking_config();
         let mut comm: ncclComm_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer and config; the id is plain data.

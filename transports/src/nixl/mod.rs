@@ -70,6 +70,12 @@
 //!   bytes), and by that id after. It holds no memory and no registration of
 //!   either side, so each receive still takes fresh memory, loads what
 //!   NX-1 says, and posts its own READ.
+//! - **NX-9 (no write under rdt's stream):** UCX writes device memory on
+//!   streams of its own. A READ into CUDA target tensors waits until rdt's
+//!   stream on their GPUs passed the work queued before it (which may
+//!   still read the old values), and a READ into fresh device memory takes
+//!   clean memory where the allocator has some and otherwise waits the
+//!   same way (`cuda::alloc`, invariant 5). An idle stream costs one query.
 
 mod agent;
 pub mod api;
@@ -1186,15 +1192,43 @@ impl NixlTransport {
         };
         self.load_remote(&agent, h).map_err(|e| reading(e.0))?;
         crate::cuda::timeline("nixl remote loaded", cx.xfer);
-        let (out, lists, keep) = match &into {
+        let (out, lists, keep, not_clean) = match &into {
             Into::Targets(ts, plan) => (
                 TensorList::shared(Arc::clone(ts)),
                 plan.lists.clone(),
                 std::mem::take(&mut target_keep),
+                Vec::new(),
             ),
             Into::Fresh(plan) => self.take_planned(&agent, plan, from)?,
         };
         crate::cuda::timeline("nixl destinations ready", cx.xfer);
+        // NX-9: UCX writes device memory on streams of its own. Work still
+        // queued on rdt's stream may read what the READ overwrites: the
+        // old values of target tensors, or memory freed while in use and
+        // not clean yet. The READ waits until rdt's stream passed it on
+        // those GPUs (nothing to wait for on an idle stream).
+        let wait_on: Vec<usize> = match &into {
+            Into::Targets(..) => {
+                let mut gpus: Vec<usize> = lists
+                    .iter()
+                    .flat_map(|(local, _)| local)
+                    .filter(|d| d.mem == Mem::Vram)
+                    .map(|d| d.dev as usize)
+                    .collect();
+                gpus.sort_unstable();
+                gpus.dedup();
+                gpus
+            }
+            Into::Fresh(_) => not_clean,
+        };
+        for o in wait_on {
+            let g = crate::cuda::gpu(o).map_err(|e| err(e.to_string()))?;
+            g.completion()
+                .map_err(|e| err(e.to_string()))?
+                .wait()
+                .await
+                .map_err(|e| err(e.to_string()))?;
+        }
         let poller = Poller::get(&agent);
         let keep = Arc::new(keep);
         // UCX's CUDA transports work in the calling thread's context: bind
@@ -1934,13 +1968,23 @@ impl NixlTransport {
     ///
     /// The tensors of a kept plan (a large object) come back as a lazy list
     /// ([`PlannedViews`]): each view is made when a call's decode wants it.
+    /// Also returns the GPUs whose range is not clean (`cuda::alloc`,
+    /// invariant 5): the read waits for rdt's stream there first.
     #[allow(clippy::type_complexity)]
     fn take_planned(
         &self,
         agent: &Arc<Agent>,
         plan: &Arc<ReadPlan>,
         from: &Peer,
-    ) -> Result<(TensorList, Vec<(Vec<Desc>, Vec<Desc>)>, Vec<Kept>), TransportError> {
+    ) -> Result<
+        (
+            TensorList,
+            Vec<(Vec<Desc>, Vec<Desc>)>,
+            Vec<Kept>,
+            Vec<usize>,
+        ),
+        TransportError,
+    > {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         let mut keep = Vec::new();
         // Each GPU's range and registration are found once, not per
@@ -1953,10 +1997,14 @@ impl NixlTransport {
             whole: Tensor,
         }
         let mut lanes: Vec<Lane> = Vec::with_capacity(plan.lanes.len());
+        let mut not_clean = Vec::new();
         for &(o, len) in &plan.lanes {
             let gpu = crate::cuda::gpu(o).map_err(|e| err(format!("CUDA device {o}: {e}")))?;
-            let r = crate::cuda::alloc::alloc(&gpu, len.max(1))
+            let (r, clean) = crate::cuda::alloc::alloc_for_other_stream(&gpu, len.max(1))
                 .map_err(|e| err(format!("allocating {len} B on CUDA device {o}: {e}")))?;
+            if !clean {
+                not_clean.push(o);
+            }
             let reg = self
                 .slab_registration(agent, &r.slab)
                 .map_err(|e| err(e.0))?;
@@ -2041,7 +2089,7 @@ impl NixlTransport {
                 (local, remote.clone())
             })
             .collect();
-        Ok((out, lists, keep))
+        Ok((out, lists, keep, not_clean))
     }
 }
 
