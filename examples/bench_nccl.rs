@@ -181,6 +181,11 @@ impl NcclSink {
         x
     }
 
+    /// This process's nccl receive counters.
+    async fn nccl_stats(&mut self) -> rdt::data::nccl::NcclStats {
+        rdt::data::nccl::stats()
+    }
+
     /// Starts CUDA and cuBLAS here and runs one multiply (untimed).
     async fn warm(&mut self) -> rdt::Result<String> {
         let g = rdt::data::cuda::gpu(0).map_err(cuda_err)?;
@@ -778,6 +783,7 @@ async fn overlap(
     // window 3 submits all three at once (their transfers share the link).
     let mut on_by_window = Vec::new();
     for window in [2usize, 3] {
+        let s0 = rt.get(recv.nccl_stats().remote()).await?;
         let mut on = Vec::new();
         for i in 0..iters + 1 {
             let t0 = Instant::now();
@@ -795,6 +801,12 @@ async fn overlap(
                 on.push(us_since(t0) / 1e3);
             }
         }
+        let s1 = rt.get(recv.nccl_stats().remote()).await?;
+        println!(
+            "  overlap on, {window} calls in flight: {} of {} receives into clean memory (did not wait for the receiver's compute)",
+            s1.receives_clean - s0.receives_clean,
+            s1.receives - s0.receives
+        );
         on_by_window.push((window, on));
     }
     let on = on_by_window[0].1.clone();

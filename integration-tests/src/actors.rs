@@ -1139,6 +1139,11 @@ impl GpuConsumer {
         Ok((before, after))
     }
 
+    /// This process's nccl receive counters.
+    async fn nccl_stats(&mut self) -> rdt::data::nccl::NcclStats {
+        rdt::data::nccl::stats()
+    }
+
     /// Waits until rdt's stream on this process's GPU has done everything
     /// enqueued so far: memory freed before is then clean (a transfer's
     /// stream may write it without waiting for rdt's).
@@ -1165,28 +1170,6 @@ impl GpuConsumer {
             tokio::task::yield_now().await;
         };
         Ok((busy, t.sum().map_err(tensor_err)?))
-    }
-
-    /// Watches `a` and `b` land (their transfers' done events) and says
-    /// whether `b` never landed before `a`, with both sums.
-    async fn landed_in_order(&mut self, a: Tensor, b: Tensor) -> rdt::Result<(bool, f64, f64)> {
-        let mut in_order = true;
-        loop {
-            // `b` first: `a` seen not landed after `b` was seen landed is
-            // a real overtaking.
-            let b_landed = b.ready_event_passed().map_err(tensor_err)?;
-            let a_landed = a.ready_event_passed().map_err(tensor_err)?;
-            in_order &= a_landed || !b_landed;
-            if a_landed && b_landed {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
-        Ok((
-            in_order,
-            a.sum().map_err(tensor_err)?,
-            b.sum().map_err(tensor_err)?,
-        ))
     }
 
     /// A weight update on the GPU: receives the object behind `r` into

@@ -442,19 +442,6 @@ pub trait TensorTransport: Send + Sync + 'static {
         None
     }
 
-    /// Are this transport's receives in a process started one after the
-    /// other, in the driver's order, across all its collective groups? The
-    /// framework then calls each such [`receive`](Self::receive) only once
-    /// the one before it returned (or failed), so a transport whose receive
-    /// returns once its work is enqueued on a device can order that work
-    /// after the previous receive's (`nccl`: one GPU's receives land first
-    /// come, first served). The order is the driver's, the same at every
-    /// member, so the waits close no cycle. The default: false, receives in
-    /// different groups run independently.
-    fn receives_in_turn(&self) -> bool {
-        false
-    }
-
     /// Does [`receive`](Self::receive) return without waiting for anything
     /// (no bytes to come, no peer to answer: it opens memory the producer
     /// published, usually a mapping kept from an earlier pass)? The worker

@@ -28,12 +28,6 @@
 //!    does not fit never fails the receive: bad targets lose nothing.
 //!    The same registered list with the same layout over the same
 //!    transport as the last fit is not checked again ([`FittedTargets`]).
-//! 8. **WK-8** Receives of a transport that asks for it
-//!    (`TensorTransport::receives_in_turn`: `nccl`) start in the order their
-//!    deliveries reached the control loop (the driver's order), across all
-//!    of the worker's groups: each one's `receive` is called once the one
-//!    before it returned or failed ([`ReceiveTurns`]). A receive that is
-//!    aborted, or fails before it gets there, passes the turn on as well.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -398,30 +392,6 @@ pub(crate) struct WorkerShared {
     in_place: std::sync::atomic::AtomicU64,
     /// Deliveries straight from producers to consumers (OW-9).
     peer: peer::PeerDelivery,
-    /// The receive each transport's next in-turn receive waits for (WK-8).
-    receive_turns: ReceiveTurns,
-}
-
-/// The last in-turn receive of each transport (WK-8): ended (returned,
-/// failed or dropped) once its sender is dropped.
-#[derive(Default)]
-struct ReceiveTurns(Mutex<HashMap<Transport, futures::future::Shared<oneshot::Receiver<()>>>>);
-
-/// A receive's turn (WK-8): wait for `previous`, then drop `mine` once
-/// the transport's `receive` returned.
-struct ReceiveTurn {
-    previous: Option<futures::future::Shared<oneshot::Receiver<()>>>,
-    mine: oneshot::Sender<()>,
-}
-
-impl ReceiveTurns {
-    /// The next turn of `transport`'s receives, on the control loop (in
-    /// the order deliveries arrive).
-    fn take(&self, transport: Transport) -> ReceiveTurn {
-        let (mine, ended) = oneshot::channel();
-        let previous = self.0.lock().insert(transport, ended.shared());
-        ReceiveTurn { previous, mine }
-    }
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -897,7 +867,6 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
                 peer_secret.unwrap_or_default(),
                 order.max_frame,
             ),
-            receive_turns: ReceiveTurns::default(),
         });
         // PD-4: listening before the driver hears the actor exists.
         if let (Some(path), Some(_)) = (&order.peer_socket, peer_secret) {
@@ -1242,8 +1211,6 @@ fn on_deliver(
     );
     let group = d.group;
     let inline = group.is_none() && transport.1.receive_runs_inline();
-    let turn = (group.is_some() && transport.1.receives_in_turn())
-        .then(|| shared.receive_turns.take(transport.0));
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1264,23 +1231,11 @@ fn on_deliver(
                     layout: d.value.exported.layout(),
                 };
                 rdt_transport::cuda::timeline("receive target chosen", xfer);
-                // WK-8: after the receive before this one returned.
-                let mine = match turn {
-                    Some(ReceiveTurn { previous, mine }) => {
-                        if let Some(previous) = previous {
-                            let _ = previous.await;
-                        }
-                        Some(mine)
-                    }
-                    None => None,
-                };
                 let tensors = transport
                     .1
                     .receive_list(&from, &cx, exported)
                     .await
-                    .map_err(Error::from);
-                drop(mine);
-                let tensors = tensors?;
+                    .map_err(Error::from)?;
                 rdt_transport::cuda::timeline("receive returned", xfer);
                 // The non-tensor part, large enough to stream, may still
                 // be arriving.
@@ -1592,41 +1547,5 @@ fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
         s.clone()
     } else {
         "non-string panic payload".into()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use futures::FutureExt;
-
-    /// WK-8: a turn waits for the turn before it of the same transport,
-    /// which ends when its holder drops it (after `receive` returned, or on
-    /// any failure); turns of another transport do not wait.
-    #[tokio::test]
-    async fn receive_turns_pass_in_the_order_taken() {
-        tokio::time::timeout(Duration::from_secs(10), async {
-            let turns = ReceiveTurns::default();
-            let first = turns.take(Transport::Nccl);
-            let second = turns.take(Transport::Nccl);
-            let other = turns.take(Transport::Tcp);
-            assert!(first.previous.is_none(), "the first turn waits for none");
-            assert!(other.previous.is_none(), "turns are per transport");
-            let mut waiting = second.previous.clone().expect("waits for the first");
-            assert!(
-                (&mut waiting).now_or_never().is_none(),
-                "the second turn waits while the first is held"
-            );
-            drop(first);
-            waiting.await.expect_err("ended by a drop, not a send");
-            // The third waits for the second, not the first.
-            let third = turns.take(Transport::Nccl);
-            let mut after_second = third.previous.expect("waits for the second");
-            assert!((&mut after_second).now_or_never().is_none());
-            drop(second.mine);
-            let _ = after_second.await;
-        })
-        .await
-        .expect("within the deadline");
     }
 }

@@ -811,29 +811,6 @@ impl Gpu {
         Ok(stream)
     }
 
-    /// Makes `stream` wait for `ev` (nothing when it has passed already).
-    ///
-    /// # Safety
-    /// `stream` must be a live stream of this device's primary context.
-    pub(crate) unsafe fn order_stream_after_event(
-        &self,
-        stream: sys::CUstream,
-        ev: &StreamEvent,
-    ) -> Result<(), CudaError> {
-        if ev.passed()? {
-            return Ok(());
-        }
-        // SAFETY: valid event; the stream is the caller's promise.
-        unsafe {
-            cu::stream::wait_event(
-                stream,
-                ev.event.0,
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-        }
-        .map_err(|e| CudaError::call("cuStreamWaitEvent", e))
-    }
-
     /// Records an interprocess event of its own for one export on rdt's
     /// stream (taken from the free ones, or made), so a consumer waits for
     /// the work before this export and for nothing the producer enqueues

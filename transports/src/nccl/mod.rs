@@ -27,16 +27,6 @@
 //!   GPU. The method can start while the bytes arrive; its first kernel
 //!   waits. [`TensorTransport::landed`] tells the framework when the bytes
 //!   are in (it acknowledges the receive then).
-//! - **One GPU's receives in turn (NC-5).** The framework starts this
-//!   process's nccl receives one after the other in the driver's order,
-//!   across all its groups ([`TensorTransport::receives_in_turn`]), and
-//!   each receive's stream waits for the previous receive's done event on
-//!   the same GPU. Receives from several peers into one GPU thus land
-//!   first come, first served, each at the link's full speed, instead of
-//!   sharing it and all landing late: a consumer's first call can start
-//!   after one transfer, not after all of them (the overlap workload of
-//!   Ray's Compiled Graphs). The order is the driver's, the same at every
-//!   member, so this adds no wait that could close a cycle.
 //! - **Memory.** Received tensors come from rdt's allocator on the
 //!   communicator's GPU, or are the target tensors the receive was given.
 //!   Memory a transfer reads or writes stays alive until the GPU passed
@@ -56,6 +46,7 @@ pub mod api;
 pub mod comm;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,6 +80,31 @@ fn start(cx: &ProcessContext) -> Result<Arc<dyn TensorTransport>, String> {
     Ok(Arc::new(NcclTransport::new(cx.transfer_timeout)))
 }
 
+/// Counters of this process's nccl receives (for tests and benchmarks).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NcclStats {
+    /// Receives enqueued.
+    pub receives: u64,
+    /// Of those, receives into fresh memory that was clean: they did not
+    /// wait for rdt's stream (NC-6).
+    pub receives_clean: u64,
+    /// Of those, receives straight into target tensors.
+    pub receives_into_targets: u64,
+}
+
+static RECEIVES: AtomicU64 = AtomicU64::new(0);
+static RECEIVES_CLEAN: AtomicU64 = AtomicU64::new(0);
+static RECEIVES_INTO_TARGETS: AtomicU64 = AtomicU64::new(0);
+
+/// This process's counters.
+pub fn stats() -> NcclStats {
+    NcclStats {
+        receives: RECEIVES.load(Ordering::Relaxed),
+        receives_clean: RECEIVES_CLEAN.load(Ordering::Relaxed),
+        receives_into_targets: RECEIVES_INTO_TARGETS.load(Ordering::Relaxed),
+    }
+}
+
 /// How long a landing waits asking the GPU again before it polls every
 /// millisecond.
 const LANDING_SPIN: Duration = Duration::from_micros(50);
@@ -99,9 +115,6 @@ pub struct NcclTransport {
     comms: Mutex<HashMap<u64, Arc<Communicator>>>,
     /// Receives that returned before their bytes landed, by transfer.
     landings: Mutex<HashMap<TransferId, oneshot::Receiver<Result<(), TransportError>>>>,
-    /// The done event of the last receive enqueued on each GPU (by
-    /// ordinal): the next one there waits for it (NC-5).
-    last_receive: Mutex<HashMap<usize, Arc<cuda::StreamEvent>>>,
     /// The framework's transfer deadline: also the bound on a destroy's
     /// wait for what is in flight.
     deadline: Duration,
@@ -113,7 +126,6 @@ impl NcclTransport {
         NcclTransport {
             comms: Mutex::new(HashMap::new()),
             landings: Mutex::new(HashMap::new()),
-            last_receive: Mutex::new(HashMap::new()),
             deadline,
         }
     }
@@ -293,11 +305,7 @@ impl TensorTransport for NcclTransport {
             let send = |ptr, len| P2p::Send { peer, ptr, len };
             // The tensors' producers ran on rdt's stream (device_range took
             // their ready events over to it).
-            let after = After {
-                rdt: true,
-                event: None,
-            };
-            let done = enqueue(&comm, to, tensors, send, after, SEND, cx.xfer).await?;
+            let done = enqueue(&comm, to, tensors, send, true, SEND, cx.xfer).await?;
             // The memory stays alive until the GPU read it (a free of the
             // object meanwhile does not recycle it).
             keep_until_done(comm, done, tensors.to_vec(), to.clone(), SEND, cx.xfer);
@@ -358,16 +366,10 @@ impl TensorTransport for NcclTransport {
             };
             cuda::timeline("nccl receive allocated", cx.xfer);
             let recv = |ptr, len| P2p::Recv { peer, ptr, len };
-            // NC-5: after the previous receive on this GPU. The framework
-            // started that one's `receive` before this one's and it
-            // returned first (receives_in_turn), so it is the one here.
-            let previous = self.last_receive.lock().get(&gpu.ordinal()).cloned();
-            let after = After {
-                rdt: !clean,
-                event: previous,
-            };
-            let done = enqueue(&comm, from, &tensors, recv, after, RECEIVE, cx.xfer).await?;
-            self.last_receive.lock().insert(gpu.ordinal(), done.clone());
+            let done = enqueue(&comm, from, &tensors, recv, !clean, RECEIVE, cx.xfer).await?;
+            RECEIVES.fetch_add(1, Ordering::Relaxed);
+            RECEIVES_CLEAN.fetch_add(u64::from(clean), Ordering::Relaxed);
+            RECEIVES_INTO_TARGETS.fetch_add(u64::from(in_place), Ordering::Relaxed);
             for t in &tensors {
                 t.set_ready_event(done.clone());
             }
@@ -381,10 +383,6 @@ impl TensorTransport for NcclTransport {
             }
             placed
         })
-    }
-
-    fn receives_in_turn(&self) -> bool {
-        true
     }
 
     fn landed(&self, xfer: TransferId) -> Option<BoxFuture<'static, Result<(), TransportError>>> {
@@ -413,26 +411,17 @@ const RECEIVE: Side = Side([
     "nccl receive landed",
 ]);
 
-/// What the communicator's stream waits for before a transfer's group
-/// call.
-struct After {
-    /// Everything enqueued on rdt's stream so far (the tensors' producers,
-    /// the last user of memory that is not clean, work on targets).
-    rdt: bool,
-    /// The previous receive on this GPU (NC-5).
-    event: Option<Arc<cuda::StreamEvent>>,
-}
-
 /// One side of a transfer (§6.4): `tensors` as one NCCL group call (`op`
 /// makes each tensor's send or receive) on the communicator's stream,
-/// after that stream waits for what `after` names. Returns the call's
-/// done event.
+/// after that stream waits for rdt's if `after_rdt` (the tensors'
+/// producers, the last user of memory that is not clean, work on
+/// targets). Returns the call's done event.
 async fn enqueue(
     comm: &Communicator,
     peer: &Peer,
     tensors: &[Tensor],
     op: impl Fn(u64, usize) -> P2p,
-    after: After,
+    after_rdt: bool,
     side: Side,
     xfer: TransferId,
 ) -> Result<Arc<cuda::StreamEvent>, TransportError> {
@@ -442,13 +431,9 @@ async fn enqueue(
         .enumerate()
         .map(|(i, t)| device_range(t, i, gpu).map(|(ptr, len)| op(ptr, len)))
         .collect::<Result<Vec<_>, _>>()?;
-    if after.rdt {
+    if after_rdt {
         // SAFETY: the communicator's stream lives in this GPU's context.
         unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
-    }
-    if let Some(ev) = &after.event {
-        // SAFETY: as above; the event is of a stream of this GPU's context.
-        unsafe { gpu.order_stream_after_event(comm.raw_stream(), ev) }.map_err(err)?;
     }
     cuda::timeline(side.0[0], xfer);
     comm.group(&ops)
