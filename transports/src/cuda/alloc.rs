@@ -323,6 +323,9 @@ fn alloc_in(
     prefer_clean: bool,
 ) -> Result<(SlabRange, bool), CudaError> {
     let want = round(len, ALIGN);
+    if prefer_clean {
+        gpu.poll_marks();
+    }
     let mut a = allocator().lock();
     reclaim_locked(&mut a);
     let slabs = a.slabs.entry(gpu.ordinal()).or_default();
@@ -476,9 +479,12 @@ impl SlabRange {
 impl Drop for SlabRange {
     fn drop(&mut self) {
         // Every use of this range on rdt's stream was enqueued before now
-        // (invariant 5, FM-1).
+        // (invariant 5, FM-1); a slab of its own marks the free (FM-3).
         let mark = self.slab.gpu.marks().current();
         self.slab.freed_mark.fetch_max(mark, Ordering::SeqCst);
+        if self.reserved > SLAB_BYTES {
+            self.slab.gpu.mark_free();
+        }
         let slot = *self.slot.get_mut();
         let mut a = allocator().lock();
         match (slot, counters()) {

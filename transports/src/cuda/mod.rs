@@ -56,6 +56,11 @@
 //! - **FM-2 (only seen marks count).** The clean bound moves only when a
 //!   mark's event was seen passed or the stream seen idle after the mark
 //!   was taken; a mark whose event is never waited for cleans nothing.
+//! - **FM-3 (large frees mark themselves).** Freeing a range of a slab of
+//!   its own (a large tensor) takes a mark at once: passed if the stream
+//!   is idle, else recorded as an event that the allocator asks about
+//!   before it looks for clean memory. So a large slab turns clean as
+//!   soon as the stream passes its free, even if nothing waits then.
 //!
 //! # Memory
 //! Every CUDA tensor rdt allocates comes from [`alloc`]'s slab allocator over
@@ -417,6 +422,10 @@ pub(crate) struct IpcEvent {
     pub(crate) handle: [u8; 64],
 }
 
+/// Marks recorded at large frees and not yet seen passed, per device
+/// (FM-3): a bound on events made for that, never reached in practice.
+const MAX_PENDING_MARKS: usize = 64;
+
 /// The free marks of one device (see the module docs, FM-1 and FM-2).
 #[derive(Debug)]
 pub struct FreeMarks {
@@ -470,6 +479,9 @@ pub struct Gpu {
     /// Interprocess events free for the next export (each export records
     /// one of its own, returned here when the object is released).
     ipc_events: Mutex<Vec<IpcEvent>>,
+    /// Marks recorded at large frees while the stream was busy, oldest
+    /// first, not yet seen passed (FM-3).
+    pending_marks: Mutex<std::collections::VecDeque<(u64, Event)>>,
     /// rdt's kernels in this context (compiled and loaded on first use).
     kernels: OnceLock<Result<Arc<ops::Kernels>, CudaError>>,
     /// cuRAND generator on this stream (created on first use).
@@ -529,6 +541,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
         uuid,
         stream: Stream(stream),
         ipc_events: Mutex::new(Vec::new()),
+        pending_marks: Mutex::new(std::collections::VecDeque::new()),
         kernels: OnceLock::new(),
         generator: OnceLock::new(),
     });
@@ -695,6 +708,62 @@ impl Gpu {
     /// This device's free marks (see the module docs).
     pub(crate) fn marks(&self) -> &Arc<FreeMarks> {
         &self.marks
+    }
+
+    /// After a large free (FM-3): takes a mark that covers it, passed at
+    /// once if the stream is idle, else recorded as an event that
+    /// [`poll_marks`](Self::poll_marks) looks at later, so the memory turns
+    /// clean once the stream passes the free even if nobody waits for it.
+    /// Best effort: a failure leaves the memory dirty until another mark.
+    pub(crate) fn mark_free(&self) {
+        if !matches!(self.stream_idle(), Ok(false)) {
+            return;
+        }
+        let mut pending = self.pending_marks.lock();
+        if pending.len() >= MAX_PENDING_MARKS {
+            return;
+        }
+        let Ok(ev) = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) else {
+            return;
+        };
+        let mark = self.marks.take();
+        // SAFETY: a fresh event and rdt's stream, in the bound context
+        // (stream_idle bound it).
+        if unsafe { cu::event::record(ev, self.stream.0) }.is_err() {
+            // SAFETY: our event, never recorded.
+            unsafe {
+                let _ = cu::event::destroy(ev);
+            }
+            return;
+        }
+        pending.push_back((mark, Event(ev)));
+    }
+
+    /// Tells the free marks about recorded marks the stream has passed
+    /// (FM-3), oldest first; stops at the first still pending (the stream
+    /// passes them in order).
+    pub(crate) fn poll_marks(&self) {
+        let mut pending = self.pending_marks.lock();
+        if pending.is_empty() || self.bind().is_err() {
+            return;
+        }
+        while let Some(&(mark, ev)) = pending.front() {
+            // SAFETY: our event, recorded in this context.
+            match unsafe { sys::cuEventQuery(ev.0) } {
+                sys::CUresult::CUDA_ERROR_NOT_READY => break,
+                r => {
+                    // Passed, or the context is broken (OD-2: no work of
+                    // its stream runs any more).
+                    let _ = r;
+                    self.marks.passed(mark);
+                    pending.pop_front();
+                    // SAFETY: our event; nothing waits on it.
+                    unsafe {
+                        let _ = cu::event::destroy(ev.0);
+                    }
+                }
+            }
+        }
     }
 
     /// Has the GPU finished everything enqueued on the stream?
