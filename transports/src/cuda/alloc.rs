@@ -37,10 +37,14 @@
 //! 5. **Another stream writes clean memory only.** A slab remembers the
 //!    free mark current at its last free (see the `cuda` module's free
 //!    marks, FM-1). [`alloc_for_other_stream`] takes a range of a clean
-//!    slab where one has room, else any (and says it is not clean: the
-//!    caller orders its stream after rdt's, as before), else a new slab
-//!    (clean). It never makes a slab only because the cached ones are not
-//!    clean, so memory does not grow for it.
+//!    slab where one has room. Else, for a large tensor (a slab of its
+//!    own) while the device has at least [`ROOM_FOR_CLEAN`] times its size
+//!    free, a new slab: large slabs mark their frees (FM-3), so a dirty one
+//!    turns clean once rdt's stream passes its free, and the cache grows
+//!    by at most what is in flight (as a stream-ordered caching allocator
+//!    does). Else any slab with room (and says it is not clean: the
+//!    caller orders its stream after rdt's), else a new slab. Small
+//!    tensors never make a slab only because cached ones are not clean.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -61,6 +65,10 @@ pub const SLAB_BYTES: usize = 64 << 20;
 pub const ALIGN: usize = 512;
 /// Large slabs are rounded up to this.
 const LARGE_ROUND: usize = 2 << 20;
+/// A large range for another stream takes a new slab rather than a dirty
+/// cached one while the device has this many times its size free
+/// (invariant 5).
+pub const ROOM_FOR_CLEAN: usize = 4;
 /// Number of import counters (live exported ranges) per process.
 pub const COUNTER_SLOTS: usize = 1 << 16;
 /// Number of slab records (exported slabs alive at once) per process.
@@ -329,14 +337,21 @@ fn alloc_in(
     let mut a = allocator().lock();
     reclaim_locked(&mut a);
     let slabs = a.slabs.entry(gpu.ordinal()).or_default();
+    // A large one takes a new slab instead of a dirty one while there is
+    // ample room (invariant 5).
+    let mut skip_dirty = false;
     if prefer_clean {
         for s in slabs.iter().filter(|s| s.clean()) {
             if let Some(off) = s.take(want) {
                 return Ok((SlabRange::new(s.clone(), off, len, want), true));
             }
         }
+        skip_dirty = want > SLAB_BYTES
+            && gpu
+                .free_bytes()
+                .is_ok_and(|free| free / ROOM_FOR_CLEAN >= round(want, LARGE_ROUND));
     }
-    for s in slabs.iter() {
+    for s in slabs.iter().filter(|_| !skip_dirty) {
         if let Some(off) = s.take(want) {
             // Asked only where it matters: a range for rdt's stream needs
             // no answer.

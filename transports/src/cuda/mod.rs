@@ -241,6 +241,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventDestroy_v2",
     "cuMemAlloc_v2",
+    "cuMemGetInfo_v2",
     "cuMemFree_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemHostRegister_v2",
@@ -930,6 +931,17 @@ impl Gpu {
     }
 
     /// Allocates `len` bytes with `cuMemAlloc` (IPC-capable).
+    /// Bytes of device memory free now (`cuMemGetInfo`).
+    pub(crate) fn free_bytes(&self) -> Result<usize, CudaError> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the context is bound.
+        unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) }
+            .result()
+            .map_err(|e| CudaError::call("cuMemGetInfo", e))?;
+        Ok(free)
+    }
+
     pub(crate) fn malloc(&self, len: usize) -> Result<u64, CudaError> {
         self.bind()?;
         // SAFETY: plain allocation in the bound context.
