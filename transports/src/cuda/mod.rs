@@ -1199,6 +1199,34 @@ pub trait DeviceBuffer: Send + Sync + 'static {
 mod tests {
     use super::*;
 
+    /// FM-1 and FM-2 as the allocator uses them (no GPU needed): memory
+    /// is clean only once a mark taken after its free was seen passed;
+    /// marks seen out of order still cover every free before them.
+    #[test]
+    fn free_marks_clean_only_what_a_later_mark_covers() {
+        let m = FreeMarks::new();
+        assert!(m.clean(0), "a slab never freed into is clean");
+        let freed = m.current();
+        assert!(!m.clean(freed), "freed, no mark since");
+        let before = m.take();
+        assert!(before >= freed, "a mark taken after the free covers it");
+        let later_free = m.current();
+        assert!(later_free > before);
+        let after = m.take();
+        // The later mark is seen first (another thread's completion).
+        m.passed(after);
+        assert!(m.clean(freed) && m.clean(later_free));
+        m.passed(before);
+        assert!(
+            m.clean(later_free),
+            "an older mark seen later undoes nothing"
+        );
+        assert!(
+            !m.clean(m.current()),
+            "a free after the last mark is not clean"
+        );
+    }
+
     #[test]
     fn no_gpu_is_an_error_not_a_panic() {
         // On a machine with a GPU this passes trivially; without one every
