@@ -114,6 +114,10 @@ pub async fn gc_after_last_ref(t: Transport) {
     drop(s);
     assert_eq!(rt.live_objects(), 1, "only the produced object is left");
     drop(r);
+    // The value was still pending when the call came, so it went straight
+    // to the consumer (OW-9); its result may reach the driver after the
+    // consumer's answer (see the test below).
+    rt.transfers_settled().await;
     assert_eq!(rt.live_objects(), 0, "the owner table freed the object");
     // Frees reach the workers before later calls (one ordered connection).
     assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0);
@@ -131,6 +135,13 @@ pub async fn gc_ref_dropped_before_consumer_finishes(t: Transport) {
         "a pending call keeps its argument alive"
     );
     drop(s);
+    // The consumer's answer can reach the driver before the producer's:
+    // a value still pending when the call came goes straight from the
+    // producer to the consumer (OW-9), and the driver hears of that
+    // delivery, and of the value's result, in the producer's CallDone, on
+    // another connection. The object is freed once that has come
+    // (`transfers_settled` waits for orders not answered yet).
+    rt.transfers_settled().await;
     assert_eq!(rt.live_objects(), 0);
     assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0);
     assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0);
