@@ -996,10 +996,10 @@ impl Tensor {
 
     /// Bytes of a contiguous tensor of `dtype` and `shape`.
     fn byte_size(dtype: DType, shape: &[usize]) -> Result<usize, TensorError> {
-        shape
-            .iter()
-            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
-            .ok_or_else(|| TensorError::Cuda(format!("shape {shape:?} is too large")))
+        match shape_bytes(dtype, shape) {
+            usize::MAX => Err(TensorError::Cuda(format!("shape {shape:?} is too large"))),
+            n => Ok(n),
+        }
     }
 
     /// A CUDA tensor of zeros on local device `ordinal`.

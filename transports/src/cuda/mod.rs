@@ -482,7 +482,7 @@ pub struct Gpu {
     ipc_events: Mutex<Vec<IpcEvent>>,
     /// Marks recorded at large frees while the stream was busy, oldest
     /// first, not yet seen passed (FM-3).
-    pending_marks: Mutex<std::collections::VecDeque<(u64, Event)>>,
+    pending_marks: Mutex<std::collections::VecDeque<Completion>>,
     /// rdt's kernels in this context (compiled and loaded on first use).
     kernels: OnceLock<Result<Arc<ops::Kernels>, CudaError>>,
     /// cuRAND generator on this stream (created on first use).
@@ -717,27 +717,12 @@ impl Gpu {
     /// clean once the stream passes the free even if nobody waits for it.
     /// Best effort: a failure leaves the memory dirty until another mark.
     pub(crate) fn mark_free(&self) {
-        if !matches!(self.stream_idle(), Ok(false)) {
-            return;
-        }
+        // An idle stream passes its mark inside `completion` (no event).
+        let Ok(c) = self.completion() else { return };
         let mut pending = self.pending_marks.lock();
-        if pending.len() >= MAX_PENDING_MARKS {
-            return;
+        if c.event.is_some() && pending.len() < MAX_PENDING_MARKS {
+            pending.push_back(c);
         }
-        let Ok(ev) = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) else {
-            return;
-        };
-        let mark = self.marks.take();
-        // SAFETY: a fresh event and rdt's stream, in the bound context
-        // (stream_idle bound it).
-        if unsafe { cu::event::record(ev, self.stream.0) }.is_err() {
-            // SAFETY: our event, never recorded.
-            unsafe {
-                let _ = cu::event::destroy(ev);
-            }
-            return;
-        }
-        pending.push_back((mark, Event(ev)));
     }
 
     /// Tells the free marks about recorded marks the stream has passed
@@ -745,25 +730,16 @@ impl Gpu {
     /// passes them in order).
     pub(crate) fn poll_marks(&self) {
         let mut pending = self.pending_marks.lock();
-        if pending.is_empty() || self.bind().is_err() {
-            return;
-        }
-        while let Some(&(mark, ev)) = pending.front() {
-            // SAFETY: our event, recorded in this context.
-            match unsafe { sys::cuEventQuery(ev.0) } {
-                sys::CUresult::CUDA_ERROR_NOT_READY => break,
-                r => {
-                    // Passed, or the context is broken (OD-2: no work of
-                    // its stream runs any more).
-                    let _ = r;
-                    self.marks.passed(mark);
-                    pending.pop_front();
-                    // SAFETY: our event; nothing waits on it.
-                    unsafe {
-                        let _ = cu::event::destroy(ev.0);
-                    }
-                }
+        while let Some(c) = pending.front() {
+            match c.passed() {
+                Ok(false) => break,
+                Ok(true) => {}
+                // The context is broken (OD-2: no work of its stream runs
+                // any more).
+                Err(_) => c.seen_passed(),
             }
+            // Dropping it destroys its event.
+            pending.pop_front();
         }
     }
 
@@ -930,7 +906,6 @@ impl Gpu {
         self.ipc_events.lock().push(ev);
     }
 
-    /// Allocates `len` bytes with `cuMemAlloc` (IPC-capable).
     /// Bytes of device memory free now (`cuMemGetInfo`).
     pub(crate) fn free_bytes(&self) -> Result<usize, CudaError> {
         self.bind()?;
@@ -942,6 +917,7 @@ impl Gpu {
         Ok(free)
     }
 
+    /// Allocates `len` bytes with `cuMemAlloc` (IPC-capable).
     pub(crate) fn malloc(&self, len: usize) -> Result<u64, CudaError> {
         self.bind()?;
         // SAFETY: plain allocation in the bound context.
