@@ -676,7 +676,45 @@ async fn many_tensors(
                 into.push(t.elapsed());
             }
         }
+        // The same two objects produced once and passed again (a consumer
+        // reading a producer's kept weights: what `bench_nixl` times on
+        // GPUs): the consumer's side of the per-tensor cost alone.
+        let r_one = src.tensor(MANY_N * each).transport(transport).remote();
+        let r_many = src.many(MANY_N, each).transport(transport).remote();
+        rt.wait(&r_one).await?;
+        rt.wait(&r_many).await?;
+        let (mut one_kept, mut many_kept) = (Vec::new(), Vec::new());
+        for i in 0..iters + 1 {
+            let t = Instant::now();
+            let sum = rt.get(sink.touch_strided(&r_one, each).remote()).await?;
+            assert_eq!(sum, MANY_N as u64);
+            let one_took = t.elapsed();
+            let t = Instant::now();
+            let sum = rt.get(sink.touch_all(&r_many).remote()).await?;
+            assert_eq!(sum, first_bytes);
+            if i > 0 {
+                one_kept.push(one_took);
+                many_kept.push(t.elapsed());
+            }
+        }
+        drop((r_one, r_many));
         let kind = kind_of_pass(transport);
+        rows.push(row(
+            "transports",
+            "1 tensor of 10000x4 KiB, produced once",
+            transport.name(),
+            kind,
+            (MANY_N * each) as u64,
+            one_kept,
+        ));
+        rows.push(row(
+            "transports",
+            "10000 tensors of 4 KiB, produced once",
+            transport.name(),
+            kind,
+            (MANY_N * each) as u64,
+            many_kept,
+        ));
         rows.push(row(
             "transports",
             "1 tensor of 10000x4 KiB",
@@ -828,12 +866,20 @@ fn print(rows: &[Row]) {
         .iter()
         .filter(|r| r.case.starts_with("10000 tensors of 4 KiB"))
     {
+        let kept = r.case.ends_with("produced once");
+        let one_case = if kept {
+            "1 tensor of 10000x4 KiB, produced once"
+        } else {
+            "1 tensor of 10000x4 KiB"
+        };
         if let Some(one) = rows
             .iter()
-            .find(|b| b.case == "1 tensor of 10000x4 KiB" && b.transport == r.transport)
+            .find(|b| b.case == one_case && b.transport == r.transport)
         {
             let how = if r.case.contains("get_into") {
                 " into the consumer's own"
+            } else if kept {
+                ", produced once,"
             } else {
                 ""
             };

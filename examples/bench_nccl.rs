@@ -485,6 +485,9 @@ async fn main() -> rdt::Result<()> {
     if args.iter().any(|a| a == "--timeline") {
         return timeline_passes().await;
     }
+    if args.iter().any(|a| a == "--overlap-only") {
+        return overlap_only(quick).await;
+    }
     let n_gpus = rdt::data::cuda::device_count();
     let commit = std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into());
     if n_gpus < 2 {
@@ -784,6 +787,7 @@ async fn overlap(
     let mut on_by_window = Vec::new();
     for window in [2usize, 3] {
         let s0 = rt.get(recv.nccl_stats().remote()).await?;
+        let waited0 = rt.transfers_waited_turn();
         let mut on = Vec::new();
         for i in 0..iters + 1 {
             let t0 = Instant::now();
@@ -803,9 +807,10 @@ async fn overlap(
         }
         let s1 = rt.get(recv.nccl_stats().remote()).await?;
         println!(
-            "  overlap on, {window} calls in flight: {} of {} receives into clean memory (did not wait for the receiver's compute)",
+            "  overlap on, {window} calls in flight: {} of {} receives into clean memory (did not wait for the receiver's compute), {} waited for the one before to land (RuntimeBuilder::transfers_in_turn_from)",
             s1.receives_clean - s0.receives_clean,
-            s1.receives - s0.receives
+            s1.receives - s0.receives,
+            rt.transfers_waited_turn() - waited0
         );
         on_by_window.push((window, on));
     }
@@ -823,6 +828,42 @@ async fn overlap(
         on_iterations_ms: on,
         on_all_at_once_iterations_ms: on_all,
     })
+}
+
+/// `--overlap-only`: the overlap workload alone, its summary line on
+/// stdout (no rows): for comparing settings (`RDT_IN_TURN_FROM=off`)
+/// run after run on one machine.
+async fn overlap_only(quick: bool) -> rdt::Result<()> {
+    if rdt::data::cuda::device_count() < 2 {
+        println!("== bench_nccl --overlap-only: needs two GPUs: skipped");
+        return Ok(());
+    }
+    let rt = Runtime::start().await?;
+    let cx = Ctx {
+        device: "cuda (0 -> 1)".into(),
+        device_name: rdt::data::cuda::gpu(0).map_err(cuda_err)?.name(),
+        commit: std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()),
+    };
+    let mut rows = Vec::new();
+    let o = overlap(&rt, &cx, &mut rows, if quick { 2 } else { 5 }).await?;
+    println!(
+        "  overlap (RDT_IN_TURN_FROM={}): T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; on iterations {:?} ms",
+        std::env::var("RDT_IN_TURN_FROM").unwrap_or_else(|_| "default".into()),
+        o.t_x_ms,
+        o.t_c_ms,
+        o.off_ms,
+        o.on_ms,
+        o.on_all_at_once_ms,
+        o.ideal_ms,
+        o.on_ms / o.ideal_ms,
+        100.0 * (o.off_ms / o.on_ms - 1.0),
+        o.on_iterations_ms
+            .iter()
+            .map(|v| (v * 100.0).round() / 100.0)
+            .collect::<Vec<_>>()
+    );
+    rt.shutdown().await;
+    Ok(())
 }
 
 /// `--timeline`: a few passes at 4 KiB and 1 GiB with `RDT_TIMELINE` on in

@@ -330,3 +330,118 @@ async fn ow_8_no_transfer_after_destroy() {
     })
     .await;
 }
+
+/// Two producers, one consumer, a `tcp` group for each pair, and a
+/// runtime whose transfers of 1 MiB or more into one actor run in turn.
+async fn two_into_one() -> (Runtime, ProducerHandle, ProducerHandle, ConsumerHandle) {
+    rdt_integration_tests::logs();
+    let rt = Runtime::builder()
+        .transfers_in_turn_from(1 << 20)
+        .start()
+        .await
+        .unwrap();
+    let p1 = rt.spawn::<Producer>(()).await.unwrap();
+    let p2 = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    for p in [&p1, &p2] {
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+    }
+    (rt, p1, p2, c)
+}
+
+/// OW-10: of two large transfers into one actor, the second waits until
+/// the first ended, then arrives whole; small ones never wait.
+#[tokio::test]
+async fn ow_10_large_transfers_into_one_actor_run_in_turn() {
+    deadline(60, async {
+        let (rt, p1, p2, c) = two_into_one().await;
+        let n = 1 << 20; // 4 MiB of f32
+        let a = p1.make_tcp(1.0, n).remote();
+        let b = p2.make_tcp(2.0, n).remote();
+        rt.wait(&a).await.unwrap();
+        rt.wait(&b).await.unwrap();
+        // One call needs both: the second delivery is decided while the
+        // first transfer is in flight (one submission, under one lock).
+        let (sum, _) = rt.get(c.sum2(&a, &b).remote()).await.unwrap();
+        assert_eq!(sum, 3.0 * n as f64);
+        assert_eq!(rt.transfers_waited_turn(), 1);
+        drop((a, b));
+        // Under the threshold: side by side.
+        let a = p1.make_tcp(1.0, 1000).remote();
+        let b = p2.make_tcp(2.0, 1000).remote();
+        let (sum, _) = rt.get(c.sum2(&a, &b).remote()).await.unwrap();
+        assert_eq!(sum, 3000.0);
+        assert_eq!(rt.transfers_waited_turn(), 1);
+        assert_eq!(
+            rt.get(c.received("tcp".to_string()).remote())
+                .await
+                .unwrap(),
+            4
+        );
+        drop((a, b));
+        rt.transfers_settled().await;
+        assert_eq!(rt.live_objects(), 0);
+    })
+    .await;
+}
+
+/// OW-10: the producer of a transfer waiting for its turn dies: the call
+/// fails with that death, the transfer ahead of it lands, nothing stays
+/// queued, and the consumer and the other producer go on working.
+#[tokio::test]
+async fn ow_10_producer_of_a_waiting_transfer_dies() {
+    deadline(60, async {
+        let (rt, p1, p2, c) = two_into_one().await;
+        let n = 16 << 20; // 64 MiB of f32: in flight while p2 dies
+        let a = p1.make_tcp(1.0, n).remote();
+        let b = p2.make_tcp(2.0, 1 << 20).remote();
+        rt.wait(&a).await.unwrap();
+        rt.wait(&b).await.unwrap();
+        let call = c.sum2(&a, &b).remote();
+        assert_eq!(rt.transfers_waited_turn(), 1);
+        p2.kill();
+        let e = rt.get(&call).await.unwrap_err();
+        assert!(
+            matches!(e.root_cause(), Error::ActorDied { actor, .. } if actor == p2.name()),
+            "{e}"
+        );
+        rt.transfers_settled().await;
+        assert_eq!(rt.get(c.sum(&a).remote()).await.unwrap(), n as f64);
+        assert_eq!(rt.get(p1.echo(7).remote()).await.unwrap(), 7);
+    })
+    .await;
+}
+
+/// OW-10: the consumer dies with one large transfer in flight and one
+/// waiting for its turn: its calls fail, nothing stays queued or in
+/// flight, and both producers serve a new consumer.
+#[tokio::test]
+async fn ow_10_consumer_dies_with_a_transfer_waiting() {
+    deadline(60, async {
+        let (rt, p1, p2, c) = two_into_one().await;
+        let n = 16 << 20;
+        let a = p1.make_tcp(1.0, n).remote();
+        let b = p2.make_tcp(2.0, n).remote();
+        rt.wait(&a).await.unwrap();
+        rt.wait(&b).await.unwrap();
+        let call = c.sum2(&a, &b).remote();
+        assert_eq!(rt.transfers_waited_turn(), 1);
+        c.kill();
+        let e = rt.get(&call).await.unwrap_err();
+        assert!(matches!(e, Error::ActorDied { .. }), "{e}");
+        rt.transfers_settled().await;
+        assert_eq!(rt.transfers_in_flight(), 0);
+        let c2 = rt.spawn::<Consumer>(()).await.unwrap();
+        for p in [&p1, &p2] {
+            rt.create_collective_group(&[p.id(), c2.id()], Transport::Tcp)
+                .await
+                .unwrap();
+        }
+        let (sum, _) = rt.get(c2.sum2(&a, &b).remote()).await.unwrap();
+        assert_eq!(sum, 3.0 * n as f64);
+        assert_eq!(rt.transfers_waited_turn(), 2);
+    })
+    .await;
+}
