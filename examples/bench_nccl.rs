@@ -787,7 +787,6 @@ async fn overlap(
     let mut on_by_window = Vec::new();
     for window in [2usize, 3] {
         let s0 = rt.get(recv.nccl_stats().remote()).await?;
-        let waited0 = rt.transfers_waited_turn();
         let mut on = Vec::new();
         for i in 0..iters + 1 {
             let t0 = Instant::now();
@@ -807,10 +806,9 @@ async fn overlap(
         }
         let s1 = rt.get(recv.nccl_stats().remote()).await?;
         println!(
-            "  overlap on, {window} calls in flight: {} of {} receives into clean memory (did not wait for the receiver's compute), {} waited for the one before to land (RuntimeBuilder::transfers_in_turn_from)",
+            "  overlap on, {window} calls in flight: {} of {} receives into clean memory (did not wait for the receiver's compute)",
             s1.receives_clean - s0.receives_clean,
-            s1.receives - s0.receives,
-            rt.transfers_waited_turn() - waited0
+            s1.receives - s0.receives
         );
         on_by_window.push((window, on));
     }
@@ -831,8 +829,8 @@ async fn overlap(
 }
 
 /// `--overlap-only`: the overlap workload alone, its summary line on
-/// stdout (no rows): for comparing settings (`RDT_IN_TURN_FROM=off`)
-/// run after run on one machine.
+/// stdout (no rows): for comparing settings run after run on one
+/// machine.
 async fn overlap_only(quick: bool) -> rdt::Result<()> {
     if rdt::data::cuda::device_count() < 2 {
         println!("== bench_nccl --overlap-only: needs two GPUs: skipped");
@@ -847,8 +845,7 @@ async fn overlap_only(quick: bool) -> rdt::Result<()> {
     let mut rows = Vec::new();
     let o = overlap(&rt, &cx, &mut rows, if quick { 2 } else { 5 }).await?;
     println!(
-        "  overlap (RDT_IN_TURN_FROM={}): T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; on iterations {:?} ms",
-        std::env::var("RDT_IN_TURN_FROM").unwrap_or_else(|_| "default".into()),
+        "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; on iterations {:?} ms",
         o.t_x_ms,
         o.t_c_ms,
         o.off_ms,

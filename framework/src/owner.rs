@@ -58,23 +58,8 @@
 //!   go out (a delivery that waited for a pending object too): no transfer
 //!   after a destroy or an abort; the orders carry the group and both
 //!   ranks.
-//! - **OW-10 (large receives in turn):** a two-sided transfer of at least
-//!   `in_turn_from` bytes into a consumer that already has one in flight
-//!   waits in that consumer's `in_turn` queue, and its orders go out, in
-//!   queue order, when the one before it ends (acknowledged, settled by
-//!   the consumer's call, or aborted). Why: such transfers into one
-//!   consumer share its link (one GPU's NVLink or PCIe ingress); run side
-//!   by side, the first lands only when the last does, and the compute
-//!   waiting for it starts one transfer late. In turn, each lands as early
-//!   as the link allows. The driver holds the orders, not the consumer:
-//!   a sender told to send before its receiver is ready spins in its
-//!   kernel, and the GPU time-slices that kernel against the running
-//!   transfer when the senders are processes on one GPU. A queued
-//!   delivery is no transfer yet (no copy, no deadline); it is unsettled
-//!   (`transfers_unsettled`), and one whose object failed, or whose
-//!   consumer no longer needs it or died, leaves the queue at once.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use rdt_transport::{GroupRef, Peer, Sidedness};
 use tokio::sync::oneshot;
@@ -304,6 +289,7 @@ fn deliver_error(actors: &Actors, to: ActorId, object: u64, err: Error) {
 }
 
 /// The table.
+#[derive(Default)]
 pub(crate) struct OwnerTable {
     pub objects: HashMap<u64, Entry>,
     transfers: HashMap<u64, InFlight>,
@@ -316,50 +302,9 @@ pub(crate) struct OwnerTable {
     next_xfer: u64,
     /// Straight orders (OW-9) whose producer has not answered yet.
     straight_orders: usize,
-    /// OW-10: two-sided transfers of at least this many bytes into one
-    /// consumer run one at a time (`u64::MAX`: never).
-    in_turn_from: u64,
-    /// OW-10: per consumer, the large transfer in flight into it.
-    in_turn_running: HashMap<ActorId, u64>,
-    /// OW-10: per consumer, the objects waiting for their turn.
-    in_turn: HashMap<ActorId, VecDeque<u64>>,
-    /// OW-10: deliveries that waited for their turn, ever.
-    pub waited_turn: u64,
-}
-
-/// OW-10's default threshold: at 370 GB/s (NVLink) 64 MiB take 180 µs,
-/// against 30–50 µs between one transfer's end and the next one's start
-/// (the acknowledgement and the orders): below that, running side by side
-/// costs less than the gap.
-pub(crate) const IN_TURN_FROM: u64 = 64 << 20;
-
-impl Default for OwnerTable {
-    fn default() -> Self {
-        OwnerTable {
-            objects: HashMap::new(),
-            transfers: HashMap::new(),
-            started: Vec::new(),
-            ended: Vec::new(),
-            next_xfer: 0,
-            straight_orders: 0,
-            in_turn_from: IN_TURN_FROM,
-            in_turn_running: HashMap::new(),
-            in_turn: HashMap::new(),
-            waited_turn: 0,
-        }
-    }
 }
 
 impl OwnerTable {
-    /// An empty table whose two-sided transfers of at least `bytes` into
-    /// one consumer run in turn (OW-10).
-    pub fn with_in_turn_from(bytes: u64) -> OwnerTable {
-        OwnerTable {
-            in_turn_from: bytes,
-            ..OwnerTable::default()
-        }
-    }
-
     /// A call's result, pending. The returned ref counts as one.
     pub fn insert_pending(&mut self, id: u64, producer: ActorId, transport: Transport) {
         self.objects
@@ -450,73 +395,7 @@ impl OwnerTable {
     fn end_transfer(&mut self, xfer: u64) -> Option<InFlight> {
         let t = self.transfers.remove(&xfer)?;
         self.ended.push(xfer);
-        if self.in_turn_running.get(&t.consumer) == Some(&xfer) {
-            // OW-10: the next one goes out in `start_in_turn`.
-            self.in_turn_running.remove(&t.consumer);
-        }
         Some(t)
-    }
-
-    /// OW-10: sends the orders of each queued delivery whose turn came
-    /// (its consumer has no large transfer in flight), and takes out of
-    /// the queues at once the deliveries that need no turn any more: the
-    /// object failed or is gone, the consumer no longer needs it or died.
-    /// The driver calls this after every change (`sync_transfers`).
-    /// Returns whether a delivery left a queue.
-    pub fn start_in_turn(&mut self, actors: &Actors, groups: &dyn GroupLookup) -> bool {
-        if self.in_turn.is_empty() {
-            return false;
-        }
-        let before: usize = self.in_turn.values().map(VecDeque::len).sum();
-        let consumers: Vec<ActorId> = self.in_turn.keys().copied().collect();
-        for c in consumers {
-            let alive = actors.get(&c).is_some_and(|a| a.dead.is_none());
-            let mut queue = self.in_turn.remove(&c).unwrap_or_default();
-            let mut kept = VecDeque::new();
-            while let Some(id) = queue.pop_front() {
-                let wanted = alive
-                    && self
-                        .objects
-                        .get(&id)
-                        .is_some_and(|e| e.needs.contains_key(&c) && !e.copies.contains_key(&c));
-                if !wanted {
-                    continue;
-                }
-                let ready = matches!(
-                    self.objects.get(&id).map(|e| &e.state),
-                    Some(ObjState::Ready(v)) if v.lost().is_none()
-                );
-                if ready && (self.in_turn_running.contains_key(&c) || !kept.is_empty()) {
-                    kept.push_back(id);
-                    continue;
-                }
-                // Its turn, or an error that needs none.
-                self.deliver_now(id, c, actors, groups);
-            }
-            if !kept.is_empty() {
-                self.in_turn.insert(c, kept);
-            }
-        }
-        self.in_turn.values().map(VecDeque::len).sum::<usize>() < before
-    }
-
-    /// OW-10: whether a transfer of `id` to `consumer` must wait for its
-    /// turn (and was queued).
-    fn waits_turn(&mut self, id: u64, consumer: ActorId, two_sided: bool, bytes: usize) -> bool {
-        if !two_sided || (bytes as u64) < self.in_turn_from {
-            return false;
-        }
-        let running = self
-            .in_turn_running
-            .get(&consumer)
-            .is_some_and(|x| self.transfers.contains_key(x));
-        if !running && !self.in_turn.contains_key(&consumer) {
-            return false;
-        }
-        self.in_turn.entry(consumer).or_default().push_back(id);
-        self.waited_turn += 1;
-        rdt_transport::cuda::timeline("driver queued a large transfer", id);
-        true
     }
 
     /// The transfer `xfer`, if it is still in flight.
@@ -534,9 +413,7 @@ impl OwnerTable {
     /// the producer's reply, which makes the object ready and may free it,
     /// is still on its way.
     pub fn transfers_unsettled(&self) -> usize {
-        self.transfers.len()
-            + self.straight_orders
-            + self.in_turn.values().map(VecDeque::len).sum::<usize>()
+        self.transfers.len() + self.straight_orders
     }
 
     /// A submitted call to `consumer` takes object `id`.
@@ -617,28 +494,6 @@ impl OwnerTable {
     }
 
     fn deliver(&mut self, id: u64, consumer: ActorId, actors: &Actors, groups: &dyn GroupLookup) {
-        self.deliver_inner(id, consumer, actors, groups, false);
-    }
-
-    /// A delivery whose turn came (OW-10): it queues behind nothing.
-    fn deliver_now(
-        &mut self,
-        id: u64,
-        consumer: ActorId,
-        actors: &Actors,
-        groups: &dyn GroupLookup,
-    ) {
-        self.deliver_inner(id, consumer, actors, groups, true);
-    }
-
-    fn deliver_inner(
-        &mut self,
-        id: u64,
-        consumer: ActorId,
-        actors: &Actors,
-        groups: &dyn GroupLookup,
-        its_turn: bool,
-    ) {
         let Some(e) = self.objects.get_mut(&id) else {
             return;
         };
@@ -685,23 +540,14 @@ impl OwnerTable {
                     deliver_error(actors, consumer, id, err); // OW-6
                 }
             } else {
-                let two_sided = sided == Sidedness::TwoSided;
-                let bytes = value.exported.nbytes();
-                if !its_turn && self.waits_turn(id, consumer, two_sided, bytes) {
-                    return;
-                }
-                let large = two_sided && bytes as u64 >= self.in_turn_from;
-                let e = self.objects.get_mut(&id).expect("looked up above");
                 e.sent_elsewhere = true;
                 self.next_xfer += 1;
                 let xfer = self.next_xfer;
+                let e = self.objects.get_mut(&id).expect("looked up above");
                 self.transfers
                     .extend(start_direct(e, id, xfer, consumer, value, actors, groups));
                 if self.transfers.contains_key(&xfer) {
                     self.started.push(xfer);
-                    if large {
-                        self.in_turn_running.insert(consumer, xfer);
-                    }
                 }
             }
         }

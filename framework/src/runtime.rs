@@ -59,7 +59,6 @@ pub struct RuntimeBuilder {
     tls: Option<(Vec<u8>, Vec<u8>)>,
     hot_window: Option<Duration>,
     peer_delivery: bool,
-    in_turn_from: u64,
 }
 
 /// Default control frame limit (8 GiB).
@@ -78,11 +77,6 @@ impl Default for RuntimeBuilder {
             tls: None,
             hot_window: None,
             peer_delivery: std::env::var("RDT_PEER_DELIVERY").map_or(true, |v| v.trim() != "0"),
-            in_turn_from: match std::env::var("RDT_IN_TURN_FROM") {
-                Ok(v) if v.trim() == "off" => u64::MAX,
-                Ok(v) => v.trim().parse().unwrap_or(crate::owner::IN_TURN_FROM),
-                Err(_) => crate::owner::IN_TURN_FROM,
-            },
         }
     }
 }
@@ -168,20 +162,6 @@ impl RuntimeBuilder {
         self.peer_delivery = on;
         self
     }
-    /// Two-sided transfers (`nccl`, `tcp`) of at least `bytes` into one
-    /// actor run one at a time, in the order the driver starts them: the
-    /// next one's orders go out when the one before it ended. Such
-    /// transfers share the consumer's link; side by side, the first lands
-    /// only when the last does, and a method waiting for it starts that
-    /// much later. In turn, each lands as early as the link allows, and
-    /// the last as late as before plus one control round trip (30–50 µs
-    /// on the GPU hosts). Default: 64 MiB (`RDT_IN_TURN_FROM` overrides
-    /// it, in bytes, or `off`); `u64::MAX` turns it off. See the book's
-    /// Internals, "Large receives in turn".
-    pub fn transfers_in_turn_from(mut self, bytes: u64) -> Self {
-        self.in_turn_from = bytes;
-        self
-    }
 
     /// Starts the runtime: a private directory (mode 0700) with the control
     /// socket, and a fresh secret. Must be called inside a tokio runtime.
@@ -208,7 +188,6 @@ impl RuntimeBuilder {
             Some((cert, key)) => Some(protocol::tls_acceptor(cert, key)?),
             None => None,
         };
-        let in_turn_from = self.in_turn_from;
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
             tokio: tokio::runtime::Handle::current(),
@@ -216,10 +195,7 @@ impl RuntimeBuilder {
             secret: protocol::new_secret(),
             _dir: dir,
             sock,
-            state: Mutex::new(State {
-                table: crate::owner::OwnerTable::with_in_turn_from(in_turn_from),
-                ..Default::default()
-            }),
+            state: Mutex::new(State::default()),
             next: AtomicU64::new(1),
             id_spaces: AtomicU64::new(1),
             control_addr,
@@ -1171,14 +1147,6 @@ impl Runtime {
         self.inner.lock().table.transfers_unsettled()
     }
 
-    /// Number of transfers that waited for their turn because a large one
-    /// into the same actor was in flight
-    /// ([`RuntimeBuilder::transfers_in_turn_from`]), since the start. For
-    /// benchmarks and tests.
-    pub fn transfers_waited_turn(&self) -> u64 {
-        self.inner.lock().table.waited_turn
-    }
-
     /// Waits until no direct transfer is in flight: every receive was
     /// acknowledged or aborted, every producer asked to deliver a value
     /// straight has answered, and the frees they held back went out.
@@ -1418,11 +1386,6 @@ impl Inner {
     /// and wakes `transfers_settled` when any ended. An ended transfer's
     /// deadline needs no cancelling (DL-2).
     fn sync_transfers(&self, st: &mut State) {
-        let groups = GroupView {
-            groups: &st.groups,
-            actors: &st.actors,
-        };
-        let left_queue = st.table.start_in_turn(&st.actors, &groups);
         let (started, ended) = st.table.take_transfer_changes();
         // A timeout too long to add to now (`Duration::MAX`) arms nothing:
         // it is never reached. The clock is read only when a transfer
@@ -1442,7 +1405,7 @@ impl Inner {
                 self.deadline_wake.notify_one();
             }
         }
-        if !ended.is_empty() || left_queue {
+        if !ended.is_empty() {
             self.settled.notify_waiters();
         }
     }

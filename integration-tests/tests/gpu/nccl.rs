@@ -402,27 +402,3 @@ gpu_test2!(nccl_receive_into_clean_memory_overlaps_compute, async {
     );
     assert_nccl_path(&rt, &c, 2).await;
 });
-
-gpu_test2!(nccl_large_receives_into_one_gpu_run_in_turn, async {
-    // Two senders on GPU 0 (NCCL takes one rank per GPU in a
-    // communicator, so each has its own group with the consumer), one
-    // consumer on GPU 1: the two transfers of one call, 256 MiB each, go
-    // one after the other (OW-10), and both land whole.
-    let (rt, p, c) = setup_on(&[0], &[1]).await;
-    let p2 = rt.spawn::<GpuProducer>(()).on_gpus([0]).await.unwrap();
-    for s in [&p, &p2] {
-        rt.create_collective_group(&[s.id(), c.id()], NCCL)
-            .await
-            .unwrap();
-    }
-    let n = 64 << 20;
-    let a = p.make(1.0, n).transport(NCCL).remote();
-    let b = p2.make(2.0, n).transport(NCCL).remote();
-    rt.wait(&a).await.unwrap();
-    rt.wait(&b).await.unwrap();
-    let before = rt.transfers_waited_turn();
-    let (sum, _) = rt.get(c.sum2(&a, &b).remote()).await.unwrap();
-    assert_eq!(sum, 3.0 * n as f64);
-    assert_eq!(rt.transfers_waited_turn() - before, 1);
-    assert_nccl_path(&rt, &c, 2).await;
-});
