@@ -626,7 +626,15 @@ async fn rdt_passes(
     let r = p.many().transport(Transport::Nixl).remote();
     rt.wait(&r).await?;
     let iters = iters_for(40 << 20, quick);
+    let s0 = rt.get(c.nixl_stats().remote()).await?;
     let us = timed_passes(iters, || rt.get(c.touch_all(&r).remote())).await?;
+    let s1 = rt.get(c.nixl_stats().remote()).await?;
+    let reads = (s1.reads_posted - s0.reads_posted).max(1);
+    println!(
+        "   many10000_{label}: {:.1} READs per pass, {:.1} descriptors per READ",
+        reads as f64 / (iters + 3) as f64,
+        (s1.descriptors_posted - s0.descriptors_posted) as f64 / reads as f64
+    );
     rows.push(row(
         cx,
         &format!("many10000_{label}"),

@@ -860,6 +860,12 @@ impl GpuProducer {
         Ok(t)
     }
 
+    /// Fills the kept tensor `i` with `v` on rdt's stream, without waiting
+    /// for the GPU (work queued right after returning it).
+    async fn fill_kept(&mut self, i: usize, v: f32) -> rdt::Result<()> {
+        self.kept[i].fill_(v).map_err(tensor_err)
+    }
+
     /// First element of the kept tensor `i`, read back from the GPU.
     async fn read_kept(&mut self, i: usize) -> rdt::Result<f32> {
         let v = self.kept[i].to_cpu().map_err(tensor_err)?;

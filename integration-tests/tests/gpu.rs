@@ -547,6 +547,40 @@ gpu_test!(object_store_cuda_passes_reuse_pinned_pool_buffers, async {
     );
 });
 
+// A CUDA tensor of several copy steps over the object store goes to the
+// socket while its copy to the host runs, and the bytes that travel are
+// those of the moment it was returned: a fill the producer queues right
+// after (its next call) is ordered after the copies. Random bytes arrive
+// bit-exact.
+gpu_test!(
+    object_store_large_cuda_tensor_travels_as_it_was_returned,
+    async {
+        let (rt, p, c) = setup().await;
+        let n = 24 << 20; // 96 MiB of f32: six copy steps
+        for i in 0..3u32 {
+            let r = p
+                .make_kept(i as f32, n)
+                .transport(Transport::ObjectStore)
+                .remote();
+            let fill = p.fill_kept(i as usize, 100.0).remote();
+            assert_eq!(
+                rt.get(c.sum(&r).remote()).await.unwrap(),
+                (i as f64 * n as f64, true),
+                "pass {i}: the bytes as returned, not as filled after"
+            );
+            rt.get(fill).await.unwrap();
+            assert_eq!(
+                rt.get(p.read_kept(i as usize).remote()).await.unwrap(),
+                100.0
+            );
+        }
+        let r = p.make_rand(7, n).transport(Transport::ObjectStore).remote();
+        let expect = Tensor::cuda_rand(DType::F32, &[n], 0, 7).unwrap();
+        let got: Tensor = rt.get(c.copy_of(&r).remote()).await.unwrap();
+        assert!(got.equal(&expect.to_cpu().unwrap()).unwrap());
+    }
+);
+
 // Several small CUDA tensors over the object store share chunk blobs on
 // the host (object_store::SMALL); each comes back whole, on a device.
 gpu_test!(object_store_small_cuda_tensors_travel_in_chunks, async {
