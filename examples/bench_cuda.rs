@@ -74,6 +74,13 @@ impl CudaSource {
         Ok(bytes)
     }
 
+    /// Whether this worker's object-store exports send a large CUDA
+    /// tensor while its copy to the host runs (`set_copy_as_it_goes`).
+    async fn copy_as_it_goes(&mut self, on: bool) -> bool {
+        rdt::data::object_store::set_copy_as_it_goes(on);
+        on
+    }
+
     /// The kept tensor of `bytes` bytes (see `prepare`).
     async fn tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
         match self.kept.get(&bytes) {
@@ -371,6 +378,35 @@ async fn main() -> rdt::Result<()> {
                 us.push(pass(&rt, &p, &c, bytes, Transport::ObjectStore).await?);
             }
             rows.push(row(&cx, "pass", "object_store", Kind::Bandwidth, bytes, us));
+            if bytes == 1 << 30 {
+                // The producer's copy to the host overlapping the socket
+                // (the default) against the copy first, then the socket,
+                // alternating on the same pair.
+                let (mut stepped, mut first) = (Vec::new(), Vec::new());
+                for _ in 0..3 {
+                    for on in [false, true] {
+                        rt.get(p.copy_as_it_goes(on).remote()).await?;
+                        let us = pass(&rt, &p, &c, bytes, Transport::ObjectStore).await?;
+                        if on { &mut stepped } else { &mut first }.push(us);
+                    }
+                }
+                rows.push(row(
+                    &cx,
+                    "pass_copy_first",
+                    "object_store",
+                    Kind::Bandwidth,
+                    bytes,
+                    first,
+                ));
+                rows.push(row(
+                    &cx,
+                    "pass_copy_as_it_goes",
+                    "object_store",
+                    Kind::Bandwidth,
+                    bytes,
+                    stepped,
+                ));
+            }
 
             // Raw device-to-device copy of the same bytes, in this process.
             let a = Tensor::cuda_full(1u8, &[bytes], pg as usize)?;

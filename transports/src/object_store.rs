@@ -139,7 +139,10 @@ pub fn pack(tensors: &[Tensor]) -> Result<Exported, TransportError> {
 /// [`copied_as_it_goes`]).
 fn own_blob(t: &Tensor) -> Result<Blob, TransportError> {
     let err = |e: &dyn std::fmt::Display| TransportError::new(NAME, e.to_string());
-    if t.is_cuda() && t.nbytes() >= 2 * DEVICE_STEP {
+    if t.is_cuda()
+        && t.nbytes() >= 2 * DEVICE_STEP
+        && COPY_AS_IT_GOES.load(std::sync::atomic::Ordering::Relaxed)
+    {
         return copied_as_it_goes(t);
     }
     let bytes = if t.is_cuda() && t.nbytes() >= crate::host_pool::MIN_POOLED {
@@ -157,6 +160,15 @@ fn own_blob(t: &Tensor) -> Result<Blob, TransportError> {
         t.to_cpu().and_then(|c| c.to_bytes()).map_err(|e| err(&e))?
     };
     Ok(Blob::new(bytes))
+}
+
+static COPY_AS_IT_GOES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether this process sends a large CUDA tensor while its copy to the
+/// host runs (the default), or copies all of it first and then sends it,
+/// as rdt did before. For comparing the two in one benchmark run.
+pub fn set_copy_as_it_goes(on: bool) {
+    COPY_AS_IT_GOES.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The blob of a large CUDA tensor, filled as its copy to the host runs:
