@@ -44,15 +44,24 @@
 //!   fails the transfer the same way.
 //! - **OW-7 (one connection):** messages to one actor go out on one ordered
 //!   connection, so a `Free` never overtakes the delivery it frees.
-//! - **OW-9 (straight from the producer):** a one-sided object still
-//!   pending when a consumer on the driver's host needs it is delivered by
-//!   its producer (`ToWorker::DeliverTo`), not through `waiting`: its
+//! - **OW-9 (straight from the producer):** an object of a one-sided
+//!   transport or through the driver, still pending when a consumer on
+//!   the driver's host needs it, is delivered by its producer (`ToWorker::DeliverTo`), not through `waiting`: its
 //!   transfer and the consumer's `Receiving` copy are recorded when the
 //!   order goes out, and its deadline is armed when the producer's reply
 //!   comes (a long method is not a slow transfer). The reply names the
 //!   orders carried out (`worker::peer`, PD-1); each other one is
 //!   withdrawn and the object delivered by the driver, as if it had
 //!   waited (OW-4), to a consumer that still needs it.
+//! - **OW-11 (the driver's copy backs a straight one):** a value through
+//!   the driver goes to the driver in its producer's `CallDone` even when
+//!   it also went straight to a consumer. If the consumer acknowledges the
+//!   straight transfer as failed (its bytes did not all come: the
+//!   producer died, the link broke), the driver delivers its own copy (or
+//!   the error it holds) to the consumer, which stored nothing; and the
+//!   producer's death does not abort such a transfer once its value is
+//!   in the driver whole. The object store's promise, that a value
+//!   outlives its producer, holds on the straight path too.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
 //!   go out (a delivery that waited for a pending object too): no transfer
@@ -448,7 +457,7 @@ impl OwnerTable {
         };
         // OW-3: a copy on its way (an earlier call's order) is enough.
         if producer == consumer
-            || e.sidedness() != Sidedness::OneSided
+            || e.sidedness() == Sidedness::TwoSided
             || e.copies.contains_key(&consumer)
         {
             return false;
@@ -674,6 +683,7 @@ impl OwnerTable {
         from: ActorId,
         result: &Result<(), Error>,
         actors: &Actors,
+        groups: &dyn GroupLookup,
     ) -> Option<InFlight> {
         let Some(t) = self.transfers.get(&xfer) else {
             // Aborted before the ack: the copy is already `Held` (an
@@ -686,6 +696,9 @@ impl OwnerTable {
             return None;
         }
         let t = self.end_transfer(xfer).expect("looked up above");
+        if result.is_err() && self.deliver_again(&t, actors, groups) {
+            return Some(t);
+        }
         if let (Err(e), true, Some(p)) = (result, t.two_sided, t.producer) {
             // The producer may still be sending into a receive that gave up.
             send_small(
@@ -700,6 +713,26 @@ impl OwnerTable {
         }
         self.settle(&t, actors);
         Some(t)
+    }
+
+    /// OW-11: a value through the driver that went straight to a consumer
+    /// and did not arrive whole there (the consumer stored nothing) goes
+    /// again from the driver's own copy, or as the error that copy holds,
+    /// if the consumer still needs it. Returns whether it did.
+    fn deliver_again(&mut self, t: &InFlight, actors: &Actors, groups: &dyn GroupLookup) -> bool {
+        let Some(e) = self.objects.get_mut(&t.object) else {
+            return false;
+        };
+        if e.sidedness() != Sidedness::ThroughDriver || matches!(e.state, ObjState::Pending) {
+            return false;
+        }
+        e.copies.remove(&t.consumer);
+        if e.needs.contains_key(&t.consumer) {
+            self.deliver(t.object, t.consumer, actors, groups);
+        } else {
+            self.maybe_free(t.object, actors);
+        }
+        true
     }
 
     /// The producer's send of `xfer` failed: the consumer's receive is
@@ -792,11 +825,24 @@ impl OwnerTable {
 
     /// OW-5.
     pub fn actor_died(&mut self, actor: ActorId, err: &Error, actors: &Actors) {
-        // Transfers with the dead actor at either end.
+        // Transfers with the dead actor at either end; except a value
+        // through the driver that its dead producer delivered straight
+        // (it keeps its copy, OW-11): the consumer's receive ends by
+        // itself (the link closed with the producer), and a failed one is
+        // delivered again from the driver's copy.
+        let objects = &self.objects;
+        let kept_by_driver = |t: &InFlight| {
+            objects.get(&t.object).is_some_and(|e| {
+                e.sidedness() == Sidedness::ThroughDriver
+                    && matches!(&e.state, ObjState::Ready(v) if v.lost().is_none())
+            })
+        };
         let ended: Vec<u64> = self
             .transfers
             .iter()
-            .filter(|(_, t)| t.consumer == actor || t.producer == Some(actor))
+            .filter(|(_, t)| {
+                t.consumer == actor || (t.producer == Some(actor) && !kept_by_driver(t))
+            })
             .map(|(x, _)| *x)
             .collect();
         for xfer in ended {

@@ -1866,7 +1866,11 @@ impl Inner {
                 result,
             } => {
                 rdt_transport::cuda::timeline("driver got received", xfer);
-                let done = st.table.received(xfer, actor, &result, &st.actors);
+                let groups = GroupView {
+                    groups: &st.groups,
+                    actors: &st.actors,
+                };
+                let done = st.table.received(xfer, actor, &result, &st.actors, &groups);
                 match (done, result) {
                     (Some(t), Err(e)) => {
                         tracing::warn!(xfer, object, "receive failed: {e}");

@@ -64,7 +64,12 @@ async fn large_blobs_land_in_pool_buffers_that_later_passes_reuse() {
 async fn the_driver_forwards_a_large_value_while_it_still_arrives() {
     deadline(DL, async {
         rdt_integration_tests::logs();
-        let rt = Runtime::start().await.unwrap();
+        // The driver's path: no value goes straight to its consumer.
+        let rt = Runtime::builder()
+            .peer_delivery(false)
+            .start()
+            .await
+            .unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
         let c = rt.spawn::<Consumer>(()).await.unwrap();
         let n = 16 << 20; // 64 MiB of f32
@@ -108,8 +113,10 @@ async fn a_producer_stopped_mid_value_costs_its_consumer_the_deadline_not_a_hang
     deadline(DL, async {
         rdt_integration_tests::logs();
         let limit = std::time::Duration::from_secs(2);
+        // The driver's path (the straight one is the next test's).
         let rt = Runtime::builder()
             .transfer_timeout(limit)
+            .peer_delivery(false)
             .start()
             .await
             .unwrap();
@@ -160,6 +167,126 @@ async fn a_producer_stopped_mid_value_costs_its_consumer_the_deadline_not_a_hang
             unsafe { libc::kill(pid, libc::SIGCONT) };
             let whole = rt.get(&r).await.unwrap();
             assert_eq!(whole.nbytes(), 4 * n);
+            assert_eq!(whole.sum().unwrap(), n as f64);
+            stopped_mid_value = true;
+            break;
+        }
+        assert!(stopped_mid_value, "no stop landed mid-value in 5 attempts");
+        rt.shutdown().await;
+    })
+    .await;
+}
+
+/// OW-9, PD-2: a large value through the driver, still pending when its
+/// consumer's call comes, goes straight from its producer to the
+/// consumer (one crossing, not two), and the driver keeps a whole copy of
+/// its own (OW-11): it forwarded nothing, and its `get` reads that copy.
+#[tokio::test]
+async fn a_pending_value_goes_straight_and_the_driver_keeps_its_copy() {
+    deadline(DL, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let n = 16 << 20; // 64 MiB of f32
+                          // The first pass makes the link between the two (PD-3: it may go
+                          // through the driver).
+        let r = p.make(1.0, n).transport(Transport::ObjectStore).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), n as f64);
+        drop(r);
+        let straight = rt.get(c.straight().remote()).await.unwrap();
+        let (forwarded, _) = rt.forwarded_bytes();
+        for i in 2..=4u32 {
+            let r = p
+                .make(i as f32, n)
+                .transport(Transport::ObjectStore)
+                .remote();
+            assert_eq!(
+                rt.get(c.sum(&r).remote()).await.unwrap(),
+                i as f64 * n as f64,
+                "pass {i}: every byte arrived"
+            );
+            let back = rt.get(&r).await.unwrap();
+            assert_eq!(
+                back.sum().unwrap(),
+                i as f64 * n as f64,
+                "the driver's copy"
+            );
+        }
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), straight + 3);
+        assert_eq!(
+            rt.forwarded_bytes().0,
+            forwarded,
+            "the driver forwarded none of the straight values"
+        );
+        rt.transfers_settled().await;
+        assert_eq!(rt.live_objects(), 0, "every pass's objects are freed");
+        rt.shutdown().await;
+    })
+    .await;
+}
+
+/// A producer stopped (SIGSTOP) while its large value goes straight to a
+/// consumer costs that consumer's call the transfer deadline, not a hang:
+/// the call fails and says so, the consumer takes its next call, and the
+/// driver's copy is whole once the producer goes on.
+#[tokio::test]
+async fn a_producer_stopped_mid_straight_value_costs_its_consumer_the_deadline() {
+    deadline(DL, async {
+        rdt_integration_tests::logs();
+        let limit = std::time::Duration::from_secs(2);
+        let rt = Runtime::builder()
+            .transfer_timeout(limit)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        // The link between the two, made by a first pass.
+        let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+        let n = 128 << 20; // 512 MiB of f32
+        let pid = p.pid().expect("a local worker") as i32;
+        let mut stopped_mid_value = false;
+        for attempt in 1..=5 {
+            let before = rt.get(c.straight().remote()).await.unwrap();
+            let r = p.make(1.0, n).transport(Transport::ObjectStore).remote();
+            let sum = c.sum(&r).remote();
+            // The producer's reply has begun (its value is ready in the
+            // driver while its bytes still come): it is sending.
+            rt.wait(&r).await.unwrap();
+            // SAFETY: stopping (and later continuing) a worker of this test.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            let stopped = std::time::Instant::now();
+            let got = rt.get(&sum).await;
+            if let Ok(v) = got {
+                assert_eq!(
+                    v, n as f64,
+                    "attempt {attempt}: if it finished, it is whole"
+                );
+                // SAFETY: as above.
+                unsafe { libc::kill(pid, libc::SIGCONT) };
+                continue;
+            }
+            let e = got.unwrap_err();
+            assert!(e.to_string().contains("deadline"), "{e}");
+            assert!(
+                stopped.elapsed() < limit + std::time::Duration::from_secs(10),
+                "failed {:?} after the stop",
+                stopped.elapsed()
+            );
+            // It went straight, and the consumer is free for its next call
+            // while the producer is still stopped.
+            assert_eq!(rt.get(c.straight().remote()).await.unwrap(), before + 1);
+            assert_eq!(
+                rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
+                    .await
+                    .unwrap(),
+                4.0
+            );
+            // SAFETY: as above.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+            let whole = rt.get(&r).await.unwrap();
             assert_eq!(whole.sum().unwrap(), n as f64);
             stopped_mid_value = true;
             break;

@@ -1001,7 +1001,7 @@ async fn control_loop<A: RdtActor>(
                 rdt_transport::cuda::timeline("call received", id);
                 // PD-1: orders to deliver its value straight are taken
                 // from now until it finishes.
-                let straight = call.transport.sidedness() == Sidedness::OneSided;
+                let straight = call.transport.sidedness() != Sidedness::TwoSided;
                 if straight {
                     shared.peer.open_call(result);
                 }
@@ -1187,6 +1187,9 @@ fn on_deliver(
         }
     };
     if transport.1.sidedness() == Sidedness::ThroughDriver {
+        if xfer != 0 {
+            return on_deliver_straight_inline(shared, object, transport.0, d.value, xfer);
+        }
         return on_deliver_inline(shared, object, transport.0, d.value);
     }
     // WK-4: the receive runs until done, failed or aborted by the driver;
@@ -1373,6 +1376,52 @@ fn on_deliver_inline(
         if !receiving.remove(&object).unwrap_or(false) {
             shared.store.insert(object, slot);
         }
+    });
+}
+
+/// A value through the driver that its producer delivered straight (OW-9,
+/// PD-2): received as the driver's delivery is, against the transfer's
+/// abort, then acknowledged (the driver holds the copy as receiving until
+/// then). If its bytes do not all come (the producer died mid-send, its
+/// link broke), nothing is stored: the driver, which holds the value
+/// itself, delivers it again, or its error (OW-11). An abort (the
+/// deadline, the consumer's own death) fails the call, as for any
+/// transfer.
+fn on_deliver_straight_inline(
+    shared: &Arc<WorkerShared>,
+    object: u64,
+    t: Transport,
+    value: crate::protocol::WireValue,
+    xfer: u64,
+) {
+    let abort = shared.register_transfer(xfer);
+    shared.receiving.lock().insert(object, false);
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        let unpack = unpack_inline(&value);
+        let (slot, ack) = tokio::select! {
+            got = unpack => match got {
+                Ok((data, tensors)) => (Some(shared.received_value(t, data, tensors.into())), Ok(())),
+                Err(e) => (None, Err(e)),
+            },
+            e = abort => {
+                let e = e.unwrap_or(Error::Shutdown);
+                (Some(Slot::Failed(e.clone())), Err(e))
+            }
+        };
+        shared.transfers.lock().remove(&xfer);
+        {
+            let mut receiving = shared.receiving.lock();
+            let freed = receiving.remove(&object).unwrap_or(false);
+            if let (Some(slot), false) = (slot, freed) {
+                shared.store.insert(object, slot);
+            }
+        }
+        let _ = shared.tx.send(&ToDriver::Received {
+            object,
+            xfer,
+            result: ack,
+        });
     });
 }
 

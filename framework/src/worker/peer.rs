@@ -20,9 +20,12 @@
 //!   itself, as if it had never given the order. An order that comes
 //!   before its call or after the call finished finds no open call and is
 //!   dropped: the `CallDone` does not name it.
-//! - **PD-2 (values only):** only a value of a one-sided transport goes
-//!   straight. Errors and values through the driver stay on the driver's
-//!   path, which owns failure (OW-4).
+//! - **PD-2 (values only):** only a value goes straight, of a one-sided
+//!   transport or through the driver (`object_store`: it goes to the
+//!   driver in the `CallDone` too, which keeps it). Errors stay on the
+//!   driver's path, which owns failure (OW-4). A value through the driver
+//!   whose straight bytes did not all come is not stored by the consumer:
+//!   the driver delivers its own copy, or the error (OW-11).
 //! - **PD-3 (links off the actor's thread):** a link is made by a task of
 //!   the control loop when the first order for that consumer comes; the
 //!   actor's thread only uses links that are up, so a pass never waits for
@@ -244,7 +247,7 @@ pub(super) fn deliver_result(
     let Ok(v) = value else {
         return Vec::new();
     };
-    if orders.is_empty() || v.transport.sidedness() != Sidedness::OneSided {
+    if orders.is_empty() || v.transport.sidedness() == Sidedness::TwoSided {
         return Vec::new();
     }
     let from = p.me(shared, v.transport);
