@@ -296,6 +296,10 @@ pub struct SpawnOrder {
     /// for workers the driver spawned on its host; `None` for workers
     /// started by hand.
     pub peer_socket: Option<String>,
+    /// Whether a value through the driver of 1 MiB or more goes straight
+    /// to its consumer (`worker::peer`; `None`: the worker's default, by
+    /// its core count).
+    pub straight_large_values: Option<bool>,
 }
 
 /// A consumer as a producer reaches it to deliver a value straight
@@ -1782,6 +1786,7 @@ mod tests {
             tcp_bind: None,
             transfer_timeout_ms: 1000,
             hot_window_us: None,
+            straight_large_values: None,
             heartbeat_ms: None,
             args,
             id_space: actor_id_space(1),

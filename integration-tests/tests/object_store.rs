@@ -185,7 +185,12 @@ async fn a_producer_stopped_mid_value_costs_its_consumer_the_deadline_not_a_hang
 async fn a_pending_value_goes_straight_and_the_driver_keeps_its_copy() {
     deadline(DL, async {
         rdt_integration_tests::logs();
-        let rt = Runtime::start().await.unwrap();
+        // Large values go straight on this machine whatever its cores.
+        let rt = Runtime::builder()
+            .straight_large_values(true)
+            .start()
+            .await
+            .unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
         let c = rt.spawn::<Consumer>(()).await.unwrap();
         let n = 16 << 20; // 64 MiB of f32
@@ -237,6 +242,7 @@ async fn a_producer_stopped_mid_straight_value_costs_its_consumer_the_deadline()
         let limit = std::time::Duration::from_secs(2);
         let rt = Runtime::builder()
             .transfer_timeout(limit)
+            .straight_large_values(true)
             .start()
             .await
             .unwrap();
@@ -292,6 +298,40 @@ async fn a_producer_stopped_mid_straight_value_costs_its_consumer_the_deadline()
             break;
         }
         assert!(stopped_mid_value, "no stop landed mid-value in 5 attempts");
+        rt.shutdown().await;
+    })
+    .await;
+}
+
+/// Without `straight_large_values`, a large value through the driver
+/// takes the driver's path (forwarded as it arrives) even with a link up,
+/// and a small one still goes straight.
+#[tokio::test]
+async fn large_values_go_straight_only_where_asked() {
+    deadline(DL, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .straight_large_values(false)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        for i in 1..=3u32 {
+            let r = p
+                .make(i as f32, 4)
+                .transport(Transport::ObjectStore)
+                .remote();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0 * i as f64);
+        }
+        let small = rt.get(c.straight().remote()).await.unwrap();
+        assert!(small >= 1, "small values go straight once the link is up");
+        let n = 16 << 20; // 64 MiB of f32
+        let (forwarded, _) = rt.forwarded_bytes();
+        let r = p.make(2.0, n).transport(Transport::ObjectStore).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 2.0 * n as f64);
+        assert_eq!(rt.get(c.straight().remote()).await.unwrap(), small);
+        assert!(rt.forwarded_bytes().0 >= forwarded + 4 * n as u64);
         rt.shutdown().await;
     })
     .await;

@@ -866,6 +866,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
                 &endpoints,
                 peer_secret.unwrap_or_default(),
                 order.max_frame,
+                order.straight_large_values,
             ),
         });
         // PD-4: listening before the driver hears the actor exists.

@@ -80,6 +80,35 @@ pub(super) struct PeerDelivery {
     given_up: Mutex<HashSet<u64>>,
     /// Deliveries this worker received straight from producers.
     received: AtomicU64,
+    /// Whether values through the driver of [`STRAIGHT_LARGE_FROM`] bytes
+    /// or more go straight too.
+    straight_large: bool,
+}
+
+/// Values through the driver of at least this many tensor bytes go
+/// straight only where [`RuntimeBuilder::straight_large_values`] says so
+/// (by default on machines with [`MIN_CORES_TO_SPIN`] cores or more):
+/// the producer sends such a value twice at once, and on a machine with
+/// few cores the two streams compete for them.
+///
+/// [`RuntimeBuilder::straight_large_values`]: crate::RuntimeBuilder::straight_large_values
+/// [`MIN_CORES_TO_SPIN`]: rdt_transport::hot::MIN_CORES_TO_SPIN
+pub const STRAIGHT_LARGE_FROM: usize = 1 << 20;
+
+/// The default of `straight_large`: the environment's `RDT_STRAIGHT_LARGE`
+/// (`0` or `1`), else whether this machine has the cores.
+fn straight_large_default() -> bool {
+    match std::env::var("RDT_STRAIGHT_LARGE")
+        .as_deref()
+        .map(str::trim)
+    {
+        Ok("0") => false,
+        Ok("1") => true,
+        _ => {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+                >= rdt_transport::hot::MIN_CORES_TO_SPIN
+        }
+    }
 }
 
 /// An order to deliver a result to a consumer.
@@ -101,6 +130,7 @@ impl PeerDelivery {
         endpoints: &[(String, String)],
         secret: [u8; 32],
         max_frame: usize,
+        straight_large: Option<bool>,
     ) -> PeerDelivery {
         PeerDelivery {
             host,
@@ -111,6 +141,7 @@ impl PeerDelivery {
             links: Arc::default(),
             given_up: Mutex::new(HashSet::new()),
             received: AtomicU64::new(0),
+            straight_large: straight_large.unwrap_or_else(straight_large_default),
         }
     }
 
@@ -247,7 +278,12 @@ pub(super) fn deliver_result(
     let Ok(v) = value else {
         return Vec::new();
     };
-    if orders.is_empty() || v.transport.sidedness() == Sidedness::TwoSided {
+    let goes = match v.transport.sidedness() {
+        Sidedness::OneSided => true,
+        Sidedness::ThroughDriver => p.straight_large || v.exported.nbytes() < STRAIGHT_LARGE_FROM,
+        Sidedness::TwoSided => false,
+    };
+    if orders.is_empty() || !goes {
         return Vec::new();
     }
     let from = p.me(shared, v.transport);
