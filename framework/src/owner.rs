@@ -46,7 +46,8 @@
 //!   connection, so a `Free` never overtakes the delivery it frees.
 //! - **OW-9 (straight from the producer):** an object of a one-sided
 //!   transport or through the driver, still pending when a consumer on
-//!   the driver's host needs it, is delivered by its producer (`ToWorker::DeliverTo`), not through `waiting`: its
+//!   the driver's host needs it, is delivered by its producer
+//!   (`ToWorker::DeliverTo`), not through `waiting`: its
 //!   transfer and the consumer's `Receiving` copy are recorded when the
 //!   order goes out, and its deadline is armed when the producer's reply
 //!   comes (a long method is not a slow transfer). The reply names the
