@@ -1670,7 +1670,11 @@ pub async fn accept_plain<S: AsyncRead + tokio::io::AsyncWrite + Unpin>(
     )
     .await
     .map_err(|_| Error::Protocol("peer did not authenticate in time".into()))?
-    .map_err(|e| Error::Protocol(e.to_string()))
+    .map_err(|e| match e {
+        // The peer went away mid-handshake: an I/O error, not a violation.
+        rdt_transport::auth::AuthError::Io(e) => Error::Io(format!("handshake: {e}")),
+        e => Error::Protocol(e.to_string()),
+    })
 }
 
 /// Connecting side of the handshake (invariant 1) on a plain stream.

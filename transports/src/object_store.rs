@@ -191,7 +191,7 @@ fn copied_as_it_goes(t: &Tensor) -> Result<Blob, TransportError> {
     let (blob, mut writer) = crate::arriving::Arriving::new(len)
         .map_err(|e| err(&format!("allocating {len} bytes of host staging: {e}")))?;
     let base = writer.spare().as_mut_ptr();
-    let steps = t
+    let (steps, gpu) = t
         .with_device_buffer(|d| {
             let gpu = d.gpu();
             let mut steps = Vec::with_capacity(len.div_ceil(DEVICE_STEP));
@@ -214,14 +214,12 @@ fn copied_as_it_goes(t: &Tensor) -> Result<Blob, TransportError> {
                 }
                 at += n;
             }
-            Ok(steps)
+            Ok((steps, gpu.clone()))
         })
         .map_err(|e| err(&e))?
         .map_err(|e| err(&e))?;
     let keep = t.clone();
-    let gpu = keep
-        .with_device_buffer(|d| d.gpu().clone())
-        .map_err(|e| err(&e))?;
+    let on_fail = gpu.clone();
     std::thread::Builder::new()
         .name("rdt-d2h".into())
         .spawn(move || {
@@ -239,7 +237,7 @@ fn copied_as_it_goes(t: &Tensor) -> Result<Blob, TransportError> {
         })
         .map_err(|e| {
             // The copies are queued: let them end before the buffer goes.
-            let _ = t.with_device_buffer(|d| d.gpu().synchronize());
+            let _ = on_fail.synchronize();
             err(&format!("starting the copy's thread: {e}"))
         })?;
     Ok(Blob::arriving(blob))

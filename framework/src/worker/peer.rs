@@ -360,26 +360,16 @@ pub(super) fn listen(
 
 /// Reads one producer's deliveries until its link closes.
 async fn serve_link(mut s: UnixStream, shared: Arc<WorkerShared>) {
-    let secret = shared.peer.secret;
-    match tokio::time::timeout(
-        protocol::HANDSHAKE_TIMEOUT,
-        rdt_transport::auth::accept_async(&mut s, &secret),
-    )
-    .await
-    {
-        Ok(Ok(())) => {}
+    match protocol::accept_plain(&mut s, shared.peer.secret).await {
+        Ok(()) => {}
         // The producer went away mid-handshake (it exited or was killed):
         // nothing to warn about, its values go through the driver.
-        Ok(Err(rdt_transport::auth::AuthError::Io(e))) => {
+        Err(Error::Io(e)) => {
             tracing::debug!("a producer's link closed during its handshake: {e}");
             return;
         }
-        Ok(Err(e @ rdt_transport::auth::AuthError::BadPeer)) => {
+        Err(e) => {
             tracing::warn!("a link for straight deliveries did not authenticate: {e}");
-            return;
-        }
-        Err(_) => {
-            tracing::warn!("a link for straight deliveries did not authenticate in time");
             return;
         }
     }
