@@ -110,71 +110,7 @@ async fn the_driver_forwards_a_large_value_while_it_still_arrives() {
 /// goes on.
 #[tokio::test]
 async fn a_producer_stopped_mid_value_costs_its_consumer_the_deadline_not_a_hang() {
-    deadline(DL, async {
-        rdt_integration_tests::logs();
-        let limit = std::time::Duration::from_secs(2);
-        // The driver's path (the straight one is the next test's).
-        let rt = Runtime::builder()
-            .transfer_timeout(limit)
-            .peer_delivery(false)
-            .start()
-            .await
-            .unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        let n = 128 << 20; // 512 MiB of f32
-        let pid = p.pid().expect("a local worker") as i32;
-        // The stop must land while the driver still receives the value.
-        // Under load the driver's reader can take all of it before its
-        // writer sends any on (then nothing stalls, and the call simply
-        // succeeds): try again, a few times.
-        let mut stopped_mid_value = false;
-        for attempt in 1..=5 {
-            let r = p.make(1.0, n).transport(Transport::ObjectStore).remote();
-            let sum = c.sum(&r).remote();
-            // Stop the producer once the driver forwards its value.
-            let (sent, _) = rt.forwarded_bytes();
-            spin_until("the value forwarded", 60, || rt.forwarded_bytes().0 > sent).await;
-            // SAFETY: stopping (and later continuing) a worker of this test.
-            unsafe { libc::kill(pid, libc::SIGSTOP) };
-            let stopped = std::time::Instant::now();
-            let got = rt.get(&sum).await;
-            if let Ok(v) = got {
-                assert_eq!(
-                    v, n as f64,
-                    "attempt {attempt}: if it finished, it is whole"
-                );
-                // SAFETY: as above.
-                unsafe { libc::kill(pid, libc::SIGCONT) };
-                continue;
-            }
-            let e = got.unwrap_err().to_string();
-            assert!(e.contains("stopped coming"), "{e}");
-            assert!(
-                stopped.elapsed() < limit + std::time::Duration::from_secs(10),
-                "failed {:?} after the stop",
-                stopped.elapsed()
-            );
-            // The consumer's connection is free: its next call runs while
-            // the producer is still stopped.
-            assert_eq!(
-                rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
-                    .await
-                    .unwrap(),
-                4.0
-            );
-            // SAFETY: as above.
-            unsafe { libc::kill(pid, libc::SIGCONT) };
-            let whole = rt.get(&r).await.unwrap();
-            assert_eq!(whole.nbytes(), 4 * n);
-            assert_eq!(whole.sum().unwrap(), n as f64);
-            stopped_mid_value = true;
-            break;
-        }
-        assert!(stopped_mid_value, "no stop landed mid-value in 5 attempts");
-        rt.shutdown().await;
-    })
-    .await;
+    stopped_mid_value(Path::ThroughDriver).await;
 }
 
 /// OW-9, PD-2: a large value through the driver, still pending when its
@@ -237,30 +173,61 @@ async fn a_pending_value_goes_straight_and_the_driver_keeps_its_copy() {
 /// driver's copy is whole once the producer goes on.
 #[tokio::test]
 async fn a_producer_stopped_mid_straight_value_costs_its_consumer_the_deadline() {
+    stopped_mid_value(Path::Straight).await;
+}
+
+/// How a large value reaches its consumer in [`stopped_mid_value`].
+#[derive(Clone, Copy, PartialEq)]
+enum Path {
+    /// Forwarded by the driver as it arrives (peer delivery off).
+    ThroughDriver,
+    /// Straight from the producer, over a link a first pass made.
+    Straight,
+}
+
+/// Stops the producer of a 512 MiB value while it is on its way to a
+/// consumer along `path`, and checks that the consumer's call fails within
+/// the transfer deadline (saying why), that the consumer takes its next
+/// call while the producer is still stopped, and that the driver's copy is
+/// whole once the producer goes on.
+async fn stopped_mid_value(path: Path) {
     deadline(DL, async {
         rdt_integration_tests::logs();
         let limit = std::time::Duration::from_secs(2);
         let rt = Runtime::builder()
             .transfer_timeout(limit)
+            .peer_delivery(path == Path::Straight)
             .straight_large_values(true)
             .start()
             .await
             .unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
         let c = rt.spawn::<Consumer>(()).await.unwrap();
-        // The link between the two, made by a first pass.
-        let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
-        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+        if path == Path::Straight {
+            // The link between the two, made by a first pass.
+            let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+        }
         let n = 128 << 20; // 512 MiB of f32
         let pid = p.pid().expect("a local worker") as i32;
+        // The stop must land while the value is still on its way. Under
+        // load it can arrive whole before the stop (then nothing stalls,
+        // and the call simply succeeds): try again, a few times.
         let mut stopped_mid_value = false;
         for attempt in 1..=5 {
-            let before = rt.get(c.straight().remote()).await.unwrap();
+            let straight = rt.get(c.straight().remote()).await.unwrap();
             let r = p.make(1.0, n).transport(Transport::ObjectStore).remote();
             let sum = c.sum(&r).remote();
-            // The producer's reply has begun (its value is ready in the
-            // driver while its bytes still come): it is sending.
-            rt.wait(&r).await.unwrap();
+            match path {
+                // Stop the producer once the driver forwards its value.
+                Path::ThroughDriver => {
+                    let (sent, _) = rt.forwarded_bytes();
+                    spin_until("the value forwarded", 60, || rt.forwarded_bytes().0 > sent).await;
+                }
+                // The producer's reply has begun (its value is ready in
+                // the driver while its bytes still come): it is sending.
+                Path::Straight => rt.wait(&r).await.unwrap(),
+            }
             // SAFETY: stopping (and later continuing) a worker of this test.
             unsafe { libc::kill(pid, libc::SIGSTOP) };
             let stopped = std::time::Instant::now();
@@ -274,16 +241,26 @@ async fn a_producer_stopped_mid_straight_value_costs_its_consumer_the_deadline()
                 unsafe { libc::kill(pid, libc::SIGCONT) };
                 continue;
             }
-            let e = got.unwrap_err();
-            assert!(e.to_string().contains("deadline"), "{e}");
+            let e = got.unwrap_err().to_string();
+            let why = match path {
+                Path::ThroughDriver => "stopped coming",
+                Path::Straight => "deadline",
+            };
+            assert!(e.contains(why), "{e}");
             assert!(
                 stopped.elapsed() < limit + std::time::Duration::from_secs(10),
                 "failed {:?} after the stop",
                 stopped.elapsed()
             );
-            // It went straight, and the consumer is free for its next call
-            // while the producer is still stopped.
-            assert_eq!(rt.get(c.straight().remote()).await.unwrap(), before + 1);
+            if path == Path::Straight {
+                assert_eq!(
+                    rt.get(c.straight().remote()).await.unwrap(),
+                    straight + 1,
+                    "it went straight"
+                );
+            }
+            // The consumer is free: its next call runs while the producer
+            // is still stopped.
             assert_eq!(
                 rt.get(c.sum(Tensor::full(1.0f32, &[4])).remote())
                     .await
@@ -293,6 +270,7 @@ async fn a_producer_stopped_mid_straight_value_costs_its_consumer_the_deadline()
             // SAFETY: as above.
             unsafe { libc::kill(pid, libc::SIGCONT) };
             let whole = rt.get(&r).await.unwrap();
+            assert_eq!(whole.nbytes(), 4 * n);
             assert_eq!(whole.sum().unwrap(), n as f64);
             stopped_mid_value = true;
             break;
