@@ -1221,6 +1221,7 @@ fn on_deliver(
             let t0 = std::time::Instant::now();
             let shared = worker;
             let receive = async {
+                d.value.exported.head_arrived().await?;
                 let exported = d.value.exported.get()?;
                 rdt_transport::cuda::timeline("receive exported decoded", xfer);
                 let cx = rdt_transport::TransferCtx {
@@ -1430,6 +1431,7 @@ fn on_deliver_straight_inline(
 /// in; a CUDA tensor still arriving is copied to its device step by step
 /// as its bytes land (`object_store::unpack_arriving`).
 pub(crate) async fn unpack_inline(v: &crate::protocol::WireValue) -> Result<(Bytes, Vec<Tensor>)> {
+    v.exported.head_arrived().await?;
     let tensors = object_store::unpack_arriving(v.exported.get()?).await?;
     v.arrived().await?;
     Ok((v.data_bytes()?, tensors))
