@@ -1265,6 +1265,13 @@ impl NixlTransport {
             posted.reqs.push((req, done));
         }
         crate::cuda::timeline("nixl posted", cx.xfer);
+        // The READ moves the bytes without this thread: make the tensors
+        // of a large object meanwhile, for the call that takes it
+        // (`TensorList::premake`).
+        if out.is_lazy() {
+            out.premake();
+            crate::cuda::timeline("nixl views premade", cx.xfer);
+        }
         // Small reads end within microseconds of their post: ask for them
         // here, within the hot window (yielding to the executor between
         // asks), and hand the rest to the poller. Waking the poller and
