@@ -48,6 +48,11 @@ pub trait MakeTensors: Send + Sync {
     /// Tensor `i` (`i < len()`); the same tensor at every call
     /// (invariant 1).
     fn make(&self, i: usize) -> Tensor;
+    /// All of them, in order: what [`make`](Self::make) gives for each
+    /// index (a maker may do it in one pass over its layout).
+    fn make_all(&self) -> Vec<Tensor> {
+        (0..self.len()).map(|i| self.make(i)).collect()
+    }
     /// The bytes of all tensors.
     fn nbytes(&self) -> usize;
 }
@@ -150,7 +155,7 @@ impl TensorList {
             return s;
         }
         self.made.get_or_init(|| match &self.maker {
-            Some(m) => (0..m.len()).map(|i| m.make(i)).collect(),
+            Some(m) => m.make_all(),
             None => Vec::new(),
         })
     }
@@ -163,7 +168,7 @@ impl TensorList {
         }
         match (self.made.get(), &self.maker) {
             (Some(v), _) => v.clone(),
-            (None, Some(m)) => (0..m.len()).map(|i| m.make(i)).collect(),
+            (None, Some(m)) => m.make_all(),
             (None, None) => Vec::new(),
         }
     }
@@ -178,7 +183,7 @@ impl TensorList {
         }
         let mut premade = self.premade.lock();
         if premade.is_none() {
-            *premade = Some((0..m.len()).map(|i| m.make(i)).collect());
+            *premade = Some(m.make_all());
         }
     }
 
