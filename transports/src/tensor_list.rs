@@ -18,10 +18,11 @@
 //!
 //! A receive that waits for its bytes anyway (a NIXL READ of thousands of
 //! tensors takes 100 µs and more) makes the tensors meanwhile
-//! ([`TensorList::premake`]) and leaves them for the first taker of the
-//! whole vector ([`TensorList::take_vec`]): the call that receives the
-//! object then starts without making 10 000 views after the bytes landed
-//! (about 30 ns each on the GPU hosts), and nobody clones them.
+//! ([`TensorList::premake`]) and leaves them for the first reader of the
+//! whole list ([`TensorList::to_vec`], [`TensorList::as_slice`]): the call
+//! that receives the object then starts without making 10 000 views after
+//! the bytes landed (20–30 ns each on the GPU hosts), and nobody clones
+//! them.
 //!
 //! # Invariants
 //! 1. Index `i` is the same tensor however it is reached: made on demand,
@@ -30,8 +31,8 @@
 //!    `i`).
 //! 2. [`len`](TensorList::len) and [`nbytes`](TensorList::nbytes) never
 //!    make tensors.
-//! 3. Premade tensors go to one taker at most; every other reader makes
-//!    or clones its own, as without them.
+//! 3. Premade tensors go to one reader at most (the first of the whole
+//!    list); every other reader makes or clones its own, as without them.
 
 use std::sync::{Arc, OnceLock};
 
@@ -67,9 +68,9 @@ pub struct TensorList {
     maker: Option<Arc<dyn MakeTensors>>,
     /// The tensors, shared with whoever gave them (shared lists).
     shared: Option<Arc<[Tensor]>>,
-    /// A lazy list's tensors made ahead, for the first
-    /// [`take_vec`](Self::take_vec) (invariant 3); shared by clones of
-    /// the list, which are the same list.
+    /// A lazy list's tensors made ahead, for the first reader of the whole
+    /// list (invariant 3); shared by clones of the list, which are the
+    /// same list.
     premade: Arc<parking_lot::Mutex<Option<Vec<Tensor>>>>,
 }
 
@@ -155,27 +156,29 @@ impl TensorList {
             return s;
         }
         self.made.get_or_init(|| match &self.maker {
-            Some(m) => m.make_all(),
+            Some(m) => self.premade.lock().take().unwrap_or_else(|| m.make_all()),
             None => Vec::new(),
         })
     }
 
-    /// The tensors, as a new vector: a lazy list makes each (and keeps
-    /// none), the others clone theirs.
+    /// The tensors, as a new vector: a lazy list gives those it made ahead
+    /// the first time ([`premake`](Self::premake)), else makes each (and
+    /// keeps none); the others clone theirs.
     pub fn to_vec(&self) -> Vec<Tensor> {
         if let Some(s) = &self.shared {
             return s.to_vec();
         }
         match (self.made.get(), &self.maker) {
             (Some(v), _) => v.clone(),
-            (None, Some(m)) => m.make_all(),
+            (None, Some(m)) => self.premade.lock().take().unwrap_or_else(|| m.make_all()),
             (None, None) => Vec::new(),
         }
     }
 
-    /// Makes a lazy list's tensors now and keeps them for the first
-    /// [`take_vec`](Self::take_vec); nothing for other lists, or if they
-    /// were made ahead already.
+    /// Makes a lazy list's tensors now and keeps them for the first reader
+    /// of the whole list ([`to_vec`](Self::to_vec), or
+    /// [`as_slice`](Self::as_slice), which keeps them); nothing for other
+    /// lists, or if they were made ahead already.
     pub fn premake(&self) {
         let Some(m) = &self.maker else { return };
         if self.made.get().is_some() {
@@ -185,15 +188,6 @@ impl TensorList {
         if premade.is_none() {
             *premade = Some(m.make_all());
         }
-    }
-
-    /// The tensors, as a new vector: those made ahead, the first time
-    /// ([`premake`](Self::premake)), else as [`to_vec`](Self::to_vec).
-    pub fn take_vec(&self) -> Vec<Tensor> {
-        if let Some(v) = self.premade.lock().take() {
-            return v;
-        }
-        self.to_vec()
     }
 
     /// The tensors, as a vector.
@@ -332,7 +326,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn premade_tensors_go_to_the_first_taker_only_and_are_the_made_ones() {
+    fn premade_tensors_go_to_the_first_reader_only_and_are_the_made_ones() {
         let flat =
             Tensor::from_slice(&(0..100).map(|i| i as f32).collect::<Vec<_>>(), &[100]).unwrap();
         let views = Arc::new(Views::of(flat.clone(), 100));
@@ -342,14 +336,19 @@ pub(crate) mod tests {
         assert_eq!(views.made.load(Ordering::Relaxed), 100, "made ahead once");
         // Still lazy for everyone else (invariant 3).
         assert!(list.is_lazy());
-        let first = list.clone().take_vec();
+        let first = list.clone().to_vec();
         assert_eq!(views.made.load(Ordering::Relaxed), 100, "taken, not made");
-        let second = list.take_vec();
+        let second = list.to_vec();
         assert_eq!(
             views.made.load(Ordering::Relaxed),
             200,
             "made for the second"
         );
+        // A slice kept from the start takes them too.
+        let kept = TensorList::lazy(views.clone());
+        kept.premake();
+        assert_eq!(kept.as_slice().len(), 100);
+        assert_eq!(views.made.load(Ordering::Relaxed), 300, "made once, ahead");
         // The same tensors either way (invariant 1).
         assert_eq!(first.len(), 100);
         for (a, b) in first.iter().zip(&second) {
@@ -360,8 +359,9 @@ pub(crate) mod tests {
         // Lists that are not lazy make nothing ahead.
         let plain = TensorList::from(second);
         plain.premake();
-        assert_eq!(plain.take_vec().len(), 100);
-        assert_eq!(views.made.load(Ordering::Relaxed), 200);
+        assert_eq!(plain.to_vec().len(), 100);
+        assert_eq!(views.made.load(Ordering::Relaxed), 300);
+        assert!(kept.to_vec()[99].shares_storage(&flat));
     }
 
     #[test]

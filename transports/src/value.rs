@@ -263,7 +263,7 @@ pub fn decode_list<T: DeserializeOwned + 'static>(
     data: &[u8],
     tensors: &TensorList,
 ) -> Result<T, ValueError> {
-    if let Some(v) = exactly_its_tensors(data, tensors.len(), || tensors.take_vec()) {
+    if let Some(v) = exactly_its_tensors(data, tensors.len(), || tensors.to_vec()) {
         return Ok(v);
     }
     if !tensors.is_lazy() {
