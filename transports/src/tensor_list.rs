@@ -65,13 +65,28 @@ pub struct TensorList {
     /// The tensors, once made (from the start for a list).
     made: OnceLock<Vec<Tensor>>,
     /// What makes them on demand (lazy lists).
-    maker: Option<Arc<dyn MakeTensors>>,
+    lazy: Option<Lazy>,
     /// The tensors, shared with whoever gave them (shared lists).
     shared: Option<Arc<[Tensor]>>,
-    /// A lazy list's tensors made ahead, for the first reader of the whole
-    /// list (invariant 3); shared by clones of the list, which are the
-    /// same list.
+}
+
+/// What makes a lazy list's tensors, and those it made ahead for the first
+/// reader of the whole list (invariant 3), shared by clones of the list,
+/// which are the same list.
+#[derive(Clone)]
+struct Lazy {
+    maker: Arc<dyn MakeTensors>,
     premade: Arc<parking_lot::Mutex<Option<Vec<Tensor>>>>,
+}
+
+impl Lazy {
+    /// All the tensors: those made ahead, the first time, else made now.
+    fn whole(&self) -> Vec<Tensor> {
+        self.premade
+            .lock()
+            .take()
+            .unwrap_or_else(|| self.maker.make_all())
+    }
 }
 
 impl TensorList {
@@ -79,9 +94,11 @@ impl TensorList {
     pub fn lazy(maker: Arc<dyn MakeTensors>) -> TensorList {
         TensorList {
             made: OnceLock::new(),
-            maker: Some(maker),
+            lazy: Some(Lazy {
+                maker,
+                premade: Default::default(),
+            }),
             shared: None,
-            premade: Default::default(),
         }
     }
 
@@ -89,9 +106,8 @@ impl TensorList {
     pub fn shared(tensors: Arc<[Tensor]>) -> TensorList {
         TensorList {
             made: OnceLock::new(),
-            maker: None,
+            lazy: None,
             shared: Some(tensors),
-            premade: Default::default(),
         }
     }
 
@@ -108,9 +124,9 @@ impl TensorList {
         if let Some(s) = &self.shared {
             return s.len();
         }
-        match (self.made.get(), &self.maker) {
+        match (self.made.get(), &self.lazy) {
             (Some(v), _) => v.len(),
-            (None, Some(m)) => m.len(),
+            (None, Some(l)) => l.maker.len(),
             (None, None) => 0,
         }
     }
@@ -125,9 +141,9 @@ impl TensorList {
         if let Some(s) = &self.shared {
             return s.iter().map(Tensor::nbytes).sum();
         }
-        match (self.made.get(), &self.maker) {
+        match (self.made.get(), &self.lazy) {
             (Some(v), _) => v.iter().map(Tensor::nbytes).sum(),
-            (None, Some(m)) => m.nbytes(),
+            (None, Some(l)) => l.maker.nbytes(),
             (None, None) => 0,
         }
     }
@@ -138,16 +154,16 @@ impl TensorList {
         if let Some(s) = &self.shared {
             return s.get(i).cloned();
         }
-        match (self.made.get(), &self.maker) {
+        match (self.made.get(), &self.lazy) {
             (Some(v), _) => v.get(i).cloned(),
-            (None, Some(m)) => (i < m.len()).then(|| m.make(i)),
+            (None, Some(l)) => (i < l.maker.len()).then(|| l.maker.make(i)),
             (None, None) => None,
         }
     }
 
     /// Whether the tensors are made on demand and not all made yet.
     pub fn is_lazy(&self) -> bool {
-        self.made.get().is_none() && self.maker.is_some()
+        self.made.get().is_none() && self.lazy.is_some()
     }
 
     /// All tensors, made once and kept.
@@ -155,10 +171,8 @@ impl TensorList {
         if let Some(s) = &self.shared {
             return s;
         }
-        self.made.get_or_init(|| match &self.maker {
-            Some(m) => self.premade.lock().take().unwrap_or_else(|| m.make_all()),
-            None => Vec::new(),
-        })
+        self.made
+            .get_or_init(|| self.lazy.as_ref().map(Lazy::whole).unwrap_or_default())
     }
 
     /// The tensors, as a new vector: a lazy list gives those it made ahead
@@ -168,9 +182,9 @@ impl TensorList {
         if let Some(s) = &self.shared {
             return s.to_vec();
         }
-        match (self.made.get(), &self.maker) {
+        match (self.made.get(), &self.lazy) {
             (Some(v), _) => v.clone(),
-            (None, Some(m)) => self.premade.lock().take().unwrap_or_else(|| m.make_all()),
+            (None, Some(l)) => l.whole(),
             (None, None) => Vec::new(),
         }
     }
@@ -180,13 +194,13 @@ impl TensorList {
     /// [`as_slice`](Self::as_slice), which keeps them); nothing for other
     /// lists, or if they were made ahead already.
     pub fn premake(&self) {
-        let Some(m) = &self.maker else { return };
+        let Some(l) = &self.lazy else { return };
         if self.made.get().is_some() {
             return;
         }
-        let mut premade = self.premade.lock();
+        let mut premade = l.premade.lock();
         if premade.is_none() {
-            *premade = Some(m.make_all());
+            *premade = Some(l.maker.make_all());
         }
     }
 
@@ -204,9 +218,8 @@ impl From<Vec<Tensor>> for TensorList {
     fn from(v: Vec<Tensor>) -> TensorList {
         TensorList {
             made: OnceLock::from(v),
-            maker: None,
+            lazy: None,
             shared: None,
-            premade: Default::default(),
         }
     }
 }
