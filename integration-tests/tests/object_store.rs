@@ -129,9 +129,10 @@ async fn a_pending_value_goes_straight_and_the_driver_keeps_its_copy() {
             .unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
         let c = rt.spawn::<Consumer>(()).await.unwrap();
-        let n = 16 << 20; // 64 MiB of f32
-                          // The first pass makes the link between the two (PD-3: it may go
-                          // through the driver).
+        // 64 MiB of f32.
+        let n = 16 << 20;
+        // The first pass makes the link between the two (PD-3: it may go
+        // through the driver).
         let r = p.make(1.0, n).transport(Transport::ObjectStore).remote();
         assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), n as f64);
         drop(r);
