@@ -155,6 +155,24 @@ impl Sink {
         Ok(s)
     }
 
+    /// `update` with `load_into`: the parameters hold the object's
+    /// tensors, and no value (no tensor handle) comes back. Sums the first
+    /// byte of each parameter.
+    async fn load(&mut self, r: ObjectRef<Vec<Tensor>>, n: usize, each: usize) -> rdt::Result<u64> {
+        if self.params.len() != n || self.params.first().is_some_and(|t| t.nbytes() != each) {
+            let flat = Tensor::zeros(DType::U8, &[n * each]);
+            self.params = (0..n)
+                .map(|i| flat.view(i * each, DType::U8, &[each]))
+                .collect::<std::result::Result<_, _>>()?;
+        }
+        rdt::runtime().load_into(&r, &self.params).await?;
+        let mut s = 0u64;
+        for t in self.params.iter() {
+            s += read_in_place(t, |b| b[0])? as u64;
+        }
+        Ok(s)
+    }
+
     /// Reads the first and last byte: proves the consumer can use it.
     async fn touch(&mut self, t: Tensor) -> rdt::Result<u64> {
         let n = t.nbytes();
@@ -647,6 +665,7 @@ async fn many_tensors(
         let mut one = Vec::new();
         let mut many = Vec::new();
         let mut into = Vec::new();
+        let mut load = Vec::new();
         // The first pass of each allocates (unmeasured).
         for i in 0..iters + 1 {
             let t = Instant::now();
@@ -670,10 +689,17 @@ async fn many_tensors(
             assert_eq!(sum, first_bytes);
             drop(r);
             rdt::data::cuda::timeline("driver into end", i as u64);
+            let into_took = t.elapsed();
+            let t = Instant::now();
+            let r = src.many(MANY_N, each).transport(transport).remote();
+            let sum = rt.get(sink.load(&r, MANY_N, each).remote()).await?;
+            assert_eq!(sum, first_bytes);
+            drop(r);
             if i > 0 {
                 one.push(one_took);
                 many.push(many_took);
-                into.push(t.elapsed());
+                into.push(into_took);
+                load.push(t.elapsed());
             }
         }
         // The same two objects produced once and passed again (a consumer
@@ -738,6 +764,14 @@ async fn many_tensors(
             kind,
             (MANY_N * each) as u64,
             into,
+        ));
+        rows.push(row(
+            "transports",
+            "10000 tensors of 4 KiB into the consumer's own (load_into)",
+            transport.name(),
+            kind,
+            (MANY_N * each) as u64,
+            load,
         ));
     }
     Ok(rows)
@@ -877,7 +911,9 @@ fn print(rows: &[Row]) {
             .find(|b| b.case == one_case && b.transport == r.transport)
         {
             let how = if r.case.contains("get_into") {
-                " into the consumer's own"
+                " into the consumer's own (get_into)"
+            } else if r.case.contains("load_into") {
+                " into the consumer's own (load_into)"
             } else if kept {
                 ", produced once,"
             } else {

@@ -20,7 +20,9 @@
 //!   `many10000` passes an object of 10 000 tensors of 4 KiB; `one40M`
 //!   one tensor of 40 MiB; `many10000_into` the same object read into the
 //!   consumer's own parameters (10 000 views of one flat CUDA buffer, with
-//!   `get_into`: a weight update). `actor_call_rtt` is a tiny call (the 4 KiB
+//!   `get_into`: a weight update); `many10000_load` the same update with
+//!   `load_into` (no value back: the consumer keeps its parameters, and no
+//!   tensor handle is made). `actor_call_rtt` is a tiny call (the 4 KiB
 //!   budget: raw + one call).
 //! * `driver_get`: the driver reads a 1 GiB object held on GPU 0 into its
 //!   host memory (`Runtime::get_on_host`) and onto its GPU 0
@@ -133,6 +135,16 @@ impl NixlSink {
             t.cuda_ready().await?;
         }
         Ok(got.iter().map(Tensor::nbytes).sum())
+    }
+
+    /// A weight update that needs no value back (`load_into`): the
+    /// parameters hold the new weights, usable once this returns.
+    async fn load(&mut self, r: ObjectRef<Vec<Tensor>>) -> rdt::Result<usize> {
+        rdt::runtime().load_into(&r, &self.params).await?;
+        if let Some(t) = self.params.last() {
+            t.cuda_ready().await?;
+        }
+        Ok(self.params.len() * self.params.first().map_or(0, Tensor::nbytes))
     }
 
     /// The tensors are usable here once the read returned.
@@ -655,6 +667,17 @@ async fn rdt_passes(
         10_000 * 4096,
         us,
     ));
+    // The same update with no value back (`load_into`): the parameters
+    // are the consumer's own, so no tensor handle is made or dropped.
+    let us = timed_passes(iters, || rt.get(c.load(&r).remote())).await?;
+    rows.push(row(
+        cx,
+        &format!("many10000_load_{label}"),
+        "nixl",
+        Kind::Bandwidth,
+        10_000 * 4096,
+        us,
+    ));
     Ok(rows)
 }
 
@@ -869,6 +892,14 @@ async fn timeline_many(n: usize) -> rdt::Result<()> {
         100,
         n,
         || rt.get(c.update(&r).remote()),
+    )
+    .await?;
+    // The same with no value back (passes 200 and on).
+    timeline_of(
+        "weight updates of 10 000 tensors of 4 KiB (load_into)",
+        200,
+        n,
+        || rt.get(c.load(&r).remote()),
     )
     .await?;
     flush_timelines().await;

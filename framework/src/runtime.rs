@@ -584,36 +584,64 @@ impl Runtime {
     ) -> Result<T> {
         let r = r.borrow();
         let targets: crate::Targets = targets.into();
-        let wv = self.inner.wait_value(r.id).await?;
-        wv.arrived().await?;
-        let wv = match wv.transport.sidedness() {
-            rdt_transport::Sidedness::TwoSided => {
-                return Err(Error::CollectiveGet {
-                    object: r.id,
-                    transport: wv.transport.to_string(),
-                })
-            }
-            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
-                Some(inst) => {
-                    crate::client::check_targets(r.id, &wv.exported.get()?.metas, &targets)?;
-                    let target = Target::Tensors(targets.shared().clone());
-                    let tensors = self.get_direct(r.id, &wv, inst, target).await?;
-                    let copied = crate::client::into_targets(r.id, &targets, &tensors)?;
-                    let placed = copied.as_deref().unwrap_or(&tensors);
-                    return decode_in_driver(&self.inner, &wv, r.id, placed);
-                }
-                None => self.fetch_via_object_store(r.id).await?,
-            },
-            rdt_transport::Sidedness::ThroughDriver => wv,
-        };
-        let tensors = object_store::unpack(wv.exported.get()?)?;
-        let copied = crate::client::into_targets(r.id, &targets, &tensors)?;
+        let (wv, tensors, copied) = self.land_in(r.id, &targets).await?;
         decode_in_driver(
             &self.inner,
             &wv,
             r.id,
             copied.as_deref().unwrap_or(&tensors),
         )
+    }
+
+    /// [`get_into`](Runtime::get_into) without the value: the object's
+    /// tensors written into `targets`, and nothing decoded (see
+    /// [`ActorRuntime::load_into`](crate::ActorRuntime::load_into), the
+    /// same for an actor). Same targets, same errors as `get_into`.
+    pub async fn load_into<T>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        targets: impl Into<crate::Targets>,
+    ) -> Result<()> {
+        let targets: crate::Targets = targets.into();
+        self.land_in(r.borrow().id, &targets).await.map(drop)
+    }
+
+    /// Object `id` received into `targets`: its value, the tensors
+    /// received, and the targets as the value's tensors where they were
+    /// copied in (`None`: the received tensors are the targets).
+    async fn land_in(
+        &self,
+        id: u64,
+        targets: &crate::Targets,
+    ) -> Result<(
+        WireValue,
+        Vec<rdt_transport::Tensor>,
+        Option<Vec<rdt_transport::Tensor>>,
+    )> {
+        let wv = self.inner.wait_value(id).await?;
+        wv.arrived().await?;
+        let wv = match wv.transport.sidedness() {
+            rdt_transport::Sidedness::TwoSided => {
+                return Err(Error::CollectiveGet {
+                    object: id,
+                    transport: wv.transport.to_string(),
+                })
+            }
+            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
+                Some(inst) => {
+                    crate::client::check_targets(id, &wv.exported.get()?.metas, targets)?;
+                    let target = Target::Tensors(targets.shared().clone());
+                    let tensors = self.get_direct(id, &wv, inst, target).await?;
+                    let copied = crate::client::into_targets(id, targets, &tensors)?;
+                    return Ok((wv, tensors, copied));
+                }
+                None => self.fetch_via_object_store(id).await?,
+            },
+            rdt_transport::Sidedness::ThroughDriver => wv,
+        };
+        let tensors = object_store::unpack(wv.exported.get()?)?;
+        let copied = crate::client::into_targets(id, targets, &tensors)?;
+        Ok((wv, tensors, copied))
     }
 
     /// Like [`Runtime::get`], with every tensor read straight into this

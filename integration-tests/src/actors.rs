@@ -551,6 +551,23 @@ impl Consumer {
         let sums = kept.iter().map(Tensor::sum).collect::<Result<_, _>>()?;
         Ok((sums, same))
     }
+
+    /// `update_kept` with `load_into`: the object's tensors written into
+    /// the kept parameters, no value decoded. Their sums after.
+    async fn load_kept(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        numel: usize,
+    ) -> rdt::Result<Vec<f64>> {
+        let kept = self.kept.get_or_insert_with(|| {
+            (0..n)
+                .map(|_| Tensor::zeros(DType::F32, &[numel]))
+                .collect()
+        });
+        rdt::runtime().load_into(&r, &*kept).await?;
+        Ok(kept.iter().map(Tensor::sum).collect::<Result<_, _>>()?)
+    }
 }
 
 /// An actor whose constructor can fail.

@@ -451,6 +451,74 @@ pub async fn receive_into_target_tensors(t: Transport) {
     assert_eq!(sums, [5000.0, 6000.0, 7000.0]);
 }
 
+/// A weight update that needs no value back (`load_into`): the object's
+/// tensors land in the actor's kept parameters, step after step, with the
+/// same path and the same errors as `get_into`; the driver loads into its
+/// own tensors too (a collective object: the driver's error).
+pub async fn load_into_target_tensors(t: Transport) {
+    let (rt, p, c) = setup(t).await;
+    let (n, numel) = (3, 1000);
+    let in_place_before = rt.get(c.in_place().remote()).await.unwrap();
+    for first in [1.0f32, 10.0] {
+        let v = p.make_version(n, numel, first).transport(t).remote();
+        let sums = rt.get(c.load_kept(&v, n, numel).remote()).await.unwrap();
+        let want: Vec<f64> = (0..n)
+            .map(|i| f64::from(first + i as f32) * numel as f64)
+            .collect();
+        assert_eq!(sums, want, "version {first} in the kept parameters");
+    }
+    // The receive itself wrote into the parameters over every transport
+    // but the object store, whose value is copied in after.
+    let in_place = rt.get(c.in_place().remote()).await.unwrap() - in_place_before;
+    if t == Transport::ObjectStore {
+        assert_eq!(in_place, 0, "loads received in place over {t}");
+    } else {
+        assert_eq!(in_place, 2, "loads received in place over {t}");
+    }
+    // Another layout into the same parameters: a targets error, and the
+    // object and the parameters are both intact.
+    let other = p.make_version(n, numel + 1, 5.0).transport(t).remote();
+    let e = rt
+        .get(c.load_kept(&other, n, numel).remote())
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("target tensors given for object"),
+        "a mismatch is a targets error: {e}"
+    );
+    let sums: Vec<f64> = rt.get(c.sums(&other).remote()).await.unwrap();
+    assert_eq!(sums[0], 5.0 * (numel + 1) as f64, "the object is intact");
+    // Every receive took the transport's path, none another.
+    for other in Transport::registered() {
+        let got = rt
+            .get(c.received(other.name().to_string()).remote())
+            .await
+            .unwrap();
+        if other == t {
+            assert!(got >= 3, "{got} objects received over {t}");
+        } else {
+            assert_eq!(got, 0, "objects received over {other} (passing over {t})");
+        }
+    }
+    // The driver.
+    let v = p.make_version(n, numel, 20.0).transport(t).remote();
+    let mine: Vec<Tensor> = (0..n)
+        .map(|_| Tensor::zeros(DType::F32, &[numel]))
+        .collect();
+    if t.is_collective() {
+        let e = rt.load_into(&v, &mine).await.unwrap_err();
+        assert!(matches!(e, Error::CollectiveGet { .. }), "{e}");
+        return;
+    }
+    let e = rt.load_into(&v, &mine[..1]).await.unwrap_err();
+    assert!(matches!(e, Error::Targets { .. }), "{e}");
+    rt.load_into(&v, &mine).await.unwrap();
+    let sums: Vec<f64> = mine.iter().map(|x| x.sum().unwrap()).collect();
+    assert_eq!(sums, [20000.0, 21000.0, 22000.0]);
+    let got: Vec<Tensor> = rt.get(&v).await.unwrap();
+    assert_eq!(got[2].sum().unwrap(), 22000.0, "still readable after");
+}
+
 macro_rules! common_suite {
     ($m:ident, $t:expr) => {
         suite!(
@@ -472,6 +540,7 @@ macro_rules! common_suite {
                 unknown_transport_at_run_time,
                 views_of_one_storage,
                 receive_into_target_tensors,
+                load_into_target_tensors,
             ]
         );
     };
