@@ -90,6 +90,39 @@ async fn ten_thousand_tensors_are_one_registration_and_one_descriptor() {
     .await;
 }
 
+/// WK-8: a call that waits for a large object as its argument makes the
+/// object's tensors itself, on the actor's thread, while the READ runs:
+/// the receive hands it the list instead of making them on a runtime
+/// thread. Every large receive has its tensors made ahead exactly once,
+/// by one or the other, and the values are right either way.
+#[tokio::test]
+async fn a_waiting_call_makes_a_large_objects_tensors_on_its_own_thread() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let (n, numel) = (1000usize, 16usize);
+        let passes = 5u64;
+        let c0 = of_consumer(&rt, &c).await;
+        for _ in 0..passes {
+            // Submitted together: the consumer's call is on its actor's
+            // thread, waiting for the object, long before the producer
+            // has made 1000 tensors and the delivery comes.
+            let r = p.make_many(n, numel).transport(Transport::Nixl).remote();
+            let total = rt.get(c.sum_many(&r).remote()).await.unwrap();
+            assert_eq!(total, numel as f64 * (n * (n - 1) / 2) as f64);
+        }
+        let c1 = of_consumer(&rt, &c).await;
+        assert_eq!(c1.reads_posted - c0.reads_posted, passes, "one READ a pass");
+        let by_reader = c1.lists_made_by_reader - c0.lists_made_by_reader;
+        let by_receive = c1.lists_premade - c0.lists_premade;
+        assert_eq!(by_reader + by_receive, passes, "made ahead once a pass");
+        assert!(
+            by_reader >= 1,
+            "the waiting call made the tensors in {by_reader} of {passes} passes"
+        );
+    })
+    .await;
+}
+
 /// A weight sync: the same parameters, written in place between steps,
 /// passed in a new object each step. The first receive makes a read plan
 /// and the later ones find it (NX-7: the handles name no object), each

@@ -45,8 +45,8 @@ pub use tcp::TcpTransport;
 pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError, TensorMeta};
 pub use tensor_list::{MakeTensors, TensorList};
 pub use transport::{
-    Exported, GroupRef, GroupSpec, ObjectKey, Peer, Sidedness, Target, TensorTransport,
-    TransferCtx, TransferId, TransportError,
+    Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, Sidedness, Target,
+    TensorTransport, TransferCtx, TransferId, TransportError,
 };
 pub use wire::Blob;
 

@@ -597,6 +597,7 @@ mod tests {
                 xfer: 21,
                 group: None,
                 layout: None,
+                first_reader: None,
                 target: crate::Target::Tensors(
                     vec![
                         Tensor::zeros(crate::DType::F32, &[999]),

@@ -428,7 +428,7 @@ impl ActorRuntime {
             w: &self.w,
             object: id,
         };
-        let v = match self.w.store.wait_for(id).await {
+        let v = match self.w.arrival(id).await {
             Slot::Ready(v) => v,
             Slot::Failed(e) => return Err(e),
         };

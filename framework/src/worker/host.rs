@@ -249,7 +249,7 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
                 // producer's reply and the driver's `Deliver` are a few
                 // socket hops away); a thread that parked here pays a
                 // scheduler wake-up on the call's critical path.
-                match hot(shared.store.wait_for(id)).await {
+                match hot(shared.arrival(id)).await {
                     Slot::Ready(v) => {
                         rdt_transport::cuda::timeline("argument resolved", id);
                         values.push((v.data, v.tensors))

@@ -28,6 +28,13 @@
 //!    does not fit never fails the receive: bad targets lose nothing.
 //!    The same registered list with the same layout over the same
 //!    transport as the last fit is not checked again ([`FittedTargets`]).
+//! 8. **WK-8** The tensors of a large receive are made on the thread that
+//!    waits to use them. A call's argument (or an actor's `get`) that
+//!    waits for an object still being received registers as its first
+//!    reader (`readers`); a receive that makes its tensors while its bytes
+//!    move hands the list to that reader (`TransferCtx::first_reader`),
+//!    which makes them on the actor's thread, where the method walks them
+//!    next. With no reader registered, the receive makes them itself.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -346,6 +353,78 @@ impl Store {
     }
 }
 
+impl WorkerShared {
+    /// WK-8: waits for object `id` in the store, as its first reader if
+    /// it is not there yet: a large receive of it hands its list over while
+    /// the bytes still move, and its tensors are made here, on the
+    /// caller's thread (an actor's, which uses them next).
+    async fn arrival(&self, id: u64) -> Slot {
+        if let Some(slot) = self.store.get(id) {
+            return slot;
+        }
+        let (tx, offered) = oneshot::channel();
+        let token = self
+            .next_req
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let registered = match self.readers.lock().entry(id) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert((token, tx));
+                true
+            }
+        };
+        let _unregister = registered.then_some(Unregister {
+            readers: &self.readers,
+            object: id,
+            token,
+        });
+        let stored = self.store.wait_for(id);
+        tokio::pin!(stored);
+        if registered {
+            match futures::future::select(stored.as_mut(), offered).await {
+                futures::future::Either::Left((slot, _)) => return slot,
+                futures::future::Either::Right((Ok(list), _)) => {
+                    list.premake();
+                    rdt_transport::cuda::timeline("views made on the reader's thread", id);
+                }
+                // The receive ended without offering it.
+                futures::future::Either::Right((Err(_), _)) => {}
+            }
+        }
+        stored.await
+    }
+
+    /// WK-8: the reader registered for `object`, which takes a receive's
+    /// list once.
+    fn first_reader(self: &Arc<Self>, object: u64) -> rdt_transport::FirstReader {
+        let shared = self.clone();
+        rdt_transport::FirstReader::new(move |list| {
+            let reader = shared.readers.lock().remove(&object);
+            reader.is_some_and(|(_, tx)| tx.send(list.clone()).is_ok())
+        })
+    }
+}
+
+/// Removes a reader's registration when its wait ends, unless the receive
+/// took it (or another reader registered since: its token differs).
+struct Unregister<'a> {
+    readers: &'a Mutex<HashMap<u64, (u64, oneshot::Sender<TensorList>)>>,
+    object: u64,
+    token: u64,
+}
+
+impl Drop for Unregister<'_> {
+    fn drop(&mut self) {
+        let mut readers = self.readers.lock();
+        if readers
+            .get(&self.object)
+            .is_some_and(|(t, _)| *t == self.token)
+        {
+            readers.remove(&self.object);
+        }
+    }
+}
+
 /// What the worker's threads share: the store, the control link, the
 /// transfers, and the actor's side of the runtime (`client`).
 pub(crate) struct WorkerShared {
@@ -386,6 +465,10 @@ pub(crate) struct WorkerShared {
     self_calls: Mutex<std::collections::HashSet<u64>>,
     /// Target tensors `get_into` waits to fill, by object (WK-7).
     targets: Mutex<HashMap<u64, Arc<[Tensor]>>>,
+    /// The first thread waiting for each object still being received, by
+    /// object: a token (its registration's) and where to hand the
+    /// receive's list (WK-8).
+    readers: Mutex<HashMap<u64, (u64, oneshot::Sender<TensorList>)>>,
     /// The targets last found to fit (WK-7).
     fitted: Mutex<Option<FittedTargets>>,
     /// `get_into` calls whose receive wrote into the targets itself.
@@ -861,6 +944,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             targets: Mutex::new(HashMap::new()),
             fitted: Mutex::new(None),
             in_place: Default::default(),
+            readers: Mutex::new(HashMap::new()),
             peer: peer::PeerDelivery::new(
                 hostname(),
                 &endpoints,
@@ -1234,6 +1318,7 @@ fn on_deliver(
                         (transport.0, transport.1.as_ref()),
                     ),
                     layout: d.value.exported.layout(),
+                    first_reader: Some(shared.first_reader(object)),
                 };
                 rdt_transport::cuda::timeline("receive target chosen", xfer);
                 let tensors = transport

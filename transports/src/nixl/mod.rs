@@ -178,6 +178,11 @@ pub struct NixlStats {
     /// Of those, the receives into the very target list the plan was made
     /// for (a list the caller kept): neither places nor metadata compared.
     pub target_lists_reused: u64,
+    /// Receives whose tensors were made while the READ ran: by the thread
+    /// waiting to use them (`TransferCtx::first_reader`) ...
+    pub lists_made_by_reader: u64,
+    /// ... or, with no reader waiting, by the receive itself.
+    pub lists_premade: u64,
 }
 
 #[derive(Default)]
@@ -202,6 +207,8 @@ struct Counters {
     read_plans_made: AtomicU64,
     target_plans_reused: AtomicU64,
     target_lists_reused: AtomicU64,
+    lists_made_by_reader: AtomicU64,
+    lists_premade: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -242,6 +249,8 @@ pub fn stats() -> NixlStats {
         read_plans_made: c.read_plans_made.load(Ordering::Relaxed),
         target_plans_reused: c.target_plans_reused.load(Ordering::Relaxed),
         target_lists_reused: c.target_lists_reused.load(Ordering::Relaxed),
+        lists_made_by_reader: c.lists_made_by_reader.load(Ordering::Relaxed),
+        lists_premade: c.lists_premade.load(Ordering::Relaxed),
     }
 }
 
@@ -1265,12 +1274,18 @@ impl NixlTransport {
             posted.reqs.push((req, done));
         }
         crate::cuda::timeline("nixl posted", cx.xfer);
-        // The READ moves the bytes without this thread: make the tensors
-        // of a large object meanwhile, for the call that takes it
-        // (`TensorList::premake`).
+        // The READ moves the bytes without this thread: the tensors of a
+        // large object are made meanwhile (`TensorList::premake`), by the
+        // thread waiting to use them if there is one, else here.
         if out.is_lazy() {
-            out.premake();
-            crate::cuda::timeline("nixl views premade", cx.xfer);
+            if cx.first_reader.as_ref().is_some_and(|r| r.offer(&out)) {
+                bump(&COUNTERS.lists_made_by_reader, 1);
+                crate::cuda::timeline("nixl views offered", cx.xfer);
+            } else {
+                out.premake();
+                bump(&COUNTERS.lists_premade, 1);
+                crate::cuda::timeline("nixl views premade", cx.xfer);
+            }
         }
         // Small reads end within microseconds of their post: ask for them
         // here, within the hot window (yielding to the executor between
