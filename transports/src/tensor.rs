@@ -1344,6 +1344,48 @@ impl<'a> DeviceBytes<'a> {
 mod tests {
     use super::*;
 
+    /// A tensor is one cache line, its shape 40 bytes of it: a list of
+    /// 10 000 tensors is 640 KB, written, walked and dropped every pass.
+    #[test]
+    fn a_tensor_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Shape>(), 40);
+        assert_eq!(std::mem::size_of::<Tensor>(), 64);
+    }
+
+    /// Not a test: times making 10 000 views of one storage, as a
+    /// receive's read plan does (`cargo test --release -- --ignored
+    /// views_timing --nocapture`).
+    #[test]
+    #[ignore]
+    fn views_timing() {
+        let flat = Tensor::zeros(DType::U8, &[10_000 * 4096]);
+        let kinds: Vec<(DType, Shape)> = vec![(DType::U8, Shape::from(&[4096usize][..]))];
+        let at: Vec<usize> = (0..10_000).map(|i| i * 4096).collect();
+        let kind_of: Vec<u32> = vec![0; 10_000];
+        let (mut best, mut best_clone) = (f64::MAX, f64::MAX);
+        for _ in 0..300 {
+            let t = std::time::Instant::now();
+            let v: Vec<Tensor> = at
+                .iter()
+                .zip(&kind_of)
+                .map(|(&o, &k)| {
+                    let (d, s) = &kinds[k as usize];
+                    Tensor::view_of_storage(*d, s.clone(), flat.storage(), o)
+                })
+                .collect();
+            let took = t.elapsed().as_secs_f64() * 1e6;
+            std::hint::black_box(&v);
+            let t = std::time::Instant::now();
+            let c = v.clone();
+            let cloned = t.elapsed().as_secs_f64() * 1e6;
+            std::hint::black_box(&c);
+            drop((v, c));
+            best = best.min(took);
+            best_clone = best_clone.min(cloned);
+        }
+        println!("10 000 views: best {best:.1} us; cloned: best {best_clone:.1} us");
+    }
+
     /// Heap memory posing as external memory, shared or not.
     struct TestMemory {
         ptr: *mut u8,
