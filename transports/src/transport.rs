@@ -264,8 +264,9 @@ pub struct TransferCtx {
     /// knows one (a call on an actor's thread that takes the object as an
     /// argument). A receive that makes its tensors while its bytes move
     /// ([`TensorList::premake`](crate::TensorList::premake)) offers the
-    /// list to it first: the reader makes them on its own thread, where
-    /// they are used next. `None`: nobody waits; the receive makes them.
+    /// list to it first, as early as it can: the reader makes them on its
+    /// own thread, where they are used next. `None`: nobody waits; the
+    /// receive makes them.
     pub first_reader: Option<FirstReader>,
 }
 

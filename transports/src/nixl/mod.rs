@@ -1211,6 +1211,16 @@ impl NixlTransport {
             Into::Fresh(plan) => self.take_planned(&agent, plan, from)?,
         };
         crate::cuda::timeline("nixl destinations ready", cx.xfer);
+        // The tensors of a large object are made while the bytes move
+        // (`TensorList::premake`). A thread waiting to use them (WK-8)
+        // gets the list now, before the post (tens of µs for a large READ
+        // across GPUs), so that it makes them meanwhile too; with none,
+        // this thread makes them once the READ is posted.
+        let offered = out.is_lazy() && cx.first_reader.as_ref().is_some_and(|r| r.offer(&out));
+        if offered {
+            bump(&COUNTERS.lists_made_by_reader, 1);
+            crate::cuda::timeline("nixl views offered", cx.xfer);
+        }
         // NX-9: UCX writes device memory on streams of its own. Work still
         // queued on rdt's stream may read what the READ overwrites: the
         // old values of target tensors, or memory freed while in use and
@@ -1274,18 +1284,12 @@ impl NixlTransport {
             posted.reqs.push((req, done));
         }
         crate::cuda::timeline("nixl posted", cx.xfer);
-        // The READ moves the bytes without this thread: the tensors of a
-        // large object are made meanwhile (`TensorList::premake`), by the
-        // thread waiting to use them if there is one, else here.
-        if out.is_lazy() {
-            if cx.first_reader.as_ref().is_some_and(|r| r.offer(&out)) {
-                bump(&COUNTERS.lists_made_by_reader, 1);
-                crate::cuda::timeline("nixl views offered", cx.xfer);
-            } else {
-                out.premake();
-                bump(&COUNTERS.lists_premade, 1);
-                crate::cuda::timeline("nixl views premade", cx.xfer);
-            }
+        // The READ moves the bytes without this thread: it makes the
+        // tensors meanwhile if no reader took them.
+        if out.is_lazy() && !offered {
+            out.premake();
+            bump(&COUNTERS.lists_premade, 1);
+            crate::cuda::timeline("nixl views premade", cx.xfer);
         }
         // Small reads end within microseconds of their post: ask for them
         // here, within the hot window (yielding to the executor between
