@@ -1352,6 +1352,40 @@ mod tests {
         assert_eq!(std::mem::size_of::<Tensor>(), 64);
     }
 
+    /// Not a test: times asking whether an idle CUDA tensor is ready, the
+    /// stream query under it, and binding the context (needs a GPU;
+    /// `cargo test --release -- --ignored cuda_ready_timing --nocapture`).
+    #[test]
+    #[ignore]
+    fn cuda_ready_timing() {
+        if crate::cuda::available().is_err() {
+            println!("no GPU: skipped");
+            return;
+        }
+        let t = Tensor::cuda_zeros(DType::U8, &[4096], 0).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(t.cuda_ready()).unwrap();
+        let g = crate::cuda::gpu(0).unwrap();
+        let n = 2000;
+        let time = |what: &str, f: &mut dyn FnMut()| {
+            let t0 = std::time::Instant::now();
+            for _ in 0..n {
+                f();
+            }
+            println!(
+                "{what}: {:.2} us each",
+                t0.elapsed().as_secs_f64() * 1e6 / n as f64
+            );
+        };
+        time("cuda_ready on an idle tensor", &mut || {
+            rt.block_on(t.cuda_ready()).unwrap()
+        });
+        time("stream_idle", &mut || assert!(g.stream_idle().unwrap()));
+        time("bind", &mut || g.bind().unwrap());
+    }
+
     /// Not a test: times making 10 000 views of one storage, as a
     /// receive's read plan does (`cargo test --release -- --ignored
     /// views_timing --nocapture`).
