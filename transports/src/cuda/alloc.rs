@@ -36,7 +36,7 @@
 //!    later slab at the same address.
 //! 5. **Another stream writes clean memory only.** A slab remembers the
 //!    free mark current at its last free (see the `cuda` module's free
-//!    marks, FM-1). [`alloc_for_other_stream`] takes a range of a clean
+//!    marks, FM-1). `alloc_for_other_stream` takes a range of a clean
 //!    slab where one has room. Else, for a large tensor (a slab of its
 //!    own) while the device has at least [`ROOM_FOR_CLEAN`] times its size
 //!    free, a new slab: large slabs mark their frees (FM-3), so a dirty one

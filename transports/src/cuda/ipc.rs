@@ -769,7 +769,7 @@ fn forget_producer(key: ProducerKey) {
 
 /// Closes every cached mapping no tensor of this process uses any more.
 /// Returns how many were closed. Tensors dropped before the call are
-/// counted out first (see [`settle_drops`]).
+/// counted out first (see `settle_drops`).
 pub fn close_unused_mappings() -> usize {
     settle_drops();
     let mut cache = mappings().lock();
@@ -781,7 +781,7 @@ pub fn close_unused_mappings() -> usize {
 /// Closes every cached mapping that no tensor of this process uses and
 /// whose slab the producer retired, so that the producer can free it.
 /// Returns how many were closed. Tensors dropped before the call are
-/// counted out first (see [`settle_drops`]), so a tensor the caller dropped
+/// counted out first (see `settle_drops`), so a tensor the caller dropped
 /// no longer keeps its slab mapped.
 pub fn close_retired_mappings() -> usize {
     settle_drops();
