@@ -141,36 +141,18 @@ impl Sink {
         n: usize,
         each: usize,
     ) -> rdt::Result<u64> {
-        if self.params.len() != n || self.params.first().is_some_and(|t| t.nbytes() != each) {
-            let flat = Tensor::zeros(DType::U8, &[n * each]);
-            self.params = (0..n)
-                .map(|i| flat.view(i * each, DType::U8, &[each]))
-                .collect::<std::result::Result<_, _>>()?;
-        }
+        keep_flat_params(&mut self.params, n, each)?;
         let got: Vec<Tensor> = rdt::runtime().get_into(&r, &self.params).await?;
-        let mut s = 0u64;
-        for t in &got {
-            s += read_in_place(t, |b| b[0])? as u64;
-        }
-        Ok(s)
+        sum_first_bytes(&got)
     }
 
     /// `update` with `load_into`: the parameters hold the object's
     /// tensors, and no value (no tensor handle) comes back. Sums the first
     /// byte of each parameter.
     async fn load(&mut self, r: ObjectRef<Vec<Tensor>>, n: usize, each: usize) -> rdt::Result<u64> {
-        if self.params.len() != n || self.params.first().is_some_and(|t| t.nbytes() != each) {
-            let flat = Tensor::zeros(DType::U8, &[n * each]);
-            self.params = (0..n)
-                .map(|i| flat.view(i * each, DType::U8, &[each]))
-                .collect::<std::result::Result<_, _>>()?;
-        }
+        keep_flat_params(&mut self.params, n, each)?;
         rdt::runtime().load_into(&r, &self.params).await?;
-        let mut s = 0u64;
-        for t in self.params.iter() {
-            s += read_in_place(t, |b| b[0])? as u64;
-        }
-        Ok(s)
+        sum_first_bytes(&self.params)
     }
 
     /// Reads the first and last byte: proves the consumer can use it.
@@ -189,11 +171,7 @@ impl Sink {
 
     /// Reads the first byte of every tensor: proves each arrived whole.
     async fn touch_all(&mut self, ts: Vec<Tensor>) -> rdt::Result<u64> {
-        let mut s = 0u64;
-        for t in &ts {
-            s += read_in_place(t, |b| b[0])? as u64;
-        }
-        Ok(s)
+        sum_first_bytes(&ts)
     }
 
     /// `iters` tiny calls to `src` from inside this actor (an actor as a
@@ -227,6 +205,28 @@ fn read_in_place<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> R) -> rdt::Result<R> {
     // writes it again after it is made, so no process writes these bytes
     // while `f` reads them.
     Ok(unsafe { t.with_bytes_unchecked(f) }?)
+}
+
+/// `params` as `n` views of `each` bytes of one flat host buffer, made
+/// unless they are that already (a trainer's weights, kept across updates).
+fn keep_flat_params(params: &mut rdt::Targets, n: usize, each: usize) -> rdt::Result<()> {
+    if params.len() != n || params.first().is_some_and(|t| t.nbytes() != each) {
+        let flat = Tensor::zeros(DType::U8, &[n * each]);
+        *params = (0..n)
+            .map(|i| flat.view(i * each, DType::U8, &[each]))
+            .collect::<std::result::Result<_, _>>()?;
+    }
+    Ok(())
+}
+
+/// The sum of the first byte of each tensor, read in place: proves each
+/// arrived whole.
+fn sum_first_bytes(ts: &[Tensor]) -> rdt::Result<u64> {
+    let mut s = 0u64;
+    for t in ts {
+        s += read_in_place(t, |b| b[0])? as u64;
+    }
+    Ok(s)
 }
 
 /// What a full pass of a tensor the producer keeps is: a hand-off over
