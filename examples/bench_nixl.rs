@@ -923,6 +923,18 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
     raw_baseline(&cx, "host_pinned", &visible[0], &visible[0], true).await?;
     raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
     let (rt, p, c) = producer_and_consumer().await?;
+    // Tiny calls to the same consumer first, on the same timeline (id 0):
+    // the budget a pass is held to, step by step.
+    let mut us = Vec::with_capacity(n);
+    for i in 0..n as u64 + 3 {
+        rdt::data::cuda::timeline("driver pass start", 0);
+        let t0 = Instant::now();
+        rt.get(c.ping(i).remote()).await?;
+        us.push(us_since(t0));
+        rdt::data::cuda::timeline("driver pass end", 0);
+    }
+    us.sort_by(f64::total_cmp);
+    println!("{} tiny calls: median {:.1} us", us.len(), us[us.len() / 2]);
     let bytes = 4usize << 10;
     rt.get(p.prepare(bytes).remote()).await?;
     rt.get(p.prepare_host(bytes).remote()).await?;
