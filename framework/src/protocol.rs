@@ -185,12 +185,6 @@ impl WireExported {
         self.head.arrived().await.map(drop).map_err(lost_bytes)
     }
 
-    /// Is the head all here (it is, unless it is large and came in a
-    /// frame handed on as it arrives)?
-    pub fn head_is_here(&self) -> bool {
-        self.head.still_arriving().is_none()
-    }
-
     /// Names the decoded form [`get`](Self::get) gave, in this process:
     /// values whose heads were found among the recent ones share it, so
     /// the same layout means byte-identical metadata and handles, and an

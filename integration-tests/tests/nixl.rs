@@ -90,46 +90,6 @@ async fn ten_thousand_tensors_are_one_registration_and_one_descriptor() {
     .await;
 }
 
-/// A small object from a producer this consumer has read from before
-/// starts its receive on the worker's control loop: the READ is posted
-/// before the call behind the delivery reaches the actor. The first read
-/// from a producer (metadata to load, a connection to make) and a large
-/// object (its views go to the waiting call, WK-8) start in a task.
-#[tokio::test]
-async fn a_small_read_from_a_known_producer_is_posted_on_the_control_loop() {
-    deadline(DL, async {
-        let (rt, p, c) = start().await;
-        let on_loop = |s: &NixlStats| s.reads_posted_on_control_loop;
-        let c0 = of_consumer(&rt, &c).await;
-        let r = p.make(1.0, 1024).transport(Transport::Nixl).remote();
-        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 1024.0);
-        let c1 = of_consumer(&rt, &c).await;
-        assert_eq!(c1.reads_posted - c0.reads_posted, 1, "read with NIXL");
-        assert_eq!(on_loop(&c1), on_loop(&c0), "the first read, in a task");
-        let passes = 4u64;
-        for i in 0..passes {
-            let v = 2.0 + i as f32;
-            let r = p.make(v, 1024).transport(Transport::Nixl).remote();
-            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 1024.0 * v as f64);
-        }
-        let c2 = of_consumer(&rt, &c).await;
-        assert_eq!(c2.reads_posted - c1.reads_posted, passes);
-        assert_eq!(
-            on_loop(&c2) - on_loop(&c1),
-            passes,
-            "every later small read posted on the control loop"
-        );
-        let (n, numel) = (1000usize, 16usize);
-        let r = p.make_many(n, numel).transport(Transport::Nixl).remote();
-        let total = rt.get(c.sum_many(&r).remote()).await.unwrap();
-        assert_eq!(total, numel as f64 * (n * (n - 1) / 2) as f64);
-        let c3 = of_consumer(&rt, &c).await;
-        assert_eq!(c3.reads_posted - c2.reads_posted, 1);
-        assert_eq!(on_loop(&c3), on_loop(&c2), "a large object, in a task");
-    })
-    .await;
-}
-
 /// WK-8: a call that waits for a large object as its argument makes the
 /// object's tensors itself, on the actor's thread, while the READ runs:
 /// the receive hands it the list instead of making them on a runtime

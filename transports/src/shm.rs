@@ -473,7 +473,7 @@ impl TensorTransport for ShmTransport {
     }
 
     /// It opens a published memory and returns: nothing to wait for.
-    fn receive_runs_inline(&self, _exported: &Exported) -> bool {
+    fn receive_runs_inline(&self) -> bool {
         true
     }
 

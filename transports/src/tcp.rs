@@ -598,7 +598,6 @@ mod tests {
                 group: None,
                 layout: None,
                 first_reader: None,
-                on_control_loop: false,
                 target: crate::Target::Tensors(
                     vec![
                         Tensor::zeros(crate::DType::F32, &[999]),

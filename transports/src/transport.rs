@@ -268,11 +268,6 @@ pub struct TransferCtx {
     /// own thread, where they are used next. `None`: nobody waits; the
     /// receive makes them.
     pub first_reader: Option<FirstReader>,
-    /// The receive's first poll runs on the worker's control loop
-    /// ([`TensorTransport::receive_runs_inline`] said so): it should return to
-    /// the loop (yield) as soon as its work is handed off, where it would
-    /// otherwise wait in place, since the frames behind it wait too.
-    pub on_control_loop: bool,
 }
 
 /// A thread waiting to read a receive's tensors (see
@@ -487,29 +482,18 @@ pub trait TensorTransport: Send + Sync + 'static {
         None
     }
 
-    /// Should the receive of `exported` start on the worker's control
-    /// loop, at once, up to its first wait, instead of in a task that
-    /// starts only when the loop next yields? The loop then reads the
-    /// frames behind the delivery (often the call waiting for it) only
-    /// after that first part, so say yes where it is short:
-    /// - a receive that does not wait at all (no bytes to come, no peer to
-    ///   answer: it opens memory the producer published, usually a mapping
-    ///   kept from an earlier pass): a hand-off is stored, and the call
-    ///   waiting for it free to start, before the loop reads its next
-    ///   frame. The first receive from a new source holds the loop while
-    ///   it maps (`shm`: an `mmap`; `cuda_ipc`: a `cuIpcOpenMemHandle`,
-    ///   about a millisecond);
-    /// - a small one-sided read (`nixl`): its request is posted before the
-    ///   call behind it is handed to the actor's thread, so the two
-    ///   overlap; such a receive is told by
-    ///   [`TransferCtx::on_control_loop`] to give the loop back once its
-    ///   work is handed off.
-    ///
-    /// The rest of the receive, if it waits, goes on in a task. Asked once
-    /// per receive, with its decoded metadata and handles; it must be
-    /// cheap. The default: false, the receive runs in a task of its own.
-    fn receive_runs_inline(&self, exported: &Exported) -> bool {
-        let _ = exported;
+    /// Does [`receive`](Self::receive) return without waiting for anything
+    /// (no bytes to come, no peer to answer: it opens memory the producer
+    /// published, usually a mapping kept from an earlier pass)? The worker
+    /// then runs it on its control loop at once, up to its first wait,
+    /// instead of in a task that starts only when the loop next yields: a
+    /// hand-off is stored, and the call waiting for it free to start,
+    /// before the loop reads its next frame. A receive that does wait is
+    /// moved to a task at that point. The first receive from a new source
+    /// holds the loop while it maps (`shm`: an `mmap`; `cuda_ipc`: a
+    /// `cuIpcOpenMemHandle`, about a millisecond). The default: false, the
+    /// receive runs in a task of its own.
+    fn receive_runs_inline(&self) -> bool {
         false
     }
 

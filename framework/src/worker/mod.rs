@@ -1298,14 +1298,7 @@ fn on_deliver(
         side = "receive",
     );
     let group = d.group;
-    // Asked only where the head is here already (a large one may still be
-    // arriving, cut-through); decoded here, the job finds it decoded.
-    let inline = group.is_none()
-        && d.value.exported.head_is_here()
-        && d.value
-            .exported
-            .get()
-            .is_ok_and(|e| transport.1.receive_runs_inline(e));
+    let inline = group.is_none() && transport.1.receive_runs_inline();
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1326,7 +1319,6 @@ fn on_deliver(
                     ),
                     layout: d.value.exported.layout(),
                     first_reader: Some(shared.first_reader(object)),
-                    on_control_loop: inline,
                 };
                 rdt_transport::cuda::timeline("receive target chosen", xfer);
                 let tensors = transport

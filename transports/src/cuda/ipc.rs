@@ -920,7 +920,7 @@ impl TensorTransport for CudaIpcTransport {
     }
 
     /// It opens a published memory and returns: nothing to wait for.
-    fn receive_runs_inline(&self, _exported: &Exported) -> bool {
+    fn receive_runs_inline(&self) -> bool {
         true
     }
 

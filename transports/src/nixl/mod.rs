@@ -183,10 +183,6 @@ pub struct NixlStats {
     pub lists_made_by_reader: u64,
     /// ... or, with no reader waiting, by the receive itself.
     pub lists_premade: u64,
-    /// READs posted by a receive that started on the worker's control
-    /// loop (`TensorTransport::receive_runs_inline`: a small object from
-    /// a producer read from before), before the loop read the next frame.
-    pub reads_posted_on_control_loop: u64,
 }
 
 #[derive(Default)]
@@ -213,7 +209,6 @@ struct Counters {
     target_lists_reused: AtomicU64,
     lists_made_by_reader: AtomicU64,
     lists_premade: AtomicU64,
-    reads_posted_on_control_loop: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -256,7 +251,6 @@ pub fn stats() -> NixlStats {
         target_lists_reused: c.target_lists_reused.load(Ordering::Relaxed),
         lists_made_by_reader: c.lists_made_by_reader.load(Ordering::Relaxed),
         lists_premade: c.lists_premade.load(Ordering::Relaxed),
-        reads_posted_on_control_loop: c.reads_posted_on_control_loop.load(Ordering::Relaxed),
     }
 }
 
@@ -672,17 +666,6 @@ struct HandlesWire {
     /// tensor before it in its run (0 for a run's first): zigzag varints.
     #[serde(with = "serde_bytes")]
     gaps: Vec<u8>,
-}
-
-impl HandlesWire {
-    /// The producer's agent named by encoded handles, read without
-    /// decoding the rest (`agent` is their first field); `None` if
-    /// malformed.
-    fn agent_of(handles: &[u8]) -> Option<&str> {
-        postcard::take_from_bytes::<&str>(handles)
-            .ok()
-            .map(|(a, _)| a)
-    }
 }
 
 /// A signed gap as an unsigned varint's value (zigzag: small of either
@@ -1301,19 +1284,6 @@ impl NixlTransport {
             posted.reqs.push((req, done));
         }
         crate::cuda::timeline("nixl posted", cx.xfer);
-        // On the worker's control loop: back to it now (the call behind
-        // this delivery waits in the next frame), unless the READ ended
-        // at once (host memory often does); the rest runs in a task.
-        if cx.on_control_loop {
-            bump(
-                &COUNTERS.reads_posted_on_control_loop,
-                posted.reqs.len() as u64,
-            );
-            posted.settle().map_err(|e| reading(e.0))?;
-            if !posted.reqs.is_empty() {
-                tokio::task::yield_now().await;
-            }
-        }
         // The READ moves the bytes without this thread: it makes the
         // tensors meanwhile if no reader took them.
         if out.is_lazy() && !offered {
@@ -2447,20 +2417,6 @@ impl TensorTransport for NixlTransport {
 
     fn serves_driver(&self) -> bool {
         true
-    }
-
-    /// Small objects from a producer this process has read from before:
-    /// the READ is posted before the call behind the delivery is handed
-    /// to the actor, and the two overlap (a 4 KiB pass's critical path
-    /// lost the task's start, several µs). Not a large object (its views
-    /// are offered to the call's thread, which must have registered as
-    /// their reader by then: WK-8), and not a first read from a producer
-    /// (loading its metadata and connecting take milliseconds that would
-    /// hold the loop).
-    fn receive_runs_inline(&self, exported: &Exported) -> bool {
-        exported.metas.len() < PLAN_MIN_TENSORS
-            && HandlesWire::agent_of(&exported.handles)
-                .is_some_and(|a| self.remotes.lock().contains_key(a))
     }
 
     fn receives_into(&self, targets: &[Tensor]) -> Result<(), String> {
