@@ -207,15 +207,18 @@ impl WireExported {
 /// nothing that names the object) is byte for byte the last one's.
 /// Decoding the metadata of 10 000 tensors took about 220 µs of a
 /// consumer's receive (one H100 host); finding it here is one comparison
-/// of the bytes. Only heads of at least [`MIN_HEAD`](Self::MIN_HEAD)
-/// bytes are kept (small ones decode in less than a lookup), the last
-/// [`KEEP`](Self::KEEP) of them; a hit compares every byte, so a head is
-/// never taken for another.
+/// of the bytes. A head's size says little of its tensors: the metadata
+/// of 10 000 tensors of a few shapes is a few bytes (`metas_wire`), and
+/// decoding still makes 10 000 entries, and a new layout would make the
+/// transport work out its plan again. So every head of at least
+/// [`MIN_HEAD`](Self::MIN_HEAD) bytes is kept (smaller ones carry no
+/// transport handles), the last [`KEEP`](Self::KEEP) of them; a hit
+/// compares every byte, so a head is never taken for another.
 pub(crate) struct RecentHeads;
 
 impl RecentHeads {
-    /// The smallest head kept (about 100 tensors).
-    pub(crate) const MIN_HEAD: usize = 2048;
+    /// The smallest head kept.
+    pub(crate) const MIN_HEAD: usize = 64;
     /// Heads kept.
     pub(crate) const KEEP: usize = 8;
 

@@ -4,20 +4,27 @@
 //! three processes (producer, driver, consumer) every pass. Written as a
 //! list of [`TensorMeta`]s, each tensor carried its device whole (a tag,
 //! a 16-byte UUID and an ordinal: 18 fields to encode and decode one by
-//! one) for the one or two devices an object is on. Here the devices are
-//! listed once and the tensors go as columns that postcard moves as runs
-//! of bytes and integers:
+//! one) for the one or two devices an object is on; written as columns
+//! (a dtype, a device index, a rank and the dimensions per tensor), it
+//! was still about five bytes a tensor, 50 KB for 10 000 tensors that
+//! the driver wrote and the consumer read on every pass (about 35 µs of a
+//! pass across GPUs on the 2×H200 host). But the tensors of one object are
+//! of few kinds: the layers of a model repeat the same handful of shapes.
+//! So:
 //!
 //! - `devices`: each distinct device, in order of first use;
-//! - `dtypes`, `on`, `ranks`: per tensor, its dtype (its index in
-//!   [`DTYPES`]), its device (index in `devices`) and its number of
-//!   dimensions, one byte each;
-//! - `dims`: every tensor's dimensions, back to back, as LEB128 varints.
+//! - `kinds`: each distinct (dtype, device, shape), in order of first use:
+//!   its dtype (its index in [`DTYPES`]), its device (index in
+//!   `devices`) and its rank, one byte each, then its dimensions as
+//!   LEB128 varints;
+//! - `tensors`: each tensor's kind, in tensor order, as runs
+//!   ([`put_run`]): a tensor of another kind than the one before costs
+//!   a byte (fewer than 64 kinds), a run of tensors of one kind two or
+//!   three bytes in all.
 //!
-//! Each column is one run of bytes on the wire (`serde_bytes`), read here
-//! in a tight loop: decoded through serde element by element, the columns
-//! of 10 000 tensors took about 180 µs on the dev VM; as runs, about
-//! a third of that.
+//! 10 000 tensors of one shape are a few bytes; 10 000 of a model whose
+//! layers alternate a dozen shapes, about 10 KB. Decoding makes each kind
+//! once and copies it for its tensors.
 //!
 //! Decoding checks that the columns agree (a malformed frame is an error,
 //! never a panic).
@@ -32,13 +39,9 @@ use crate::{DType, Device, Shape, TensorMeta};
 struct Columns {
     devices: Vec<Device>,
     #[serde(with = "serde_bytes")]
-    dtypes: Vec<u8>,
+    kinds: Vec<u8>,
     #[serde(with = "serde_bytes")]
-    on: Vec<u8>,
-    #[serde(with = "serde_bytes")]
-    ranks: Vec<u8>,
-    #[serde(with = "serde_bytes")]
-    dims: Vec<u8>,
+    tensors: Vec<u8>,
 }
 
 /// Every dtype, by its code on the wire (its declaration order).
@@ -82,73 +85,161 @@ pub(crate) fn take_varint(b: &[u8]) -> Option<(u64, &[u8])> {
     None
 }
 
+/// Writes `count` (at least 1) repeats of `value` (below 2^63): one
+/// varint of `value` shifted left by one, its low bit set when a second
+/// varint, `count - 2`, follows. A value on its own costs what its varint
+/// costs (one byte below 64); a run of any length, one or two more.
+pub(crate) fn put_run(out: &mut Vec<u8>, value: u64, count: u64) {
+    debug_assert!(value < 1 << 63 && count >= 1);
+    if count == 1 {
+        put_varint(out, value << 1);
+    } else {
+        put_varint(out, (value << 1) | 1);
+        put_varint(out, count - 2);
+    }
+}
+
+/// The next run of `b` ([`put_run`]) as (value, count), and the rest;
+/// `None` if it is cut short or malformed.
+pub(crate) fn take_run(b: &[u8]) -> Option<(u64, u64, &[u8])> {
+    let (v, rest) = take_varint(b)?;
+    if v & 1 == 0 {
+        return Some((v >> 1, 1, rest));
+    }
+    let (extra, rest) = take_varint(rest)?;
+    Some((v >> 1, extra.checked_add(2)?, rest))
+}
+
+/// Writes `values` as runs ([`put_run`]).
+pub(crate) fn put_runs(out: &mut Vec<u8>, values: impl IntoIterator<Item = u64>) {
+    let mut run: Option<(u64, u64)> = None;
+    for v in values {
+        match &mut run {
+            Some((value, count)) if *value == v => *count += 1,
+            _ => {
+                if let Some((value, count)) = run {
+                    put_run(out, value, count);
+                }
+                run = Some((v, 1));
+            }
+        }
+    }
+    if let Some((value, count)) = run {
+        put_run(out, value, count);
+    }
+}
+
 /// At most this many distinct devices in one object (indices are bytes).
 const MAX_DEVICES: usize = u8::MAX as usize + 1;
 
+/// Kinds looked for among the last ones before a map is made: the usual
+/// object has a handful.
+const KINDS_SCANNED: usize = 16;
+
 pub(crate) fn serialize<S: Serializer>(metas: &[TensorMeta], s: S) -> Result<S::Ok, S::Error> {
-    let mut c = Columns {
-        devices: Vec::new(),
-        dtypes: Vec::with_capacity(metas.len()),
-        on: Vec::with_capacity(metas.len()),
-        ranks: Vec::with_capacity(metas.len()),
-        dims: Vec::with_capacity(metas.len() * 3),
-    };
-    for m in metas {
-        // The device of the previous tensor, usually.
-        let at = match c.devices.iter().rposition(|d| *d == m.device) {
+    if metas.len() > MAX_TENSORS {
+        return Err(serde::ser::Error::custom(format!(
+            "an object has {} tensors, more than the {MAX_TENSORS} one object may have; \
+             split it, or pack small tensors into larger ones",
+            metas.len()
+        )));
+    }
+    let mut devices: Vec<Device> = Vec::new();
+    // Each kind once: (its meta, its index).
+    let mut kinds: Vec<&TensorMeta> = Vec::new();
+    let mut index: std::collections::HashMap<&TensorMeta, u64> = Default::default();
+    let mut kind_bytes = Vec::new();
+    let mut last: Option<(&TensorMeta, u64)> = None;
+    let of_kind = metas.iter().map(|m| {
+        // The kind of the tensor before, usually; else one of the last
+        // few; else the map (filled once there are many kinds).
+        if let Some((k, i)) = last {
+            if k == m {
+                return Ok(i);
+            }
+        }
+        let found = if kinds.len() <= KINDS_SCANNED {
+            kinds.iter().rposition(|k| *k == m).map(|i| i as u64)
+        } else {
+            index.get(m).copied()
+        };
+        let i = match found {
             Some(i) => i,
             None => {
-                c.devices.push(m.device);
-                c.devices.len() - 1
+                let at = match devices.iter().rposition(|d| *d == m.device) {
+                    Some(i) => i,
+                    None => {
+                        devices.push(m.device);
+                        devices.len() - 1
+                    }
+                };
+                if at >= MAX_DEVICES || m.shape.len() > u8::MAX as usize {
+                    return Err(format!(
+                        "an object's tensors span more than {MAX_DEVICES} devices, or one has \
+                         more than 255 dimensions"
+                    ));
+                }
+                kind_bytes.push(m.dtype as u8);
+                kind_bytes.push(at as u8);
+                kind_bytes.push(m.shape.len() as u8);
+                for &d in m.shape.iter() {
+                    put_varint(&mut kind_bytes, d as u64);
+                }
+                let i = kinds.len() as u64;
+                kinds.push(m);
+                if kinds.len() > KINDS_SCANNED {
+                    if index.is_empty() {
+                        index.extend(kinds.iter().enumerate().map(|(j, k)| (*k, j as u64)));
+                    } else {
+                        index.insert(m, i);
+                    }
+                }
+                i
             }
         };
-        if at >= MAX_DEVICES || m.shape.len() > u8::MAX as usize {
-            return Err(serde::ser::Error::custom(format!(
-                "an object's tensors span more than {MAX_DEVICES} devices, or one has more than \
-                 255 dimensions"
-            )));
-        }
-        c.dtypes.push(m.dtype as u8);
-        c.on.push(at as u8);
-        c.ranks.push(m.shape.len() as u8);
-        for &d in m.shape.iter() {
-            put_varint(&mut c.dims, d as u64);
-        }
+        last = Some((m, i));
+        Ok(i)
+    });
+    let mut tensors = Vec::new();
+    let mut failed = None;
+    put_runs(
+        &mut tensors,
+        of_kind.map_while(|k| k.map_err(|e| failed = Some(e)).ok()),
+    );
+    if let Some(e) = failed {
+        return Err(serde::ser::Error::custom(e));
     }
-    c.serialize(s)
+    Columns {
+        devices,
+        kinds: kind_bytes,
+        tensors,
+    }
+    .serialize(s)
 }
 
 pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<TensorMeta>, D::Error> {
     let c = Columns::deserialize(d)?;
-    let n = c.dtypes.len();
-    if c.on.len() != n || c.ranks.len() != n {
-        return Err(D::Error::custom(format!(
-            "tensor metadata: {n} dtypes, {} devices, {} ranks",
-            c.on.len(),
-            c.ranks.len()
-        )));
-    }
-    let mut out = Vec::with_capacity(n);
-    let mut dims = &c.dims[..];
-    for i in 0..n {
-        let device = *c.devices.get(c.on[i] as usize).ok_or_else(|| {
-            D::Error::custom(format!(
-                "tensor metadata: device #{} of {}",
-                c.on[i],
-                c.devices.len()
-            ))
-        })?;
-        let dtype = *DTYPES.get(c.dtypes[i] as usize).ok_or_else(|| {
-            D::Error::custom(format!("tensor metadata: dtype code {}", c.dtypes[i]))
-        })?;
-        let rank = c.ranks[i] as usize;
+    let mut kinds = Vec::new();
+    let mut b = &c.kinds[..];
+    let bad = |what: &str| D::Error::custom(format!("tensor metadata: {what}"));
+    while !b.is_empty() {
+        let [dtype, on, rank, rest @ ..] = b else {
+            return Err(bad("a kind cut short"));
+        };
+        let device = *c
+            .devices
+            .get(*on as usize)
+            .ok_or_else(|| bad(&format!("device #{on} of {}", c.devices.len())))?;
+        let dtype = *DTYPES
+            .get(*dtype as usize)
+            .ok_or_else(|| bad(&format!("dtype code {dtype}")))?;
+        let rank = *rank as usize;
+        b = rest;
         let mut next = || -> Result<usize, D::Error> {
-            let (v, rest) = take_varint(dims).ok_or_else(|| {
-                D::Error::custom("tensor metadata: fewer dimensions than ranks, or a bad one")
-            })?;
-            dims = rest;
-            usize::try_from(v)
-                .map_err(|_| D::Error::custom("tensor metadata: a dimension past usize"))
+            let (v, rest) =
+                take_varint(b).ok_or_else(|| bad("a kind's dimensions cut short, or a bad one"))?;
+            b = rest;
+            usize::try_from(v).map_err(|_| bad("a dimension past usize"))
         };
         let shape = if rank <= INLINE_DIMS {
             // Filled in place: the usual shape, built without a copy.
@@ -164,19 +255,37 @@ pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<TensorM
             }
             Shape::from(&heap[..])
         };
-        out.push(TensorMeta {
+        kinds.push(TensorMeta {
             dtype,
             shape,
             device,
         });
     }
-    if !dims.is_empty() {
-        return Err(D::Error::custom(
-            "tensor metadata: more dimensions than ranks",
-        ));
+    let mut out = Vec::new();
+    let mut t = &c.tensors[..];
+    while !t.is_empty() {
+        let (kind, count, rest) = take_run(t).ok_or_else(|| bad("a run cut short"))?;
+        t = rest;
+        let meta = usize::try_from(kind)
+            .ok()
+            .and_then(|k| kinds.get(k))
+            .ok_or_else(|| bad(&format!("kind #{kind} of {}", kinds.len())))?;
+        // A count past what a frame could hold is malformed, not a reason
+        // to reserve memory for it.
+        let count = usize::try_from(count)
+            .ok()
+            .filter(|&n| n <= MAX_TENSORS - out.len())
+            .ok_or_else(|| bad(&format!("a run of {count} tensors")))?;
+        out.extend(std::iter::repeat_n(meta, count).cloned());
     }
     Ok(out)
 }
+
+/// The most tensors one object may have (4 194 304): a frame of a few
+/// bytes can claim a run of any length, and decoding makes every tensor's
+/// metadata (about 60 bytes each), so a malformed count must not reach
+/// the allocator. The largest models have about 10^5 tensors.
+pub(crate) const MAX_TENSORS: usize = 1 << 22;
 
 #[cfg(test)]
 mod tests {
@@ -212,16 +321,31 @@ mod tests {
     }
 
     #[test]
-    fn many_tensors_on_one_device_cost_a_few_bytes_each() {
+    fn tensors_of_a_few_kinds_cost_a_byte_or_less_each() {
         let d = Device::Cuda {
             uuid: GpuUuid::from_bytes([9; 16]),
             ordinal: 0,
         };
+        // One kind: a run.
         let metas = vec![meta(DType::BF16, &[1024, 64], d); 10_000];
-        let bytes = postcard::to_allocvec(&Holder(metas)).unwrap();
-        // dtype, device, rank, two dimensions (2 + 1 bytes).
-        assert!(bytes.len() < 10_000 * 7, "{} bytes", bytes.len());
-        // Every dtype and large dimensions come back.
+        let bytes = postcard::to_allocvec(&Holder(metas.clone())).unwrap();
+        assert!(bytes.len() < 64, "{} bytes", bytes.len());
+        assert_eq!(postcard::from_bytes::<Holder>(&bytes).unwrap().0, metas);
+        // The layers of a model: a dozen shapes, over and over.
+        let layer: Vec<TensorMeta> = (0..12)
+            .map(|i| meta(DType::BF16, &[4096, 128 * (i + 1)], d))
+            .collect();
+        let metas: Vec<TensorMeta> = layer.iter().cycle().take(10_000).cloned().collect();
+        let bytes = postcard::to_allocvec(&Holder(metas.clone())).unwrap();
+        assert!(bytes.len() < 10_000 + 200, "{} bytes", bytes.len());
+        assert_eq!(postcard::from_bytes::<Holder>(&bytes).unwrap().0, metas);
+        // Hundreds of kinds (past the scan, through the map), in runs of
+        // various lengths, and every dtype with large dimensions.
+        let metas: Vec<TensorMeta> = (0..3000)
+            .map(|i| meta(DType::F32, &[(i / 7) % 400, i % 3], d))
+            .collect();
+        let bytes = postcard::to_allocvec(&Holder(metas.clone())).unwrap();
+        assert_eq!(postcard::from_bytes::<Holder>(&bytes).unwrap().0, metas);
         let all: Vec<TensorMeta> = DTYPES
             .iter()
             .map(|&t| meta(t, &[0, 1, 127, 128, usize::MAX >> 1, usize::MAX], d))
@@ -231,26 +355,56 @@ mod tests {
     }
 
     #[test]
+    fn runs_come_back_as_they_went() {
+        let values = [0u64, 0, 0, 5, 1, 1, 63, 64, 64, 1 << 40, 0];
+        let mut b = Vec::new();
+        put_runs(&mut b, values.iter().copied());
+        let mut back = Vec::new();
+        let mut rest = &b[..];
+        while !rest.is_empty() {
+            let (v, n, r) = take_run(rest).unwrap();
+            back.extend(std::iter::repeat_n(v, n as usize));
+            rest = r;
+        }
+        assert_eq!(back, values);
+        // A lone small value is one byte; a run of it two.
+        let mut one = Vec::new();
+        put_run(&mut one, 5, 1);
+        assert_eq!(one.len(), 1);
+        put_run(&mut one, 5, 100);
+        assert_eq!(one.len(), 3);
+        assert_eq!(take_run(&[0x01]), None, "a run without its count");
+    }
+
+    #[test]
     fn columns_that_disagree_are_errors() {
-        // One CPU device; columns of dtype codes, device indices, ranks
-        // and dims.
-        let cols = |dtypes: &[u8], on: &[u8], ranks: &[u8], dims: &[u8]| Columns {
+        // One CPU device; kinds (dtype, device, rank, dims) and runs.
+        let cols = |kinds: &[u8], tensors: &[u8]| Columns {
             devices: vec![Device::Cpu],
-            dtypes: dtypes.to_vec(),
-            on: on.to_vec(),
-            ranks: ranks.to_vec(),
-            dims: dims.to_vec(),
+            kinds: kinds.to_vec(),
+            tensors: tensors.to_vec(),
         };
         let bad = [
-            cols(&[0], &[1], &[0], &[]),
-            cols(&[0], &[0], &[2], &[3]),
-            cols(&[0], &[0], &[1], &[3, 4]),
-            cols(&[0, 0], &[0], &[0, 0], &[]),
+            // A device that is not listed.
+            cols(&[0, 1, 0], &[0]),
+            // Fewer dimensions than the rank, and a kind cut short.
+            cols(&[0, 0, 2, 3], &[0]),
+            cols(&[0, 0], &[0]),
+            // A tensor of a kind that is not listed.
+            cols(&[0, 0, 1, 3], &[2]),
             // An unknown dtype code.
-            cols(&[12], &[0], &[0], &[]),
+            cols(&[12, 0, 0], &[0]),
             // A dimension cut short, and one past 64 bits.
-            cols(&[0], &[0], &[1], &[0x80]),
-            cols(&[0], &[0], &[1], &[0xff; 11]),
+            cols(&[0, 0, 1, 0x80], &[0]),
+            cols(
+                &[
+                    0, 0, 1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+                ],
+                &[0],
+            ),
+            // A run without its count, and one too long to be real.
+            cols(&[0, 0, 0], &[1]),
+            cols(&[0, 0, 0], &[1, 0xff, 0xff, 0xff, 0xff, 0x7f]),
         ];
         for c in bad {
             let bytes = postcard::to_allocvec(&c).unwrap();

@@ -169,7 +169,7 @@ impl Storage {
 
 /// Metadata of a tensor: everything but its bytes. This is what travels
 /// through the driver for direct transports.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TensorMeta {
     /// Element type.
     pub dtype: DType,

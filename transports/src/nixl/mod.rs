@@ -646,11 +646,13 @@ struct Handles {
 /// The handles as they travel. A tensor's registration comes from runs of
 /// tensors in one registration, its length from its metadata, and its
 /// offset from the previous tensor's end: each tensor is the gap after
-/// the one before it in its run (the first one's after 0), a zigzag
-/// varint in one run of bytes. Tensors of one flat buffer, or allocated
-/// one after another from a slab, are a byte each: the handles of 10 000
-/// of them went from 80 KB (an 8-byte offset each) to 10 KB, bytes that
-/// every pass encodes, forwards through the driver and reads. Nothing in it names
+/// the one before it in its run (the first one's after 0), zigzag
+/// varints written as runs of equal gaps (`metas_wire::put_run`) in one
+/// run of bytes. Tensors of one flat buffer, or allocated one after
+/// another from a slab, are gaps of 0, one run: the handles of 10 000 of
+/// them went from 80 KB (an 8-byte offset each) to 10 KB (a byte each),
+/// then to a few bytes, bytes that every pass encodes, forwards through
+/// the driver and reads. Nothing in it names
 /// the object: the same tensors exported again (a weight sync's
 /// parameters, every step) encode to the same bytes, so a consumer finds
 /// its decoded metadata and its read plan again (NX-7).
@@ -663,7 +665,8 @@ struct HandlesWire {
     /// (registration index, tensors in a row in it), in tensor order.
     runs: Vec<(u32, u32)>,
     /// Each tensor's offset in its registration, less the end of the
-    /// tensor before it in its run (0 for a run's first): zigzag varints.
+    /// tensor before it in its run (0 for a run's first): zigzag varints,
+    /// as runs of equal values (`metas_wire::put_run`).
     #[serde(with = "serde_bytes")]
     gaps: Vec<u8>,
 }
@@ -699,7 +702,7 @@ impl Handles {
 
     fn encode(&self) -> Result<Vec<u8>, String> {
         let mut runs: Vec<(u32, u32)> = Vec::new();
-        let mut gaps = Vec::with_capacity(self.tensors.len());
+        let mut zigzags = Vec::with_capacity(self.tensors.len());
         let mut end = 0u64;
         for p in &self.tensors {
             match runs.last_mut() {
@@ -710,9 +713,18 @@ impl Handles {
                 }
             }
             let gap = p.offset as i128 - end as i128;
-            crate::metas_wire::put_varint(&mut gaps, zigzag(gap));
+            // Runs hold values below 2^63 (`put_run`).
+            if gap.unsigned_abs() >= 1 << 61 {
+                return Err(format!(
+                    "a tensor at offset {} of its registration",
+                    p.offset
+                ));
+            }
+            zigzags.push(zigzag(gap));
             end = p.offset + p.len;
         }
+        let mut gaps = Vec::new();
+        crate::metas_wire::put_runs(&mut gaps, zigzags);
         postcard::to_allocvec(&HandlesWire {
             agent: self.agent.clone(),
             conn: self.conn.clone(),
@@ -746,13 +758,18 @@ impl Handles {
         }
         let mut tensors = Vec::with_capacity(n);
         let mut gaps = &w.gaps[..];
+        // The gap being repeated, and how many more times.
+        let (mut g, mut left) = (0u64, 0u64);
         let mut metas = metas.iter();
         for &(region, k) in &w.runs {
             let mut end = 0u64;
             for m in metas.by_ref().take(k as usize) {
-                let (g, rest) = crate::metas_wire::take_varint(gaps)
-                    .ok_or_else(|| malformed("gaps cut short"))?;
-                gaps = rest;
+                if left == 0 {
+                    let (v, count, rest) = crate::metas_wire::take_run(gaps)
+                        .ok_or_else(|| malformed("gaps cut short"))?;
+                    (g, left, gaps) = (v, count, rest);
+                }
+                left -= 1;
                 let offset = u64::try_from(end as i128 + unzigzag(g))
                     .map_err(|_| malformed("an offset out of range"))?;
                 let len = m.nbytes() as u64;
@@ -766,7 +783,7 @@ impl Handles {
                 });
             }
         }
-        if !gaps.is_empty() {
+        if !gaps.is_empty() || left != 0 {
             return Err(malformed("gaps left over"));
         }
         Ok(Handles {
@@ -2808,6 +2825,20 @@ mod tests {
         // Three runs: two tensors in registration 0, one in 1, one in 0.
         let w: HandlesWire = postcard::from_bytes(&bytes).unwrap();
         assert_eq!(w.runs, [(0, 2), (1, 1), (0, 1)]);
+        // The gaps, one per tensor, and back as runs.
+        let mut zigzags = Vec::new();
+        let mut rest = &w.gaps[..];
+        while !rest.is_empty() {
+            let (v, n, r) = crate::metas_wire::take_run(rest).unwrap();
+            zigzags.extend(std::iter::repeat_n(v, n as usize));
+            rest = r;
+        }
+        assert_eq!(zigzags.len(), 4);
+        let runs_of = |v: &[u64]| {
+            let mut b = Vec::new();
+            crate::metas_wire::put_runs(&mut b, v.iter().copied());
+            b
+        };
         // Neighbours (a flat buffer's views) are a byte each.
         let flat: Vec<TensorMeta> = (0..1000)
             .map(|_| Tensor::zeros(crate::DType::U8, &[4096]).meta())
@@ -2824,10 +2855,10 @@ mod tests {
         };
         let pb = packed.encode().unwrap();
         let pw: HandlesWire = postcard::from_bytes(&pb).unwrap();
-        assert_eq!(
-            pw.gaps.len(),
-            3 + 999,
-            "the first gap (8192) and a byte each"
+        assert!(
+            pw.gaps.len() <= 6,
+            "the first gap (8192) and one run of 999 zeros: {} bytes",
+            pw.gaps.len()
         );
         let offsets: Vec<u64> = Handles::decode(&pb, &flat)
             .unwrap()
@@ -2849,17 +2880,22 @@ mod tests {
                 runs: vec![(0, 5)],
                 ..postcard::from_bytes(&bytes).unwrap()
             },
-            // Cut short, one too many, and a first offset below 0.
+            // Cut short, one too many, a first offset below 0, and a run
+            // without its count.
             HandlesWire {
-                gaps: w.gaps[..w.gaps.len() - 1].to_vec(),
+                gaps: runs_of(&zigzags[..zigzags.len() - 1]),
                 ..postcard::from_bytes(&bytes).unwrap()
             },
             HandlesWire {
-                gaps: [&w.gaps[..], &[0]].concat(),
+                gaps: runs_of(&[&zigzags[..], &[0]].concat()),
                 ..postcard::from_bytes(&bytes).unwrap()
             },
             HandlesWire {
-                gaps: [&[1u8][..], &w.gaps[1..]].concat(),
+                gaps: runs_of(&[&[zigzag(-1)][..], &zigzags[1..]].concat()),
+                ..postcard::from_bytes(&bytes).unwrap()
+            },
+            HandlesWire {
+                gaps: vec![1],
                 ..postcard::from_bytes(&bytes).unwrap()
             },
         ] {
