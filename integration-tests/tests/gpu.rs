@@ -795,8 +795,12 @@ gpu_test!(slabs_are_freed_only_after_importers_close_them, async {
     let (opened, _, _) = rt.get(c.ipc_stats().remote()).await.unwrap();
     assert_eq!(opened, 2);
     // Without a trim the slab stays cached: the next tensor of that size
-    // reuses it, and the consumer its mapping.
+    // reuses it, and the consumer its mapping. The consumer drops its
+    // 128 MiB view beside its control loop (`drop_aside`); a call of it
+    // runs only after that drop, so the range is free again when the
+    // producer allocates (else the producer may take a new slab first).
     drop(r);
+    rt.get(c.ipc_stats().remote()).await.unwrap();
     let r = p.make(3.0, n).transport(IPC).remote();
     assert_eq!(
         rt.get(c.sum(&r).remote()).await.unwrap(),
