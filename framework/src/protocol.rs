@@ -38,7 +38,9 @@ use crate::transport::Transport;
 /// transport exported for its tensors.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct WireValue {
-    /// postcard bytes with tensor placeholders.
+    /// postcard bytes with tensor placeholders (see [`data_wire`] for how
+    /// a list of tensors travels).
+    #[serde(with = "data_wire")]
     pub data: Blob,
     /// Transport that holds the tensors (`object_store` when there are none).
     pub transport: Transport,
@@ -278,6 +280,63 @@ mod head_wire {
         Ok(match In::deserialize(d)? {
             In::Inline(b) => Blob::new(b),
             In::Beside(b) => b,
+        })
+    }
+}
+
+/// How a [`WireValue`]'s data travels: as its bytes (a blob), or, for a
+/// value that is exactly its tensors in order (a `Vec<Tensor>` of at
+/// least [`IN_ORDER_MIN`](rdt_transport::value::IN_ORDER_MIN), a
+/// weights list), as their number.
+///
+/// The data of a list of 10 000 tensors is 10 000 placeholders, about
+/// 20 KB, which the producer wrote to the driver and the driver to each
+/// consumer on every pass (on the 2×H200 host all but 1 KB of the
+/// delivery of such an object). The number is a few bytes; the receiving
+/// process makes the same bytes again ([`in_order_data`]: once per count,
+/// then shared), so nothing after the frame changes.
+///
+/// [`in_order_data`]: rdt_transport::value::in_order_data
+mod data_wire {
+    use rdt_transport::value::{in_order_data, tensors_in_order};
+    use rdt_transport::Blob;
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize)]
+    enum Out<'a> {
+        Bytes(&'a Blob),
+        TensorsInOrder(u64),
+    }
+
+    #[derive(Deserialize)]
+    enum In {
+        Bytes(Blob),
+        TensorsInOrder(u64),
+    }
+
+    pub(super) fn serialize<S: Serializer>(data: &Blob, s: S) -> Result<S::Ok, S::Error> {
+        // Still arriving (forwarded as it arrives): its bytes, as they come.
+        match data.bytes().ok().and_then(|b| tensors_in_order(&b)) {
+            Some(n) => Out::TensorsInOrder(n as u64).serialize(s),
+            None => Out::Bytes(data).serialize(s),
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Blob, D::Error> {
+        Ok(match In::deserialize(d)? {
+            In::Bytes(b) => b,
+            In::TensorsInOrder(n) => Blob::new(
+                usize::try_from(n)
+                    .ok()
+                    .and_then(in_order_data)
+                    .ok_or_else(|| {
+                        D::Error::custom(format!(
+                            "a value of {n} tensors in order: more than {} tensors",
+                            rdt_transport::MAX_TENSORS
+                        ))
+                    })?,
+            ),
         })
     }
 }
@@ -2075,6 +2134,90 @@ mod tests {
             handles: vec![7; 8 * n],
             inline: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_list_of_tensors_in_order_travels_as_its_count() {
+        // A value with `data`, as a frame carries it, and back: the
+        // frame's size and the data that came back.
+        let round_trip = |data: Bytes| {
+            let v = WireValue {
+                data: Blob::new(data),
+                transport: Transport::Nixl,
+                exported: WireExported::new(metas(1, 1)).unwrap(),
+                refs: Vec::new(),
+            };
+            let frame = wire::to_frame(&v).unwrap();
+            let mut bytes = frame.head.to_vec();
+            for b in &frame.blobs {
+                match b {
+                    FramePart::Here(b) => bytes.extend_from_slice(b),
+                    FramePart::Arriving(_) => panic!("every blob is here"),
+                }
+            }
+            let size = bytes.len();
+            let back: WireValue = wire::from_frame(Bytes::from(bytes)).unwrap();
+            (size, back.data.bytes().unwrap())
+        };
+        let weights: Vec<rdt_transport::Tensor> = (0..10_000)
+            .map(|_| rdt_transport::Tensor::zeros(rdt_transport::DType::F32, &[1]))
+            .collect();
+        let data = rdt_transport::value::encode(&weights).unwrap().data;
+        assert!(
+            data.len() > 19_000,
+            "10 000 placeholders: {} bytes",
+            data.len()
+        );
+        let (size, back) = round_trip(data.clone());
+        assert!(size < 200, "the frame carries the count: {size} bytes");
+        assert_eq!(back, data, "the same data made again");
+        // Anything else travels as its bytes: a shorter list, the same
+        // placeholders out of order, the list inside another value.
+        let short = rdt_transport::value::encode(&weights[..63].to_vec())
+            .unwrap()
+            .data;
+        let mut shuffled = data.to_vec();
+        let last = shuffled.len() - 1;
+        shuffled.swap(last - 1, last);
+        let wrapped = rdt_transport::value::encode(&(7u8, weights.clone()))
+            .unwrap()
+            .data;
+        for other in [short, Bytes::from(shuffled), wrapped] {
+            let (size, back) = round_trip(other.clone());
+            assert!(size > other.len(), "{size} bytes for {}", other.len());
+            assert_eq!(back, other);
+        }
+    }
+
+    #[test]
+    fn a_count_of_tensors_past_the_limit_is_malformed() {
+        #[derive(Serialize)]
+        enum Out {
+            #[allow(dead_code)]
+            Bytes(()),
+            TensorsInOrder(u64),
+        }
+        #[derive(Serialize)]
+        struct Forged {
+            data: Out,
+            transport: Transport,
+            exported: WireExported,
+            refs: Vec<u64>,
+        }
+        let forged = Forged {
+            data: Out::TensorsInOrder(rdt_transport::MAX_TENSORS as u64 + 1),
+            transport: Transport::Nixl,
+            exported: WireExported::new(metas(1, 1)).unwrap(),
+            refs: Vec::new(),
+        };
+        let frame = wire::to_frame(&forged).unwrap();
+        let mut bytes = frame.head.to_vec();
+        for b in &frame.blobs {
+            if let FramePart::Here(b) = b {
+                bytes.extend_from_slice(b);
+            }
+        }
+        assert!(wire::from_frame::<WireValue>(Bytes::from(bytes)).is_err());
     }
 
     #[test]

@@ -296,15 +296,29 @@ async fn large_values_go_straight_only_where_asked() {
             .unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
         let c = rt.spawn::<Consumer>(()).await.unwrap();
-        for i in 1..=3u32 {
+        // The link between the two comes up beside the first passes (on
+        // a loaded machine, after a few of them): pass until a small value
+        // went straight.
+        let mut passes = 0u32;
+        let small = loop {
+            passes += 1;
             let r = p
-                .make(i as f32, 4)
+                .make(passes as f32, 4)
                 .transport(Transport::ObjectStore)
                 .remote();
-            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0 * i as f64);
-        }
-        let small = rt.get(c.straight().remote()).await.unwrap();
-        assert!(small >= 1, "small values go straight once the link is up");
+            assert_eq!(
+                rt.get(c.sum(&r).remote()).await.unwrap(),
+                4.0 * passes as f64
+            );
+            let straight = rt.get(c.straight().remote()).await.unwrap();
+            if straight >= 1 {
+                break straight;
+            }
+            assert!(
+                passes < 1000,
+                "small values never went straight in {passes} passes"
+            );
+        };
         let n = 16 << 20; // 64 MiB of f32
         let (forwarded, _) = rt.forwarded_bytes();
         let r = p.make(2.0, n).transport(Transport::ObjectStore).remote();

@@ -38,6 +38,7 @@ pub mod wire;
 pub use cuda::ipc::CudaIpcTransport;
 pub use device::{Device, GpuUuid};
 pub use dtype::{DType, Element};
+pub use metas_wire::MAX_TENSORS;
 pub use object_store::ObjectStoreTransport;
 pub use shape::Shape;
 pub use shm::ShmTransport;

@@ -285,7 +285,7 @@ pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<TensorM
 /// bytes can claim a run of any length, and decoding makes every tensor's
 /// metadata (about 60 bytes each), so a malformed count must not reach
 /// the allocator. The largest models have about 10^5 tensors.
-pub(crate) const MAX_TENSORS: usize = 1 << 22;
+pub const MAX_TENSORS: usize = 1 << 22;
 
 #[cfg(test)]
 mod tests {

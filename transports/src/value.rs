@@ -264,6 +264,46 @@ fn is_tensors_in_order(data: &[u8], count: usize) -> bool {
     next_is(count) && (0..count).all(&mut next_is) && rest.is_empty()
 }
 
+/// The fewest tensors for which [`tensors_in_order`] says yes: below it,
+/// the bytes are fewer than a check costs.
+pub const IN_ORDER_MIN: usize = 64;
+
+/// If `data` is exactly a sequence of its `n` tensors' placeholders in
+/// order (what a `Vec<Tensor>` value encodes to; `n` at least
+/// [`IN_ORDER_MIN`]), `n`. The framework then sends `n` instead of the
+/// bytes (about two per tensor) and makes them again from it where they
+/// arrive ([`in_order_data`]).
+pub fn tensors_in_order(data: &[u8]) -> Option<usize> {
+    let (n, _) = take_varint(data)?;
+    let n = usize::try_from(n).ok()?;
+    ((IN_ORDER_MIN..=crate::MAX_TENSORS).contains(&n) && is_tensors_in_order(data, n)).then_some(n)
+}
+
+/// The encoding of `n` tensors' placeholders in order ([`tensors_in_order`]),
+/// at most [`MAX_TENSORS`](crate::MAX_TENSORS) of them: made once for
+/// the last count asked for in this process and shared after (a weights
+/// object comes again at every step).
+pub fn in_order_data(n: usize) -> Option<Bytes> {
+    if n > crate::MAX_TENSORS {
+        return None;
+    }
+    static LAST: parking_lot::Mutex<Option<(usize, Bytes)>> = parking_lot::Mutex::new(None);
+    let mut last = LAST.lock();
+    if let Some((m, b)) = &*last {
+        if *m == n {
+            return Some(b.clone());
+        }
+    }
+    let mut wire = Vec::with_capacity(2 * n + 3);
+    put_varint(&mut wire, n as u64);
+    for i in 0..n {
+        put_varint(&mut wire, i as u64);
+    }
+    let b = Bytes::from(wire);
+    *last = Some((n, b.clone()));
+    Some(b)
+}
+
 /// Deserializes `data` with `source` (a [`Ctx::Source`] or [`Ctx::List`]
 /// of `count` tensors) as the context.
 ///
