@@ -2171,6 +2171,11 @@ mod tests {
         let (size, back) = round_trip(data.clone());
         assert!(size < 200, "the frame carries the count: {size} bytes");
         assert_eq!(back, data, "the same data made again");
+        // Forwarded as the driver does, what came back goes as its count
+        // again.
+        let (size, again) = round_trip(back.clone());
+        assert!(size < 200, "forwarded: {size} bytes");
+        assert_eq!(again, data);
         // Anything else travels as its bytes: a shorter list, the same
         // placeholders out of order, the list inside another value.
         let short = rdt_transport::value::encode(&weights[..63].to_vec())

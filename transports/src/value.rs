@@ -274,10 +274,20 @@ pub const IN_ORDER_MIN: usize = 64;
 /// bytes (about two per tensor) and makes them again from it where they
 /// arrive ([`in_order_data`]).
 pub fn tensors_in_order(data: &[u8]) -> Option<usize> {
+    // Made here by `in_order_data` (the driver forwards what it received
+    // so): known without a comparison.
+    if let Some((n, b)) = &*IN_ORDER_LAST.lock() {
+        if std::ptr::eq(b.as_ptr(), data.as_ptr()) && b.len() == data.len() {
+            return Some(*n);
+        }
+    }
     let (n, _) = take_varint(data)?;
     let n = usize::try_from(n).ok()?;
     ((IN_ORDER_MIN..=crate::MAX_TENSORS).contains(&n) && is_tensors_in_order(data, n)).then_some(n)
 }
+
+/// The last encoding [`in_order_data`] made, and its count.
+static IN_ORDER_LAST: parking_lot::Mutex<Option<(usize, Bytes)>> = parking_lot::Mutex::new(None);
 
 /// The encoding of `n` tensors' placeholders in order ([`tensors_in_order`]),
 /// at most [`MAX_TENSORS`](crate::MAX_TENSORS) of them: made once for
@@ -287,8 +297,7 @@ pub fn in_order_data(n: usize) -> Option<Bytes> {
     if n > crate::MAX_TENSORS {
         return None;
     }
-    static LAST: parking_lot::Mutex<Option<(usize, Bytes)>> = parking_lot::Mutex::new(None);
-    let mut last = LAST.lock();
+    let mut last = IN_ORDER_LAST.lock();
     if let Some((m, b)) = &*last {
         if *m == n {
             return Some(b.clone());
