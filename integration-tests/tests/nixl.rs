@@ -90,6 +90,27 @@ async fn ten_thousand_tensors_are_one_registration_and_one_descriptor() {
     .await;
 }
 
+/// A small object read again (the same ref passed to calls one after
+/// another) finds the read plan its first read made: its head is found
+/// again by its bytes, and the plan by the head's layout.
+#[tokio::test]
+async fn a_small_object_read_again_reuses_its_read_plan() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let r = p.make(3.0, 1024).transport(Transport::Nixl).remote();
+        let c0 = of_consumer(&rt, &c).await;
+        let passes = 5u64;
+        for _ in 0..passes {
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 3.0 * 1024.0);
+        }
+        let c1 = of_consumer(&rt, &c).await;
+        assert_eq!(c1.reads_posted - c0.reads_posted, passes, "one READ a pass");
+        assert_eq!(c1.read_plans_made - c0.read_plans_made, 1, "planned once");
+        assert_eq!(c1.read_plans_reused - c0.read_plans_reused, passes - 1);
+    })
+    .await;
+}
+
 /// WK-8: a call that waits for a large object as its argument makes the
 /// object's tensors itself, on the actor's thread, while the READ runs:
 /// the receive hands it the list instead of making them on a runtime
