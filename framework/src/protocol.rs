@@ -2136,6 +2136,19 @@ mod tests {
         }
     }
 
+    /// A frame's body in one buffer, as a socket carries it (every blob
+    /// here).
+    fn flat(frame: &wire::Frame) -> Vec<u8> {
+        let mut bytes = frame.head.to_vec();
+        for b in &frame.blobs {
+            let FramePart::Here(b) = b else {
+                panic!("every blob is here")
+            };
+            bytes.extend_from_slice(b);
+        }
+        bytes
+    }
+
     #[test]
     fn a_list_of_tensors_in_order_travels_as_its_count() {
         // A value with `data`, as a frame carries it, and back: the
@@ -2148,13 +2161,7 @@ mod tests {
                 refs: Vec::new(),
             };
             let frame = wire::to_frame(&v).unwrap();
-            let mut bytes = frame.head.to_vec();
-            for b in &frame.blobs {
-                match b {
-                    FramePart::Here(b) => bytes.extend_from_slice(b),
-                    FramePart::Arriving(_) => panic!("every blob is here"),
-                }
-            }
+            let bytes = flat(&frame);
             let size = bytes.len();
             let back: WireValue = wire::from_frame(Bytes::from(bytes)).unwrap();
             (size, back.data.bytes().unwrap())
@@ -2215,13 +2222,7 @@ mod tests {
             exported: WireExported::new(metas(1, 1)).unwrap(),
             refs: Vec::new(),
         };
-        let frame = wire::to_frame(&forged).unwrap();
-        let mut bytes = frame.head.to_vec();
-        for b in &frame.blobs {
-            if let FramePart::Here(b) = b {
-                bytes.extend_from_slice(b);
-            }
-        }
+        let bytes = flat(&wire::to_frame(&forged).unwrap());
         assert!(wire::from_frame::<WireValue>(Bytes::from(bytes)).is_err());
     }
 
@@ -2237,13 +2238,7 @@ mod tests {
             };
             let frame = wire::to_frame(&v).unwrap();
             let blob_bytes: usize = frame.blobs.iter().map(|b| b.len()).sum();
-            let mut bytes = frame.head.to_vec();
-            for b in &frame.blobs {
-                match b {
-                    FramePart::Here(b) => bytes.extend_from_slice(b),
-                    FramePart::Arriving(_) => panic!("every blob is here"),
-                }
-            }
+            let bytes = flat(&frame);
             let back: WireValue = wire::from_frame(Bytes::from(bytes)).unwrap();
             (frame.head.len(), blob_bytes, back)
         };
@@ -2335,15 +2330,7 @@ mod tests {
                 refs: vec![],
             }),
         };
-        let frame = wire::to_frame_with_length(&msg).unwrap();
-        let mut bytes = frame.head.to_vec();
-        for b in &frame.blobs {
-            let FramePart::Here(b) = b else {
-                panic!("all here")
-            };
-            bytes.extend_from_slice(b);
-        }
-        (bytes, blob)
+        (flat(&wire::to_frame_with_length(&msg).unwrap()), blob)
     }
 
     /// The driver's hop of the object-store path, on real sockets: a

@@ -110,31 +110,59 @@ pub(crate) fn take_run(b: &[u8]) -> Option<(u64, u64, &[u8])> {
     Some((v >> 1, extra.checked_add(2)?, rest))
 }
 
-/// Writes `values` as runs ([`put_run`]).
-pub(crate) fn put_runs(out: &mut Vec<u8>, values: impl IntoIterator<Item = u64>) {
-    let mut run: Option<(u64, u64)> = None;
-    for v in values {
-        match &mut run {
+/// Writes values as runs ([`put_run`]) as they come; [`finish`](Self::finish)
+/// writes the last one.
+pub(crate) struct RunWriter<'a> {
+    out: &'a mut Vec<u8>,
+    /// The run being counted: (value, count).
+    run: Option<(u64, u64)>,
+}
+
+impl<'a> RunWriter<'a> {
+    pub(crate) fn new(out: &'a mut Vec<u8>) -> Self {
+        RunWriter { out, run: None }
+    }
+
+    pub(crate) fn push(&mut self, v: u64) {
+        match &mut self.run {
             Some((value, count)) if *value == v => *count += 1,
-            _ => {
-                if let Some((value, count)) = run {
-                    put_run(out, value, count);
+            run => {
+                if let Some((value, count)) = run.replace((v, 1)) {
+                    put_run(self.out, value, count);
                 }
-                run = Some((v, 1));
             }
         }
     }
-    if let Some((value, count)) = run {
-        put_run(out, value, count);
+
+    pub(crate) fn finish(self) {
+        if let Some((value, count)) = self.run {
+            put_run(self.out, value, count);
+        }
     }
+}
+
+/// Writes `values` as runs ([`RunWriter`]).
+#[cfg(test)]
+pub(crate) fn put_runs(out: &mut Vec<u8>, values: impl IntoIterator<Item = u64>) {
+    let mut w = RunWriter::new(out);
+    values.into_iter().for_each(|v| w.push(v));
+    w.finish();
+}
+
+/// Every value of `b`'s runs, one per repeat; `None` if malformed.
+#[cfg(test)]
+pub(crate) fn expand_runs(mut b: &[u8]) -> Option<Vec<u64>> {
+    let mut values = Vec::new();
+    while !b.is_empty() {
+        let (v, n, rest) = take_run(b)?;
+        values.extend(std::iter::repeat_n(v, usize::try_from(n).ok()?));
+        b = rest;
+    }
+    Some(values)
 }
 
 /// At most this many distinct devices in one object (indices are bytes).
 const MAX_DEVICES: usize = u8::MAX as usize + 1;
-
-/// Kinds looked for among the last ones before a map is made: the usual
-/// object has a handful.
-const KINDS_SCANNED: usize = 16;
 
 pub(crate) fn serialize<S: Serializer>(metas: &[TensorMeta], s: S) -> Result<S::Ok, S::Error> {
     if metas.len() > MAX_TENSORS {
@@ -145,70 +173,48 @@ pub(crate) fn serialize<S: Serializer>(metas: &[TensorMeta], s: S) -> Result<S::
         )));
     }
     let mut devices: Vec<Device> = Vec::new();
-    // Each kind once: (its meta, its index).
-    let mut kinds: Vec<&TensorMeta> = Vec::new();
-    let mut index: std::collections::HashMap<&TensorMeta, u64> = Default::default();
+    // Each kind's index, by its metadata.
+    let mut index: rustc_hash::FxHashMap<&TensorMeta, u64> = Default::default();
     let mut kind_bytes = Vec::new();
+    let mut tensors = Vec::new();
+    let mut runs = RunWriter::new(&mut tensors);
     let mut last: Option<(&TensorMeta, u64)> = None;
-    let of_kind = metas.iter().map(|m| {
-        // The kind of the tensor before, usually; else one of the last
-        // few; else the map (filled once there are many kinds).
-        if let Some((k, i)) = last {
-            if k == m {
-                return Ok(i);
-            }
-        }
-        let found = if kinds.len() <= KINDS_SCANNED {
-            kinds.iter().rposition(|k| *k == m).map(|i| i as u64)
-        } else {
-            index.get(m).copied()
-        };
-        let i = match found {
-            Some(i) => i,
-            None => {
-                let at = match devices.iter().rposition(|d| *d == m.device) {
-                    Some(i) => i,
-                    None => {
-                        devices.push(m.device);
-                        devices.len() - 1
+    for m in metas {
+        // The kind of the tensor before, usually; else the map.
+        let i = match last {
+            Some((k, i)) if k == m => i,
+            _ => match index.get(m) {
+                Some(&i) => i,
+                None => {
+                    let at = match devices.iter().rposition(|d| *d == m.device) {
+                        Some(i) => i,
+                        None => {
+                            devices.push(m.device);
+                            devices.len() - 1
+                        }
+                    };
+                    if at >= MAX_DEVICES || m.shape.len() > u8::MAX as usize {
+                        return Err(serde::ser::Error::custom(format!(
+                            "an object's tensors span more than {MAX_DEVICES} devices, or one \
+                             has more than 255 dimensions"
+                        )));
                     }
-                };
-                if at >= MAX_DEVICES || m.shape.len() > u8::MAX as usize {
-                    return Err(format!(
-                        "an object's tensors span more than {MAX_DEVICES} devices, or one has \
-                         more than 255 dimensions"
-                    ));
-                }
-                kind_bytes.push(m.dtype as u8);
-                kind_bytes.push(at as u8);
-                kind_bytes.push(m.shape.len() as u8);
-                for &d in m.shape.iter() {
-                    put_varint(&mut kind_bytes, d as u64);
-                }
-                let i = kinds.len() as u64;
-                kinds.push(m);
-                if kinds.len() > KINDS_SCANNED {
-                    if index.is_empty() {
-                        index.extend(kinds.iter().enumerate().map(|(j, k)| (*k, j as u64)));
-                    } else {
-                        index.insert(m, i);
+                    kind_bytes.push(m.dtype as u8);
+                    kind_bytes.push(at as u8);
+                    kind_bytes.push(m.shape.len() as u8);
+                    for &d in m.shape.iter() {
+                        put_varint(&mut kind_bytes, d as u64);
                     }
+                    let i = index.len() as u64;
+                    index.insert(m, i);
+                    i
                 }
-                i
-            }
+            },
         };
         last = Some((m, i));
-        Ok(i)
-    });
-    let mut tensors = Vec::new();
-    let mut failed = None;
-    put_runs(
-        &mut tensors,
-        of_kind.map_while(|k| k.map_err(|e| failed = Some(e)).ok()),
-    );
-    if let Some(e) = failed {
-        return Err(serde::ser::Error::custom(e));
+        runs.push(i);
     }
+    runs.finish();
     Columns {
         devices,
         kinds: kind_bytes,
@@ -339,7 +345,7 @@ mod tests {
         let bytes = postcard::to_allocvec(&Holder(metas.clone())).unwrap();
         assert!(bytes.len() < 10_000 + 200, "{} bytes", bytes.len());
         assert_eq!(postcard::from_bytes::<Holder>(&bytes).unwrap().0, metas);
-        // Hundreds of kinds (past the scan, through the map), in runs of
+        // Hundreds of kinds, in runs of
         // various lengths, and every dtype with large dimensions.
         let metas: Vec<TensorMeta> = (0..3000)
             .map(|i| meta(DType::F32, &[(i / 7) % 400, i % 3], d))
@@ -359,14 +365,7 @@ mod tests {
         let values = [0u64, 0, 0, 5, 1, 1, 63, 64, 64, 1 << 40, 0];
         let mut b = Vec::new();
         put_runs(&mut b, values.iter().copied());
-        let mut back = Vec::new();
-        let mut rest = &b[..];
-        while !rest.is_empty() {
-            let (v, n, r) = take_run(rest).unwrap();
-            back.extend(std::iter::repeat_n(v, n as usize));
-            rest = r;
-        }
-        assert_eq!(back, values);
+        assert_eq!(expand_runs(&b).unwrap(), values);
         // A lone small value is one byte; a run of it two.
         let mut one = Vec::new();
         put_run(&mut one, 5, 1);

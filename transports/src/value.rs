@@ -243,12 +243,7 @@ fn is_tensors_in_order(data: &[u8], count: usize) -> bool {
         return IN_ORDER.with(|kept| {
             let mut kept = kept.borrow_mut();
             if kept.0 != count {
-                let mut wire = Vec::with_capacity(2 * count + 3);
-                put_varint(&mut wire, count as u64);
-                for i in 0..count {
-                    put_varint(&mut wire, i as u64);
-                }
-                *kept = (count, wire);
+                *kept = (count, in_order_encoding(count));
             }
             data == kept.1.as_slice()
         });
@@ -274,6 +269,10 @@ pub const IN_ORDER_MIN: usize = 64;
 /// bytes (about two per tensor) and makes them again from it where they
 /// arrive ([`in_order_data`]).
 pub fn tensors_in_order(data: &[u8]) -> Option<usize> {
+    // Every value passes here on its way out: most are small.
+    if data.len() <= IN_ORDER_MIN {
+        return None;
+    }
     // Made here by `in_order_data` (the driver forwards what it received
     // so): known without a comparison.
     if let Some((n, b)) = &*IN_ORDER_LAST.lock() {
@@ -303,14 +302,19 @@ pub fn in_order_data(n: usize) -> Option<Bytes> {
             return Some(b.clone());
         }
     }
+    let b = Bytes::from(in_order_encoding(n));
+    *last = Some((n, b.clone()));
+    Some(b)
+}
+
+/// postcard's encoding of a sequence of `n` placeholders 0, 1, …, `n - 1`.
+fn in_order_encoding(n: usize) -> Vec<u8> {
     let mut wire = Vec::with_capacity(2 * n + 3);
     put_varint(&mut wire, n as u64);
     for i in 0..n {
         put_varint(&mut wire, i as u64);
     }
-    let b = Bytes::from(wire);
-    *last = Some((n, b.clone()));
-    Some(b)
+    wire
 }
 
 /// Deserializes `data` with `source` (a [`Ctx::Source`] or [`Ctx::List`]
@@ -572,11 +576,7 @@ mod tests {
     #[test]
     fn a_list_longer_than_the_kept_one_is_read_one_by_one() {
         let n = IN_ORDER_KEPT + 1;
-        let mut wire = Vec::new();
-        crate::metas_wire::put_varint(&mut wire, n as u64);
-        for i in 0..n {
-            crate::metas_wire::put_varint(&mut wire, i as u64);
-        }
+        let mut wire = in_order_encoding(n);
         assert!(is_tensors_in_order(&wire, n));
         let last = wire.len() - 1;
         wire[last] ^= 1;

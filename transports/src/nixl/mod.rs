@@ -702,7 +702,8 @@ impl Handles {
 
     fn encode(&self) -> Result<Vec<u8>, String> {
         let mut runs: Vec<(u32, u32)> = Vec::new();
-        let mut zigzags = Vec::with_capacity(self.tensors.len());
+        let mut gaps = Vec::new();
+        let mut gap_runs = crate::metas_wire::RunWriter::new(&mut gaps);
         let mut end = 0u64;
         for p in &self.tensors {
             match runs.last_mut() {
@@ -720,11 +721,10 @@ impl Handles {
                     p.offset
                 ));
             }
-            zigzags.push(zigzag(gap));
+            gap_runs.push(zigzag(gap));
             end = p.offset + p.len;
         }
-        let mut gaps = Vec::new();
-        crate::metas_wire::put_runs(&mut gaps, zigzags);
+        gap_runs.finish();
         postcard::to_allocvec(&HandlesWire {
             agent: self.agent.clone(),
             conn: self.conn.clone(),
@@ -2838,13 +2838,7 @@ mod tests {
         let w: HandlesWire = postcard::from_bytes(&bytes).unwrap();
         assert_eq!(w.runs, [(0, 2), (1, 1), (0, 1)]);
         // The gaps, one per tensor, and back as runs.
-        let mut zigzags = Vec::new();
-        let mut rest = &w.gaps[..];
-        while !rest.is_empty() {
-            let (v, n, r) = crate::metas_wire::take_run(rest).unwrap();
-            zigzags.extend(std::iter::repeat_n(v, n as usize));
-            rest = r;
-        }
+        let zigzags = crate::metas_wire::expand_runs(&w.gaps).unwrap();
         assert_eq!(zigzags.len(), 4);
         let runs_of = |v: &[u64]| {
             let mut b = Vec::new();
