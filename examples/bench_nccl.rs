@@ -872,7 +872,7 @@ async fn overlap_only(quick: bool) -> rdt::Result<()> {
     Ok(())
 }
 
-/// `--timeline`: a few passes at 4 KiB and 1 GiB with `RDT_TIMELINE` on in
+/// `--timeline`: tiny calls, then passes at 4 KiB and 1 GiB, with `RDT_TIMELINE` on in
 /// the driver and both workers (every step of every pass on one clock);
 /// no rows.
 async fn timeline_passes() -> rdt::Result<()> {
@@ -883,11 +883,18 @@ async fn timeline_passes() -> rdt::Result<()> {
     let c = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;
     rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
         .await?;
-    for bytes in [4usize << 10, 1 << 30] {
+    // Tiny calls to the consumer first, on the same timeline (id 0): the
+    // budget a 4 KiB pass is held to, step by step.
+    for i in 0..20u64 {
+        rdt::data::cuda::timeline("driver pass start", 0);
+        rt.get(c.ping(i).remote()).await?;
+        rdt::data::cuda::timeline("driver pass end", 0);
+    }
+    for (bytes, passes) in [(4usize << 10, 20), (1 << 30, 6)] {
         rt.get(p.prepare(bytes).remote()).await?;
         let r = p.tensor(bytes).transport(Transport::Nccl).remote();
         rt.wait(&r).await?;
-        for _ in 0..6 {
+        for _ in 0..passes {
             rdt::data::cuda::timeline("driver pass start", bytes as u64);
             rt.get(c.touch(&r).remote()).await?;
             rdt::data::cuda::timeline("driver pass end", bytes as u64);
