@@ -485,6 +485,9 @@ async fn main() -> rdt::Result<()> {
     if args.iter().any(|a| a == "--timeline") {
         return timeline_passes().await;
     }
+    if let Some(n) = arg_value("--small-passes").and_then(|n| n.parse().ok()) {
+        return small_passes(n).await;
+    }
     if args.iter().any(|a| a == "--overlap-only") {
         return overlap_only(quick).await;
     }
@@ -903,5 +906,64 @@ async fn timeline_passes() -> rdt::Result<()> {
     // Every process prints its points every 20 ms.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     rdt::data::cuda::timeline_flush();
+    Ok(())
+}
+
+/// `--small-passes N`: raw NCCL at 4 KiB (and 1 MiB), then N tiny calls
+/// and N rdt passes of 4 KiB across the two GPUs, in one run; prints the
+/// medians and the pass's excess over raw + call (no rows).
+async fn small_passes(n: usize) -> rdt::Result<()> {
+    let (g0, g1) = (
+        rdt::data::cuda::gpu(0).map_err(cuda_err)?,
+        rdt::data::cuda::gpu(1).map_err(cuda_err)?,
+    );
+    let cx = Ctx {
+        device: format!("cuda ({} -> {})", g0.uuid(), g1.uuid()),
+        device_name: g0.name(),
+        commit: std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()),
+    };
+    let raw = raw_baseline(&cx, &sizes(true), true).await?;
+    let raw4k = raw
+        .iter()
+        .find(|r| r.bytes == 4096 && r.case != "first_transfer")
+        .map_or(f64::NAN, |r| r.median_us);
+    let rt = Runtime::start().await?;
+    let p = rt.spawn::<NcclSource>(()).on_gpus([0]).await?;
+    let c = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;
+    rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
+        .await?;
+    rt.get(c.warm().remote()).await?;
+    let median = |mut us: Vec<f64>| {
+        us.sort_by(f64::total_cmp);
+        us[us.len() / 2]
+    };
+    let mut us = Vec::with_capacity(n);
+    for i in 0..n as u64 + 20 {
+        let t0 = Instant::now();
+        rt.get(c.ping(i).remote()).await?;
+        if i >= 20 {
+            us.push(us_since(t0));
+        }
+    }
+    let call = median(us);
+    let bytes = 4usize << 10;
+    rt.get(p.prepare(bytes).remote()).await?;
+    let r = p.tensor(bytes).transport(Transport::Nccl).remote();
+    rt.wait(&r).await?;
+    let mut us = Vec::with_capacity(n);
+    for i in 0..n + 20 {
+        let t0 = Instant::now();
+        rt.get(c.touch(&r).remote()).await?;
+        if i >= 20 {
+            us.push(us_since(t0));
+        }
+    }
+    let pass = median(us);
+    println!(
+        "nccl small passes: {n} tiny calls median {call:.1} us; {n} passes of 4 KiB median {pass:.1} us; \
+         raw 4 KiB {raw4k:.1} us; pass - (raw + call) = {:.1} us",
+        pass - raw4k - call
+    );
+    rt.shutdown().await;
     Ok(())
 }
