@@ -192,23 +192,11 @@ impl RuntimeBuilder {
             std::os::unix::fs::PermissionsExt::from_mode(0o700),
         )?;
         let sock = dir.path().join("control.sock");
-        let io = DriverIo::start()?;
-        // Registered with the I/O thread's driver: every control
-        // connection accepted from them is too.
-        let listener = {
-            let _io = io.handle().enter();
-            UnixListener::bind(&sock)?
-        };
+        let listener = UnixListener::bind(&sock)?;
         let tcp = match &self.listen {
-            Some(addr) => {
-                let l = std::net::TcpListener::bind(addr)
-                    .and_then(|l| l.set_nonblocking(true).map(|()| l))
-                    .map_err(|e| {
-                        Error::Io(format!("cannot listen for remote workers on {addr}: {e}"))
-                    })?;
-                let _io = io.handle().enter();
-                Some(tokio::net::TcpListener::from_std(l)?)
-            }
+            Some(addr) => Some(tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+                Error::Io(format!("cannot listen for remote workers on {addr}: {e}"))
+            })?),
             None => None,
         };
         let control_addr = tcp.as_ref().map(|l| l.local_addr()).transpose()?;
@@ -219,7 +207,6 @@ impl RuntimeBuilder {
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
             tokio: tokio::runtime::Handle::current(),
-            io,
             config: self,
             secret: protocol::new_secret(),
             _dir: dir,
@@ -236,10 +223,9 @@ impl RuntimeBuilder {
             Arc::downgrade(&inner),
             inner.deadline_wake.clone(),
         ));
-        let io = inner.io.handle();
-        io.spawn(accept_loop(listener, Arc::downgrade(&inner)));
+        tokio::spawn(accept_loop(listener, Arc::downgrade(&inner)));
         if let Some(l) = tcp {
-            io.spawn(accept_tcp_loop(l, tls, Arc::downgrade(&inner)));
+            tokio::spawn(accept_tcp_loop(l, tls, Arc::downgrade(&inner)));
         }
         Ok(Runtime { inner })
     }
@@ -285,8 +271,6 @@ pub(crate) struct Inner {
     /// Where the driver's background tasks run (settle watches, kills),
     /// since messages and calls may come from any thread.
     tokio: tokio::runtime::Handle,
-    /// rdt's own thread for the control connections ([`DriverIo`]).
-    io: DriverIo,
     config: RuntimeBuilder,
     secret: [u8; 32],
     _dir: tempfile::TempDir,
@@ -301,60 +285,6 @@ pub(crate) struct Inner {
     settled: tokio::sync::Notify,
     /// Wakes the deadline keeper (DL-1).
     deadline_wake: Arc<tokio::sync::Notify>,
-}
-
-/// The driver's control connections are accepted and read on a tokio
-/// runtime of rdt's own, with one worker thread, not on the caller's.
-///
-/// Why: the caller's runtime is often `#[tokio::main]`'s, with a worker per
-/// core. rdt's readers stay hot while replies are due
-/// ([`rdt_transport::hot`]); there they share workers with the caller's
-/// tasks, the idle workers sleep in (and hold) the I/O driver, and what a
-/// reader spawns or wakes goes through whichever worker tokio picks. The
-/// one worker here owns its driver and runs nothing else. Values reach
-/// callers through channels (their own runtime wakes them, as before);
-/// frames are written by the sending thread itself, as before.
-struct DriverIo {
-    rt: Option<tokio::runtime::Runtime>,
-    handle: tokio::runtime::Handle,
-}
-
-impl DriverIo {
-    fn start() -> Result<DriverIo> {
-        // Measurement knob (session 31's A/B on 2xH200): the caller's
-        // runtime, as before.
-        if std::env::var_os("RDT_DRIVER_IO_ON_CALLER").is_some() {
-            return Ok(DriverIo {
-                rt: None,
-                handle: tokio::runtime::Handle::current(),
-            });
-        }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("rdt-driver-io")
-            .enable_all()
-            .build()
-            .map_err(|e| Error::Io(format!("cannot start the driver's I/O thread: {e}")))?;
-        let handle = rt.handle().clone();
-        Ok(DriverIo {
-            rt: Some(rt),
-            handle,
-        })
-    }
-
-    fn handle(&self) -> &tokio::runtime::Handle {
-        &self.handle
-    }
-}
-
-impl Drop for DriverIo {
-    fn drop(&mut self) {
-        // Without waiting: the runtime may be dropped from a task (of the
-        // caller's runtime, or of this one).
-        if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
-        }
-    }
 }
 
 impl Drop for Inner {
@@ -1929,7 +1859,7 @@ impl Inner {
         }
         v.conn
             .send(&self.spawn_order(type_name, id, &name, args, false))?;
-        self.io.handle().spawn(read_worker(
+        tokio::spawn(read_worker(
             v.rx,
             Arc::downgrade(self),
             id,

@@ -165,15 +165,18 @@ fn boot_if_worker() {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    // One worker thread. With two, the idle one sleeps (holding the I/O
-    // driver while it does) and is woken again and again on a pass's
-    // path: every task the control loop spawns (a receive, its
-    // acknowledgement, a release) notifies it, and it takes tasks over
-    // onto another core. Measured on 2xH200, alternating in one run: a
-    // 4 KiB `nixl` pass 61.3-62.3 us with two workers, 50.0-50.9 us with
-    // one (tiny calls alike: 24.6-26.0 us).
+    // Two worker threads unless `RDT_CONTROL_THREADS` says otherwise (a
+    // measurement knob: on one 2xH200 host one worker made a 4 KiB `nixl`
+    // pass 11 us faster, alternating in one run; on another the 10 000-tensor
+    // pass was slower with one: see the benchmark page of 2026-11-27,
+    // session 31).
+    let threads = std::env::var("RDT_CONTROL_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(2);
     let control = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+        .worker_threads(threads)
         .thread_name("rdt-control")
         .enable_all()
         .build()
