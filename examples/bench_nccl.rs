@@ -298,6 +298,21 @@ struct Ctx {
     commit: String,
 }
 
+impl Ctx {
+    /// GPU 0 to GPU 1, as every row of this benchmark runs.
+    fn across_gpus(commit: String) -> rdt::Result<Ctx> {
+        let (g0, g1) = (
+            rdt::data::cuda::gpu(0).map_err(cuda_err)?,
+            rdt::data::cuda::gpu(1).map_err(cuda_err)?,
+        );
+        Ok(Ctx {
+            device: format!("cuda ({} -> {})", g0.uuid(), g1.uuid()),
+            device_name: g0.name(),
+            commit,
+        })
+    }
+}
+
 fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<f64>) -> Row {
     let r = Row {
         device_name: Some(cx.device_name.clone()),
@@ -501,15 +516,7 @@ async fn main() -> rdt::Result<()> {
         "== bench_nccl  commit {commit}  {}",
         rdt::data::nccl::available().map_err(cuda_err)?
     );
-    let (g0, g1) = (
-        rdt::data::cuda::gpu(0).map_err(cuda_err)?,
-        rdt::data::cuda::gpu(1).map_err(cuda_err)?,
-    );
-    let cx = Ctx {
-        device: format!("cuda ({} -> {})", g0.uuid(), g1.uuid()),
-        device_name: g0.name(),
-        commit,
-    };
+    let cx = Ctx::across_gpus(commit)?;
     let sizes = sizes(quick);
     let mut rows = raw_baseline(&cx, &sizes, quick).await?;
 
@@ -913,20 +920,9 @@ async fn timeline_passes() -> rdt::Result<()> {
 /// and N rdt passes of 4 KiB across the two GPUs, in one run; prints the
 /// medians and the pass's excess over raw + call (no rows).
 async fn small_passes(n: usize) -> rdt::Result<()> {
-    let (g0, g1) = (
-        rdt::data::cuda::gpu(0).map_err(cuda_err)?,
-        rdt::data::cuda::gpu(1).map_err(cuda_err)?,
-    );
-    let cx = Ctx {
-        device: format!("cuda ({} -> {})", g0.uuid(), g1.uuid()),
-        device_name: g0.name(),
-        commit: std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()),
-    };
+    let cx = Ctx::across_gpus(std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()))?;
     let raw = raw_baseline(&cx, &sizes(true), true).await?;
-    let raw4k = raw
-        .iter()
-        .find(|r| r.bytes == 4096 && r.case != "first_transfer")
-        .map_or(f64::NAN, |r| r.median_us);
+    let raw4k = median_of(&raw, "pass", "raw", 4 << 10);
     let rt = Runtime::start().await?;
     let p = rt.spawn::<NcclSource>(()).on_gpus([0]).await?;
     let c = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;

@@ -170,11 +170,18 @@ fn boot_if_worker() {
     // pass 11 us faster, alternating in one run; on another the 10 000-tensor
     // pass was slower with one: see the benchmark page of 2026-11-27,
     // session 31).
-    let threads = std::env::var("RDT_CONTROL_THREADS")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or(2);
+    let threads = match std::env::var("RDT_CONTROL_THREADS") {
+        Err(_) => 2,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                tracing::warn!(
+                    "RDT_CONTROL_THREADS={v:?} is not a positive number of threads; using 2"
+                );
+                2
+            }
+        },
+    };
     let control = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .thread_name("rdt-control")
