@@ -37,9 +37,9 @@ pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
 pub use targets::Targets;
 pub use transport::Transport;
 pub use worker::{
-    group_memberships, init, local_objects, received_in_place, received_objects, runtime,
-    straight_deliveries, try_runtime, wait_tensor_freed, wait_tensor_freed_timeout, ActorRuntime,
-    GroupMembership,
+    group_memberships, init, local_objects, received_in_place, received_objects,
+    receives_started_after_frames, runtime, straight_deliveries, try_runtime, wait_tensor_freed,
+    wait_tensor_freed_timeout, ActorRuntime, GroupMembership,
 };
 
 /// The data-plane crate: tensors, the transport trait, value extraction.

@@ -885,7 +885,7 @@ fn release_copy(e: &mut Entry, id: u64, consumer: ActorId, actors: &Actors) {
 }
 
 /// Sends the orders of a direct transfer of `e` to `consumer` as `xfer`
-/// (the send order first for two-sided transports, then the delivery),
+/// (the delivery first, then the send order for two-sided transports),
 /// recording the copy. Returns the transfer to track, or `None` when it
 /// could not start (the consumer then got the error instead: OW-6).
 fn start_direct(
@@ -932,24 +932,11 @@ fn start_direct(
         },
         None => None,
     };
-    if two_sided {
-        if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
-            let order = ToWorker::SendTo {
-                object: id,
-                xfer,
-                to: c.peer(consumer, e.transport.name()),
-                group: group.map(|(g, prank, crank)| GroupRef {
-                    id: g,
-                    my_rank: prank,
-                    peer_rank: crank,
-                }),
-            };
-            if let Err(err) = send(actors, p, &order) {
-                deliver_error(actors, consumer, id, err); // OW-6
-                return None;
-            }
-        }
-    }
+    // The consumer's frame first: of the two ends of a two-sided transfer
+    // its receive is the one that starts later (it frees, decodes and
+    // allocates before it posts), and each end is written in the order
+    // its connection was first used under the lock. Frames on different
+    // connections have no order to keep.
     rdt_transport::cuda::timeline("driver deliver", xfer);
     let msg = ToWorker::Deliver {
         object: id,
@@ -967,19 +954,37 @@ fn start_direct(
     let sent = send(actors, consumer, &msg);
     rdt_transport::cuda::timeline("driver deliver queued", xfer);
     if let Err(err) = sent {
-        if let (true, Some(p)) = (two_sided, e.producer) {
-            send_small(
-                actors,
-                p,
-                &ToWorker::AbortTransfer {
-                    object: id,
-                    xfer,
-                    error: err.clone(),
-                },
-            );
-        }
         deliver_error(actors, consumer, id, err); // OW-6
         return None;
+    }
+    if two_sided {
+        if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
+            let order = ToWorker::SendTo {
+                object: id,
+                xfer,
+                to: c.peer(consumer, e.transport.name()),
+                group: group.map(|(g, prank, crank)| GroupRef {
+                    id: g,
+                    my_rank: prank,
+                    peer_rank: crank,
+                }),
+            };
+            if let Err(err) = send(actors, p, &order) {
+                // OW-6: the receive delivered above stops with the error
+                // (its failed acknowledgement finds no transfer: none is
+                // tracked), and the consumer holds the error.
+                send_small(
+                    actors,
+                    consumer,
+                    &ToWorker::AbortTransfer {
+                        object: id,
+                        xfer,
+                        error: err,
+                    },
+                );
+                return None;
+            }
+        }
     }
     e.copies.insert(consumer, Copy::Receiving(xfer));
     tracing::debug!(

@@ -187,6 +187,12 @@ impl WireExported {
         self.head.arrived().await.map(drop).map_err(lost_bytes)
     }
 
+    /// Is the head all here (it is, unless it is large and came in a
+    /// frame handed on as it arrives)?
+    pub fn head_is_here(&self) -> bool {
+        self.head.still_arriving().is_none()
+    }
+
     /// Names the decoded form [`get`](Self::get) gave, in this process:
     /// values whose heads were found among the recent ones share it, so
     /// the same layout means byte-identical metadata and handles, and an
@@ -1494,6 +1500,16 @@ fn stream_min() -> usize {
 const READ_CHUNK: usize = 64 << 10;
 
 impl<R: AsyncRead + Unpin> Receiver<R> {
+    /// Is the next frame all in the read buffer already, so that
+    /// [`recv`](Self::recv) returns it without reading the connection?
+    /// (Between frames only; `false` when unsure.)
+    pub fn has_whole_frame(&self) -> bool {
+        matches!(self.state, ReadState::Length)
+            && self.buf.len() >= 8
+            && (self.buf.len() - 8) as u64
+                >= u64::from_be_bytes(self.buf[..8].try_into().expect("8 bytes"))
+    }
+
     /// Wraps a reader, refusing frames over `max_frame` bytes.
     pub fn new(r: R, max_frame: usize) -> Self {
         Receiver {

@@ -459,6 +459,12 @@ impl Consumer {
         rdt::data::nixl::stats()
     }
 
+    /// Receives this worker's control loop started after the frames in
+    /// hand (see `rdt::receives_started_after_frames`).
+    async fn started_after_frames(&mut self) -> u64 {
+        rdt::receives_started_after_frames()
+    }
+
     /// Sums `t` and tells whether its bytes are page-aligned (a received
     /// large blob lands in a host pool buffer, which is; a heap buffer of
     /// that size is not), with this worker's pool counters after the call

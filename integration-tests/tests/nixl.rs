@@ -427,6 +427,36 @@ async fn the_agent_and_its_connection_are_reused_over_many_transfers() {
 }
 
 #[tokio::test]
+async fn a_small_read_from_a_known_producer_starts_once_its_call_is_handed_on() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let on_loop = || async { rt.get(c.started_after_frames().remote()).await.unwrap() };
+        for i in 0..4 {
+            let r = p.make(i as f32, 256).transport(Transport::Nixl).remote();
+            // Produced before the call: the value comes through the
+            // driver's delivery, not straight from the producer.
+            rt.wait(&r).await.unwrap();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64 * 256.0);
+        }
+        // The first read from the producer loaded its metadata and
+        // connected, in a task of its own; the next three started on the
+        // control loop once the call behind each was handed on.
+        assert_eq!(on_loop().await, 3);
+        // An object of many tensors (its views are made while it moves)
+        // is read in a task of its own.
+        let r = p.make_many(100, 16).transport(Transport::Nixl).remote();
+        rt.wait(&r).await.unwrap();
+        assert_eq!(
+            rt.get(c.sum_many(&r).remote()).await.unwrap(),
+            16.0 * (100 * 99 / 2) as f64
+        );
+        assert_eq!(on_loop().await, 3);
+        assert_eq!(of_consumer(&rt, &c).await.reads_posted, 5);
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn the_same_tensor_in_two_objects_is_registered_once() {
     deadline(DL, async {
         let (rt, p, c) = start().await;

@@ -46,7 +46,7 @@ pub use tcp::TcpTransport;
 pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError, TensorMeta};
 pub use tensor_list::{MakeTensors, TensorList};
 pub use transport::{
-    Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, Sidedness, Target,
+    Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, ReceiveStart, Sidedness, Target,
     TensorTransport, TransferCtx, TransferId, TransportError,
 };
 pub use wire::Blob;

@@ -356,6 +356,33 @@ impl TransportError {
     }
 }
 
+/// Where a worker starts a receive that is not in a group
+/// ([`TensorTransport::receive_start`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReceiveStart {
+    /// In a task of its own, which starts when the worker's control loop
+    /// next yields (the default).
+    Task,
+    /// On the control loop at once, up to its first wait, before the loop
+    /// reads its next frame: for a receive that waits for nothing (it
+    /// opens memory the producer published, usually a mapping kept from
+    /// an earlier pass), so the value is stored, and the call waiting for
+    /// it free to start, before the call is even read. A receive that
+    /// does wait goes on in a task from there. The first receive from a
+    /// new source holds the loop while it maps (`shm`: an `mmap`;
+    /// `cuda_ipc`: a `cuIpcOpenMemHandle`, about a millisecond).
+    Now,
+    /// On the control loop, up to its first wait, once the frames the loop
+    /// has already read are handled (the call behind the delivery is in
+    /// the actor's mailbox by then): for a short read that waits a few
+    /// microseconds for its bytes (a small `nixl` READ from a producer
+    /// read before). The actor's thread wakes while the read is posted,
+    /// and the read needs no task of its own (spawning one cost the 4 KiB
+    /// pass the wait for the loop to yield, and a wake-up of the
+    /// runtime's other thread).
+    AfterFramesInHand,
+}
+
 /// A way to move tensors between processes. See the module docs for the
 /// contract.
 pub trait TensorTransport: Send + Sync + 'static {
@@ -482,19 +509,13 @@ pub trait TensorTransport: Send + Sync + 'static {
         None
     }
 
-    /// Does [`receive`](Self::receive) return without waiting for anything
-    /// (no bytes to come, no peer to answer: it opens memory the producer
-    /// published, usually a mapping kept from an earlier pass)? The worker
-    /// then runs it on its control loop at once, up to its first wait,
-    /// instead of in a task that starts only when the loop next yields: a
-    /// hand-off is stored, and the call waiting for it free to start,
-    /// before the loop reads its next frame. A receive that does wait is
-    /// moved to a task at that point. The first receive from a new source
-    /// holds the loop while it maps (`shm`: an `mmap`; `cuda_ipc`: a
-    /// `cuIpcOpenMemHandle`, about a millisecond). The default: false, the
-    /// receive runs in a task of its own.
-    fn receive_runs_inline(&self) -> bool {
-        false
+    /// Where the worker starts the receive of `exported` (see
+    /// [`ReceiveStart`]). Asked once per receive not in a group, with its
+    /// decoded metadata and handles: it must be cheap. The default:
+    /// [`ReceiveStart::Task`].
+    fn receive_start(&self, exported: &Exported) -> ReceiveStart {
+        let _ = exported;
+        ReceiveStart::Task
     }
 
     /// Whether a receive can take `targets` as its [`Target::Tensors`]

@@ -46,7 +46,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
-use rdt_transport::{object_store, Peer, Sidedness, Target, Tensor, TensorList};
+use rdt_transport::{object_store, Peer, ReceiveStart, Sidedness, Target, Tensor, TensorList};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};
 use tracing::Instrument;
@@ -490,6 +490,9 @@ pub(crate) struct WorkerShared {
     fitted: Mutex<Option<FittedTargets>>,
     /// `get_into` calls whose receive wrote into the targets itself.
     in_place: std::sync::atomic::AtomicU64,
+    /// Receives the control loop started after the frames in hand
+    /// (`ReceiveStart::AfterFramesInHand`).
+    started_after_frames: std::sync::atomic::AtomicU64,
     /// Deliveries straight from producers to consumers (OW-9).
     peer: peer::PeerDelivery,
 }
@@ -808,6 +811,21 @@ pub fn received_in_place() -> u64 {
         .unwrap_or(0)
 }
 
+/// Inside an actor: how many receives this worker's control loop started
+/// itself once the frames it had read were handled, the call behind the
+/// delivery already in the actor's mailbox (a small `nixl` read from a
+/// producer read before; see the book's Internals). Tests use it to prove
+/// which path a receive took; outside an actor it is 0.
+pub fn receives_started_after_frames() -> u64 {
+    WORKER
+        .get()
+        .map(|w| {
+            w.started_after_frames
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .unwrap_or(0)
+}
+
 /// [`wait_tensor_freed`] with a deadline.
 pub async fn wait_tensor_freed_timeout(tensor: &Tensor, deadline: Duration) -> Result<()> {
     tokio::time::timeout(deadline, wait_tensor_freed(tensor))
@@ -961,6 +979,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             targets: Mutex::new(HashMap::new()),
             fitted: Mutex::new(None),
             in_place: Default::default(),
+            started_after_frames: Default::default(),
             readers: Mutex::new(HashMap::new()),
             peer: peer::PeerDelivery::new(
                 hostname(),
@@ -1074,7 +1093,31 @@ async fn control_loop<A: RdtActor>(
     heartbeat: Option<Duration>,
 ) -> Result<()> {
     let tx = shared.tx.clone();
+    // Receives that start here once the frames already read are handled
+    // (`ReceiveStart::AfterFramesInHand`): the call behind a delivery is
+    // in the actor's mailbox before its READ is posted.
+    // A steady stream of frames does not hold them back for long: they
+    // start after at most this many frames.
+    const MOST_FRAMES_AHEAD: usize = 16;
+    let mut after_frames_in_hand: Vec<Job> = Vec::new();
+    // Small values freed meanwhile, dropped after those receives started.
+    let mut drops_after_frames_in_hand: Vec<StoredValue> = Vec::new();
+    let mut frames_ahead = 0;
     loop {
+        if !after_frames_in_hand.is_empty() || !drops_after_frames_in_hand.is_empty() {
+            frames_ahead += 1;
+            if frames_ahead > MOST_FRAMES_AHEAD || !rx.has_whole_frame() {
+                frames_ahead = 0;
+                shared.started_after_frames.fetch_add(
+                    after_frames_in_hand.len() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                for job in after_frames_in_hand.drain(..) {
+                    run_now_or_spawn(job);
+                }
+                drops_after_frames_in_hand.clear();
+            }
+        }
         // Hot (rdt_transport::hot): the next message of a pass often comes
         // within the window; waking this thread after it slept costs more.
         let next = match heartbeat {
@@ -1129,7 +1172,9 @@ async fn control_loop<A: RdtActor>(
                 if let Ok(d) = &value {
                     rdt_transport::cuda::timeline("deliver received", d.xfer);
                 }
-                on_deliver(&shared, object, value)
+                if let Some(job) = on_deliver(&shared, object, value) {
+                    after_frames_in_hand.push(job);
+                }
             }
             ToWorker::DeliverTo { object, xfer, to } => peer::order(&shared, object, xfer, to),
             ToWorker::SendTo {
@@ -1221,6 +1266,11 @@ async fn control_loop<A: RdtActor>(
                         v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES;
                     if aside {
                         shared.drops.drop_aside(v);
+                    } else {
+                        // A pass's delivery often follows the free of the
+                        // previous pass's copy in the same read: the
+                        // frames in hand go first.
+                        drops_after_frames_in_hand.push(v);
                     }
                 }
                 rdt_transport::cuda::timeline("free done", object);
@@ -1264,13 +1314,20 @@ async fn control_loop<A: RdtActor>(
     }
 }
 
+/// Takes a delivery: through-driver values are stored, direct receives
+/// start where their transport says (`ReceiveStart`). Returns the receive
+/// the loop starts itself once the frames in hand are handled.
+#[must_use = "a receive returned here starts only when its caller runs it"]
 fn on_deliver(
     shared: &Arc<WorkerShared>,
     object: u64,
     value: std::result::Result<Delivery, Error>,
-) {
+) -> Option<Job> {
     let d = match value {
-        Err(e) => return shared.store.insert(object, Slot::Failed(e)),
+        Err(e) => {
+            shared.store.insert(object, Slot::Failed(e));
+            return None;
+        }
         Ok(d) => d,
     };
     let xfer = d.xfer;
@@ -1285,14 +1342,17 @@ fn on_deliver(
                     result: Err(e.clone()),
                 });
             }
-            return shared.store.insert(object, Slot::Failed(e));
+            shared.store.insert(object, Slot::Failed(e));
+            return None;
         }
     };
     if transport.1.sidedness() == Sidedness::ThroughDriver {
         if xfer != 0 {
-            return on_deliver_straight_inline(shared, object, transport.0, d.value, xfer);
+            on_deliver_straight_inline(shared, object, transport.0, d.value, xfer);
+        } else {
+            on_deliver_inline(shared, object, transport.0, d.value);
         }
-        return on_deliver_inline(shared, object, transport.0, d.value);
+        return None;
     }
     // WK-4: the receive runs until done, failed or aborted by the driver;
     // its end is acknowledged exactly once (XF-5).
@@ -1315,7 +1375,17 @@ fn on_deliver(
         side = "receive",
     );
     let group = d.group;
-    let inline = group.is_none() && transport.1.receive_runs_inline();
+    // Asked only where the head is here already (a large one may still be
+    // arriving, cut-through); decoded here, the job finds it decoded.
+    let start = match group {
+        Some(_) => ReceiveStart::Task,
+        None if !d.value.exported.head_is_here() => ReceiveStart::Task,
+        None => d
+            .value
+            .exported
+            .get()
+            .map_or(ReceiveStart::Task, |e| transport.1.receive_start(e)),
+    };
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1436,15 +1506,17 @@ fn on_deliver(
         }
         .instrument(span),
     );
-    if inline {
-        return run_now_or_spawn(job);
+    match start {
+        ReceiveStart::Now => run_now_or_spawn(job),
+        ReceiveStart::AfterFramesInHand => return Some(job),
+        ReceiveStart::Task => run_transfer(shared, group, job, xfer),
     }
-    run_transfer(shared, group, job, xfer);
+    None
 }
 
 /// Runs `job` here, on the control loop, up to its first wait, and spawns
 /// the rest as a task (polled again at once there, with a real waker).
-/// For a receive that does not wait (`receive_runs_inline`), that is all
+/// For a receive that does not wait (`ReceiveStart::Now`), that is all
 /// of it: the value is stored before the loop reads its next frame.
 fn run_now_or_spawn(mut job: Job) {
     let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());

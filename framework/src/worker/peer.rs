@@ -392,7 +392,12 @@ async fn serve_link(mut s: UnixStream, shared: Arc<WorkerShared>) {
                     }
                 }
                 shared.peer.received.fetch_add(1, Ordering::Relaxed);
-                super::on_deliver(&shared, object, value);
+                // The call waiting for it is in the actor's mailbox
+                // already: a receive the control loop would start after
+                // the frames in hand starts now.
+                if let Some(job) = super::on_deliver(&shared, object, value) {
+                    super::run_now_or_spawn(job);
+                }
             }
             Ok(Some(other)) => {
                 tracing::warn!(

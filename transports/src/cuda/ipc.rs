@@ -920,8 +920,8 @@ impl TensorTransport for CudaIpcTransport {
     }
 
     /// It opens a published memory and returns: nothing to wait for.
-    fn receive_runs_inline(&self) -> bool {
-        true
+    fn receive_start(&self, _exported: &Exported) -> crate::ReceiveStart {
+        crate::ReceiveStart::Now
     }
 
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {

@@ -671,6 +671,17 @@ struct HandlesWire {
     gaps: Vec<u8>,
 }
 
+impl HandlesWire {
+    /// The producer's agent named by encoded handles, read without
+    /// decoding the rest (`agent` is their first field); `None` if
+    /// malformed.
+    fn agent_of(handles: &[u8]) -> Option<&str> {
+        postcard::take_from_bytes::<&str>(handles)
+            .ok()
+            .map(|(a, _)| a)
+    }
+}
+
 /// A signed gap as an unsigned varint's value (zigzag: small of either
 /// sign stays small).
 fn zigzag(v: i128) -> u64 {
@@ -2446,6 +2457,30 @@ impl TensorTransport for NixlTransport {
 
     fn serves_driver(&self) -> bool {
         true
+    }
+
+    /// A small object from a producer this process has read from before
+    /// starts on the worker's control loop once the call behind its
+    /// delivery is in the actor's mailbox: the READ is posted while the
+    /// actor's thread wakes, and waited for in place (it ends within
+    /// microseconds; [`set_read_spin`]). Not a large object (its views are
+    /// offered to the call's thread, WK-8, and making them holds the loop),
+    /// and not a first read from a producer (loading its metadata and
+    /// connecting take milliseconds that would hold the loop).
+    /// `RDT_NIXL_RECEIVE_IN_TASK=1` starts every receive in a task of its
+    /// own instead (a measurement knob).
+    fn receive_start(&self, exported: &Exported) -> crate::ReceiveStart {
+        static IN_TASK: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
+            std::env::var("RDT_NIXL_RECEIVE_IN_TASK").is_ok_and(|v| v.trim() == "1")
+        });
+        let small_from_known = exported.metas.len() < PLAN_MIN_TENSORS
+            && HandlesWire::agent_of(&exported.handles)
+                .is_some_and(|a| self.remotes.lock().contains_key(a));
+        if small_from_known && !*IN_TASK {
+            crate::ReceiveStart::AfterFramesInHand
+        } else {
+            crate::ReceiveStart::Task
+        }
     }
 
     fn receives_into(&self, targets: &[Tensor]) -> Result<(), String> {
