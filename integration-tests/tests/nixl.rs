@@ -457,6 +457,34 @@ async fn a_small_read_from_a_known_producer_starts_once_its_call_is_handed_on() 
 }
 
 #[tokio::test]
+async fn a_small_object_read_again_posts_its_kept_request_and_sees_new_bytes() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let a = p.make_kept(1.0, 1024).transport(Transport::Nixl).remote();
+        rt.wait(&a).await.unwrap();
+        let c0 = of_consumer(&rt, &c).await;
+        for i in 0..8 {
+            // The producer writes its kept tensor between passes: a READ
+            // posted again moves the bytes again.
+            rt.get(p.write_kept(0, i as f32).remote()).await.unwrap();
+            let r = p.kept_again(0).transport(Transport::Nixl).remote();
+            rt.wait(&r).await.unwrap();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64 * 1024.0);
+        }
+        let c1 = of_consumer(&rt, &c).await;
+        assert_eq!(c1.reads_posted - c0.reads_posted, 8);
+        // The same remote range each time, into the few destinations the
+        // consumer's pool hands out in turn: most READs reuse a request.
+        assert!(
+            c1.reads_reposted - c0.reads_reposted >= 4,
+            "{} of 8 READs posted a kept request",
+            c1.reads_reposted - c0.reads_reposted
+        );
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn the_same_tensor_in_two_objects_is_registered_once() {
     deadline(DL, async {
         let (rt, p, c) = start().await;

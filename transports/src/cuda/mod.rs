@@ -404,6 +404,50 @@ impl StreamEvent {
     }
 }
 
+impl StreamEvent {
+    /// Waits until the GPU passed the event, without blocking the executor
+    /// thread (as [`Completion::wait`]).
+    pub async fn wait(self: Arc<Self>) -> Result<(), CudaError> {
+        wait_for_gpu(self, |e| e.passed(), |e| e.synchronize()).await
+    }
+}
+
+/// Waits until `passed(&on)` says yes, without blocking the executor
+/// thread: asks at once; then, as a small transfer or kernel is usually
+/// done within microseconds, asks again, yielding between asks, for a
+/// bounded moment (within the hot window, crate::hot, for as long: a
+/// wake-up after sleeping costs more than the spin) before paying a
+/// hand-off to the blocking pool (tens of microseconds), where
+/// `synchronize(on)` waits in the driver (contract point 5: never spin on
+/// an executor thread for long).
+async fn wait_for_gpu<T: Send + 'static>(
+    on: T,
+    passed: impl Fn(&T) -> Result<bool, CudaError>,
+    synchronize: impl FnOnce(T) -> Result<(), CudaError> + Send + 'static,
+) -> Result<(), CudaError> {
+    if passed(&on)? {
+        return Ok(());
+    }
+    let limit = SPIN_BEFORE_BLOCKING.max(crate::hot::window());
+    let spin = std::time::Instant::now();
+    while spin.elapsed() < limit {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::task::yield_now().await;
+        } else {
+            std::hint::spin_loop();
+        }
+        if passed(&on)? {
+            return Ok(());
+        }
+    }
+    if tokio::runtime::Handle::try_current().is_err() {
+        return synchronize(on);
+    }
+    tokio::task::spawn_blocking(move || synchronize(on))
+        .await
+        .map_err(|e| CudaError(format!("waiting for the GPU: {e}")))?
+}
+
 impl Drop for StreamEvent {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
@@ -1063,34 +1107,7 @@ impl Completion {
         let Some(event) = self.event else {
             return Ok(());
         };
-        if self.query(event)? {
-            return Ok(());
-        }
-        // A small transfer or kernel is usually done within microseconds:
-        // ask again, yielding between asks, for a bounded moment before
-        // paying a hand-off to the blocking pool (tens of microseconds).
-        // Within the hot window (crate::hot) the thread stays awake for as
-        // long: a wake-up after sleeping costs more than the spin.
-        let limit = SPIN_BEFORE_BLOCKING.max(crate::hot::window());
-        let spin = std::time::Instant::now();
-        while spin.elapsed() < limit {
-            if tokio::runtime::Handle::try_current().is_ok() {
-                tokio::task::yield_now().await;
-            } else {
-                std::hint::spin_loop();
-            }
-            if self.query(event)? {
-                return Ok(());
-            }
-        }
-        // Not there yet: wait in the driver, on a blocking thread, never
-        // spinning on an executor thread for long (contract point 5).
-        if tokio::runtime::Handle::try_current().is_err() {
-            return self.synchronize(event);
-        }
-        tokio::task::spawn_blocking(move || self.synchronize(event))
-            .await
-            .map_err(|e| CudaError(format!("waiting for the GPU: {e}")))?
+        wait_for_gpu(self, move |c| c.query(event), move |c| c.synchronize(event)).await
     }
 
     /// Has the GPU passed the event?

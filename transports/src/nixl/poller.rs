@@ -246,7 +246,14 @@ fn run(agent: Arc<Agent>, rx: Receiver<Msg>, notices: Arc<Notices>) {
             };
             let w = live.swap_remove(i);
             moved = true;
-            match agent.release(w.req) {
+            // Ended or failed: a kept request is posted again only after
+            // it ended well.
+            let ended = if outcome.is_ok() {
+                agent.finish(w.req)
+            } else {
+                agent.release(w.req)
+            };
+            match ended {
                 Ok(()) => {
                     // PL-1: the memory is handed over with the result.
                     let _ = w.done.send(outcome);
