@@ -465,6 +465,13 @@ impl Consumer {
         rdt::receives_started_after_frames()
     }
 
+    /// Sum of the tensor, `ms` milliseconds after the call started (a
+    /// long method holding its argument).
+    async fn sum_after(&mut self, t: Tensor, ms: u64) -> rdt::Result<f64> {
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        Ok(t.sum()?)
+    }
+
     /// Sums `t` and tells whether its bytes are page-aligned (a received
     /// large blob lands in a host pool buffer, which is; a heap buffer of
     /// that size is not), with this worker's pool counters after the call

@@ -457,6 +457,29 @@ async fn a_small_read_from_a_known_producer_starts_once_its_call_is_handed_on() 
 }
 
 #[tokio::test]
+async fn a_long_call_does_not_hold_its_arguments_acknowledgement() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        // The first read from the producer connects; the next starts on
+        // the control loop, and its acknowledgement waits to go out with
+        // the call's reply, but no longer than a moment.
+        let r = p.make(1.0, 256).transport(Transport::Nixl).remote();
+        rt.wait(&r).await.unwrap();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 256.0);
+        let r = p.make(2.0, 256).transport(Transport::Nixl).remote();
+        rt.wait(&r).await.unwrap();
+        let call = c.sum_after(&r, 4000).remote();
+        tokio::time::timeout(Duration::from_secs(2), rt.transfers_settled())
+            .await
+            .expect("the receive was acknowledged while its call still ran");
+        assert_eq!(rt.transfers_in_flight(), 0);
+        assert_eq!(rt.get(c.started_after_frames().remote()).await.unwrap(), 1);
+        assert_eq!(rt.get(call).await.unwrap(), 512.0);
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn a_small_object_read_again_posts_its_kept_request_and_sees_new_bytes() {
     deadline(DL, async {
         let (rt, p, c) = start().await;
