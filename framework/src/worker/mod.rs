@@ -1485,22 +1485,24 @@ fn on_deliver(
                         landed.and(ack)
                     }
                 };
+                let hold = ack_soon && landed_already && ack.is_ok();
                 let msg = ToDriver::Received {
                     object,
                     xfer,
                     result: ack,
                 };
                 // A short read started after the frames in hand, whose call
-                // is waiting for it: the acknowledgement goes out with the
-                // call's `CallDone` a few µs later, in one write and one
-                // read for the driver, or within `protocol::SOON`
-                // (`send_soon`). The others are sent now: tried for every
+                // is waiting for it: the acknowledgement goes out right
+                // behind the call's `CallDone` a few µs later, in one write
+                // and one read for the driver (`send_ahead_of_held`), or
+                // within `protocol::SOON` (`send_soon`). A failed one goes
+                // now. The others are sent now: tried for every
                 // receive on one H200, holding cost a wake-up of the
                 // writer task per receive (cached `cuda_ipc` hand-off
                 // 63.5-68.4 -> 71.0-72.2 µs), and a driver that heard
                 // nothing during a long read had left its hot window when
                 // the reply came (+75 µs).
-                let _ = if ack_soon && landed_already {
+                let _ = if hold {
                     shared.tx.send_soon(&msg)
                 } else {
                     shared.tx.send(&msg)
