@@ -1080,34 +1080,6 @@ impl Sender {
         Ok(())
     }
 
-    /// [`send`](Self::send), but ahead of the frames [`send_soon`](Self::send_soon)
-    /// holds, which go out right behind it in the same write: for a reply
-    /// the peer waits for, where the held frames are ones nothing waits
-    /// for and whose order against it does not matter (a worker's
-    /// acknowledgements of receives its call already used: the driver
-    /// then wakes the caller before it reads them). A frame with blobs is
-    /// sent as `send` does.
-    pub fn send_ahead_of_held<T: Serialize>(&self, msg: &T) -> Result<()> {
-        let frame = encode(msg)?;
-        if matches!(self.inner.half, WriteHalf::Tls(_)) || !frame.blobs.is_empty() || frame.status {
-            return self.send_frame(frame);
-        }
-        self.check_size(&frame)?;
-        let mut q = self.inner.queue.lock();
-        if q.closed {
-            return Ok(());
-        }
-        if !q.held || DEFERRED.with(|d| d.borrow().is_some()) {
-            drop(q);
-            return self.send_frame(frame);
-        }
-        // Only whole held frames are queued (a written or partly written
-        // chunk clears `held`): this one goes before them.
-        q.chunks.push_front(Chunk::Here(frame.head));
-        self.write_queued(q);
-        Ok(())
-    }
-
     /// Whether `other` sends on the same connection.
     pub fn same_connection(&self, other: &Sender) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -1129,8 +1101,8 @@ impl Sender {
         self.send_frame(encode(msg)?)
     }
 
-    /// Refuses a frame over the frame limit.
-    fn check_size(&self, frame: &wire::Frame) -> Result<()> {
+    /// [`send`](Self::send) of a frame already encoded.
+    fn send_frame(&self, frame: wire::Frame) -> Result<()> {
         let len = frame.len() - 8;
         let max_frame = self
             .inner
@@ -1141,12 +1113,6 @@ impl Sender {
                 "a {len}-byte message exceeds the control frame limit of {max_frame} bytes; raise RuntimeBuilder::max_frame_bytes or move the tensors with a direct transport"
             )));
         }
-        Ok(())
-    }
-
-    /// [`send`](Self::send) of a frame already encoded.
-    fn send_frame(&self, frame: wire::Frame) -> Result<()> {
-        self.check_size(&frame)?;
         let mut q = self.inner.queue.lock();
         if q.closed {
             return Ok(());
@@ -2062,40 +2028,6 @@ mod tests {
                     other => panic!("{other:?}"),
                 }
             }
-        })
-        .await
-        .expect("deadline");
-    }
-
-    #[tokio::test]
-    async fn a_frame_sent_ahead_of_held_ones_goes_first_with_them() {
-        tokio::time::timeout(Duration::from_secs(10), async {
-            let (a, b) = UnixStream::pair().unwrap();
-            let tx = spawn_writer(WriteHalf::Unix(a.into_split().1), 1 << 20);
-            let mut rx = Receiver::new(b, 1 << 20);
-            tx.send_soon(&ToWorker::Free { object: 1 }).unwrap();
-            tx.send_soon(&ToWorker::Free { object: 2 }).unwrap();
-            tx.send_ahead_of_held(&ToWorker::Ping).unwrap();
-            assert!(
-                tx.inner.queue.lock().chunks.is_empty(),
-                "all written at once"
-            );
-            assert!(matches!(
-                rx.recv::<ToWorker>().await.unwrap(),
-                Some(ToWorker::Ping)
-            ));
-            for want in [1, 2] {
-                match rx.recv::<ToWorker>().await.unwrap() {
-                    Some(ToWorker::Free { object }) => assert_eq!(object, want),
-                    other => panic!("{other:?}"),
-                }
-            }
-            // With nothing held, it is a plain send.
-            tx.send_ahead_of_held(&ToWorker::Ping).unwrap();
-            assert!(matches!(
-                rx.recv::<ToWorker>().await.unwrap(),
-                Some(ToWorker::Ping)
-            ));
         })
         .await
         .expect("deadline");

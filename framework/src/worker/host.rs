@@ -299,10 +299,7 @@ async fn run_and_reply<A: RdtActor>(
     // Straight to the consumers the driver named first (OW-9): their
     // receive starts while the reply is on its way.
     let delivered = super::peer::deliver_result(&shared, result_id, &result);
-    // Ahead of the acknowledgements held for it (receives its arguments
-    // came by, XF-5 settles them with this reply): the driver wakes the
-    // caller first.
-    if let Err(e) = shared.tx.send_ahead_of_held(&ToDriver::CallDone {
+    if let Err(e) = shared.tx.send(&ToDriver::CallDone {
         call,
         result,
         delivered: delivered.clone(),

@@ -1386,7 +1386,6 @@ fn on_deliver(
             .get()
             .map_or(ReceiveStart::Task, |e| transport.1.receive_start(e)),
     };
-    let ack_soon = start == ReceiveStart::AfterFramesInHand && ack_with_reply();
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1485,28 +1484,21 @@ fn on_deliver(
                         landed.and(ack)
                     }
                 };
-                let hold = ack_soon && landed_already && ack.is_ok();
-                let msg = ToDriver::Received {
+                // Sent now, not held for the call's `CallDone`
+                // (`send_soon`): tried on one H200, that cost a wake-up of
+                // the writer task per receive (cached `cuda_ipc` hand-off
+                // 63.5-68.4 -> 71.0-72.2 µs), and a driver that heard
+                // nothing during a long read had left its hot window when
+                // the reply came (+75 µs). Tried again on 2xH200 for small
+                // nixl reads only, with the `CallDone` written ahead of the
+                // held acknowledgement (`6e37ce6`, `6874524`): a 4 KiB pass
+                // took 53.8-59.7 µs against 53.2-54.0 µs sent now,
+                // alternating in one run.
+                let _ = shared.tx.send(&ToDriver::Received {
                     object,
                     xfer,
                     result: ack,
-                };
-                // A short read started after the frames in hand, whose call
-                // is waiting for it: the acknowledgement goes out right
-                // behind the call's `CallDone` a few µs later, in one write
-                // and one read for the driver (`send_ahead_of_held`), or
-                // within `protocol::SOON` (`send_soon`). A failed one goes
-                // now. The others are sent now: tried for every
-                // receive on one H200, holding cost a wake-up of the
-                // writer task per receive (cached `cuda_ipc` hand-off
-                // 63.5-68.4 -> 71.0-72.2 µs), and a driver that heard
-                // nothing during a long read had left its hot window when
-                // the reply came (+75 µs).
-                let _ = if hold {
-                    shared.tx.send_soon(&msg)
-                } else {
-                    shared.tx.send(&msg)
-                };
+                });
             };
             if landed_already {
                 acknowledge.await;
@@ -1524,14 +1516,6 @@ fn on_deliver(
         ReceiveStart::Task => run_transfer(shared, group, job, xfer),
     }
     None
-}
-
-/// Whether a receive started after the frames in hand sends its
-/// acknowledgement with its call's `CallDone` (`send_soon`);
-/// `RDT_ACK_WITH_REPLY=0` sends it at once (a measurement knob).
-fn ack_with_reply() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RDT_ACK_WITH_REPLY").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Runs `job` here, on the control loop, up to its first wait, and spawns
