@@ -1100,11 +1100,9 @@ async fn control_loop<A: RdtActor>(
     // start after at most this many frames.
     const MOST_FRAMES_AHEAD: usize = 16;
     let mut after_frames_in_hand: Vec<Job> = Vec::new();
-    // Small values freed meanwhile, dropped after those receives started.
-    let mut drops_after_frames_in_hand: Vec<StoredValue> = Vec::new();
     let mut frames_ahead = 0;
     loop {
-        if !after_frames_in_hand.is_empty() || !drops_after_frames_in_hand.is_empty() {
+        if !after_frames_in_hand.is_empty() {
             frames_ahead += 1;
             if frames_ahead > MOST_FRAMES_AHEAD || !rx.has_whole_frame() {
                 frames_ahead = 0;
@@ -1115,7 +1113,6 @@ async fn control_loop<A: RdtActor>(
                 for job in after_frames_in_hand.drain(..) {
                     run_now_or_spawn(job);
                 }
-                drops_after_frames_in_hand.clear();
             }
         }
         // Hot (rdt_transport::hot): the next message of a pass often comes
@@ -1266,11 +1263,6 @@ async fn control_loop<A: RdtActor>(
                         v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES;
                     if aside {
                         shared.drops.drop_aside(v);
-                    } else {
-                        // A pass's delivery often follows the free of the
-                        // previous pass's copy in the same read: the
-                        // frames in hand go first.
-                        drops_after_frames_in_hand.push(v);
                     }
                 }
                 rdt_transport::cuda::timeline("free done", object);
