@@ -60,6 +60,15 @@ fn exited(pid: u32) -> bool {
 
 /// The producer learns of each finished read from NIXL's notification,
 /// which follows the read's completion by a moment.
+/// A tensor of `n` f32 equal to `v`, made by the producer before it is
+/// passed on: its value comes through the driver's delivery, not straight
+/// from the producer.
+async fn produced(rt: &Runtime, p: &ProducerHandle, v: f32, n: usize) -> ObjectRef<Tensor> {
+    let r = p.make(v, n).transport(Transport::Nixl).remote();
+    rt.wait(&r).await.unwrap();
+    r
+}
+
 async fn producer_served(rt: &Runtime, p: &ProducerHandle, n: u64) {
     eventually(&format!("{n} reads served at the producer"), || async {
         of_producer(rt, p).await.reads_served == n
@@ -432,10 +441,7 @@ async fn a_small_read_from_a_known_producer_starts_once_its_call_is_handed_on() 
         let (rt, p, c) = start().await;
         let on_loop = || async { rt.get(c.started_after_frames().remote()).await.unwrap() };
         for i in 0..4 {
-            let r = p.make(i as f32, 256).transport(Transport::Nixl).remote();
-            // Produced before the call: the value comes through the
-            // driver's delivery, not straight from the producer.
-            rt.wait(&r).await.unwrap();
+            let r = produced(&rt, &p, i as f32, 256).await;
             assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64 * 256.0);
         }
         // The first read from the producer loaded its metadata and
@@ -465,11 +471,9 @@ async fn a_long_call_does_not_hold_its_arguments_acknowledgement() {
         // (holding it for the reply was tried: see the book's NIXL
         // chapter), so a long method never runs into the transfer's
         // deadline.
-        let r = p.make(1.0, 256).transport(Transport::Nixl).remote();
-        rt.wait(&r).await.unwrap();
+        let r = produced(&rt, &p, 1.0, 256).await;
         assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 256.0);
-        let r = p.make(2.0, 256).transport(Transport::Nixl).remote();
-        rt.wait(&r).await.unwrap();
+        let r = produced(&rt, &p, 2.0, 256).await;
         let call = c.sum_after(&r, 4000).remote();
         tokio::time::timeout(Duration::from_secs(2), rt.transfers_settled())
             .await

@@ -402,9 +402,7 @@ impl StreamEvent {
             .result()
             .map_err(|e| CudaError::call("cuEventSynchronize", e))
     }
-}
 
-impl StreamEvent {
     /// Waits until the GPU passed the event, without blocking the executor
     /// thread (as [`Completion::wait`]).
     pub async fn wait(self: Arc<Self>) -> Result<(), CudaError> {

@@ -417,12 +417,8 @@ impl Agent {
             api::status::SUCCESS => Ok((Request(req, what), true)),
             api::status::IN_PROG => Ok((Request(req, what), false)),
             _ => {
-                // SAFETY: the request made above; it did not start.
-                unsafe {
-                    if (self.api.release_xfer_req)(raw.agent, req) == api::status::SUCCESS {
-                        (self.api.destroy_xfer_req)(req);
-                    }
-                }
+                // The request made above; it did not start.
+                self.release_handle(&raw, req);
                 Err(NixlError(format!(
                     "nixl_capi_post_xfer_req(READ) failed: {} ({s})",
                     api::status::name(s)
@@ -496,26 +492,31 @@ impl Agent {
 
     /// Releases a kept request (it ended: nothing to cancel).
     fn release_kept(&self, raw: &Raw, k: KeptRead) {
-        // SAFETY: live agent and request, used by nothing else.
-        unsafe {
-            if (self.api.release_xfer_req)(raw.agent, k.req) == api::status::SUCCESS {
-                (self.api.destroy_xfer_req)(k.req);
-            }
-        }
+        self.release_handle(raw, k.req);
     }
 
     /// Releases `req` (cancelling it if it still runs). Gives it back if
     /// NIXL refuses for now, to be tried again.
     pub fn release(&self, req: Request) -> Result<(), Request> {
         let raw = self.raw.lock();
-        // SAFETY: live agent and request.
-        if unsafe { (self.api.release_xfer_req)(raw.agent, req.0) } == api::status::SUCCESS {
-            // SAFETY: released above, so its inner request is gone.
-            unsafe { (self.api.destroy_xfer_req)(req.0) };
+        if self.release_handle(&raw, req.0) {
             Ok(())
         } else {
             Err(req)
         }
+    }
+
+    /// Releases the request `req` (a live one of this agent, used by
+    /// nothing else after), then frees its handle; false if NIXL refused
+    /// (the handle stays valid).
+    fn release_handle(&self, raw: &Raw, req: api::XferReq) -> bool {
+        // SAFETY: live agent and request.
+        if unsafe { (self.api.release_xfer_req)(raw.agent, req) } != api::status::SUCCESS {
+            return false;
+        }
+        // SAFETY: released above, so its inner request is gone.
+        unsafe { (self.api.destroy_xfer_req)(req) };
+        true
     }
 
     /// The notifications that arrived since the last call, as

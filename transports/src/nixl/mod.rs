@@ -2478,10 +2478,12 @@ impl TensorTransport for NixlTransport {
         static IN_TASK: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
             std::env::var("RDT_NIXL_RECEIVE_IN_TASK").is_ok_and(|v| v.trim() == "1")
         });
-        let small_from_known = exported.metas.len() < PLAN_MIN_TENSORS
-            && HandlesWire::agent_of(&exported.handles)
-                .is_some_and(|a| self.remotes.lock().contains_key(a));
-        if small_from_known && !*IN_TASK {
+        let small_from_known = || {
+            exported.metas.len() < PLAN_MIN_TENSORS
+                && HandlesWire::agent_of(&exported.handles)
+                    .is_some_and(|a| self.remotes.lock().contains_key(a))
+        };
+        if !*IN_TASK && small_from_known() {
             crate::ReceiveStart::AfterFramesInHand
         } else {
             crate::ReceiveStart::Task
