@@ -163,6 +163,60 @@ gpu_test!(device_present, async {
 // Views of one flat CUDA buffer (overlapping ones, one of another dtype,
 // and the buffer itself) pass as one object over `cuda_ipc`, `nixl` and
 // the object store, each with its own bytes.
+// "Known idle" (IK-1..3): a stream seen idle, with nothing enqueued
+// since, is idle without asking CUDA; an enqueue of rdt's, or the stream
+// lent out, makes it asked again. Last, in one test: lending the stream
+// turns this off for the whole process.
+gpu_test!(a_stream_known_idle_is_asked_again_after_an_enqueue, async {
+    require_gpu();
+    let g = rdt::data::cuda::gpu(0).unwrap();
+    let t = Tensor::cuda_zeros(DType::U8, &[4096], 0).unwrap();
+    // Known idle: a second question finds the answer without CUDA. Other
+    // tests of this process may enqueue in between; one quiet moment
+    // out of many is enough.
+    let mut known = false;
+    for _ in 0..1000 {
+        t.cuda_ready().await.unwrap();
+        let before = rdt::data::cuda::idle_known_count();
+        t.cuda_ready().await.unwrap();
+        if rdt::data::cuda::idle_known_count() > before {
+            known = true;
+            break;
+        }
+    }
+    assert!(known, "the stream was never known idle without asking CUDA");
+    // An enqueue after it was seen idle: the next question sees it busy
+    // (a 1 GiB fill takes hundreds of microseconds), and cuda_ready waits.
+    let big = Tensor::cuda_zeros(DType::U8, &[1 << 30], 0).unwrap();
+    big.cuda_ready().await.unwrap();
+    g.synchronize().unwrap();
+    big.fill_(7u8).unwrap();
+    assert!(
+        !g.stream_idle().unwrap(),
+        "a stream with a 1 GiB fill just enqueued was reported idle"
+    );
+    big.cuda_ready().await.unwrap();
+    assert!(g.stream_idle().unwrap());
+    assert_eq!(big.sum().unwrap(), 7.0 * (1u64 << 30) as f64);
+    // Lent out: work that rdt did not enqueue is seen too.
+    g.synchronize().unwrap();
+    let raw = g.raw_stream();
+    let ptr = big.with_device_buffer(|d| d.device_ptr()).unwrap();
+    // SAFETY: the tensor's own 1 GiB, on rdt's stream of GPU 0's context.
+    unsafe {
+        g.bind().unwrap();
+        cudarc::driver::sys::cuMemsetD8Async(ptr, 9, 1 << 30, raw)
+            .result()
+            .unwrap();
+    }
+    assert!(
+        !g.stream_idle().unwrap(),
+        "work enqueued on the lent stream was not seen"
+    );
+    big.cuda_ready().await.unwrap();
+    assert_eq!(big.sum().unwrap(), 9.0 * (1u64 << 30) as f64);
+});
+
 gpu_test!(views_of_one_cuda_storage, async {
     let (rt, p, c) = setup().await;
     let want: Vec<f64> = flat_views(Tensor::arange::<f32>(1000))

@@ -338,11 +338,12 @@ impl Kernels {
                     (blocks, 1, 1),
                     (BLOCK, 1, 1),
                     0,
-                    gpu.raw_stream(),
+                    gpu.own_stream(),
                     &mut params,
                 )
             }
             .map_err(|e| CudaError::call(&format!("launching {name}"), e))?;
+            gpu.enqueued();
         }
         let mut out = [0u8; 8];
         gpu.copy_dtoh(&mut out, self.result)?;
@@ -414,7 +415,7 @@ impl Generator {
         let raw = cr::create_generator()
             .map_err(|e| CudaError(format!("curandCreateGenerator failed: {e:?}")))?;
         // SAFETY: fresh generator; the stream belongs to the bound context.
-        unsafe { cr::set_stream(raw, gpu.raw_stream() as _) }
+        unsafe { cr::set_stream(raw, gpu.own_stream() as _) }
             .map_err(|e| CudaError(format!("curandSetStream failed: {e:?}")))?;
         let tail = gpu.malloc(8)?;
         Ok(Generator { raw, tail })
@@ -457,13 +458,16 @@ pub fn random_fill(
             _ if words > 0 => cr::generate::uniform_u32(g, ptr as *mut u32, words),
             _ => Ok(()),
         };
+        // Counted even if it failed: part of it may be enqueued (IK-1).
+        gpu.enqueued();
         r.map_err(|e| CudaError(format!("cuRAND generate failed: {e:?}")))?;
     }
     let tail = len % 4;
     if !matches!(dtype, DType::F32 | DType::F64) && tail > 0 {
         // SAFETY: as above; the scratch word is ours, under the lock.
-        unsafe { cr::generate::uniform_u32(g, gen.tail as *mut u32, 1) }
-            .map_err(|e| CudaError(format!("cuRAND generate failed: {e:?}")))?;
+        let r = unsafe { cr::generate::uniform_u32(g, gen.tail as *mut u32, 1) };
+        gpu.enqueued();
+        r.map_err(|e| CudaError(format!("cuRAND generate failed: {e:?}")))?;
         // Ordered after the generate on the same stream; the lock is held
         // until both are enqueued, and the next use of the scratch word is
         // ordered after this copy.
