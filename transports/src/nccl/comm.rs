@@ -491,6 +491,9 @@ impl Communicator {
     ) -> Result<(), NcclError> {
         let t0 = Instant::now();
         let cuda = |e: crate::cuda::CudaError| NcclError(e.to_string());
+        // This thread asks CUDA until the event passes (or synchronizes
+        // on it): a method waiting on the same event reads the answer.
+        done.watched_by_caller();
         loop {
             if done.passed().map_err(cuda)? {
                 break;
