@@ -36,14 +36,15 @@ async fn ow_6_put_checks_the_frame_it_travels_in() {
 /// WK-6: a `Free` has taken effect before the next call on the worker
 /// starts, also when the freed value is large enough to be dropped beside
 /// the control loop (it was dropped while the next call ran, so that call
-/// still saw the freed tensors alive).
+/// still saw the freed tensors alive), and when it is small enough to be
+/// held until the frames read with it are handled.
 #[tokio::test]
 async fn wk_6_a_free_took_effect_before_the_next_call_starts() {
     deadline(120, async {
         rdt_integration_tests::logs();
         let rt = Runtime::start().await.unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
-        for n in [100_000usize, 200_000] {
+        for n in [10usize, 100_000, 200_000] {
             let r = p.many_keep_last(n).transport(Transport::Shm).remote();
             rt.wait(&r).await.unwrap();
             let i = rt.get(p.stored().remote()).await.unwrap();

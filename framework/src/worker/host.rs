@@ -194,6 +194,10 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
 
     fn handle(&mut self, Invoke(msg): Invoke, ctx: &mut Self::Context) {
         rdt_transport::cuda::timeline("call on the actor's thread", msg.call);
+        // Small values freed in the batch of this call are dropped here,
+        // while the control loop starts the call's receives; the call
+        // waits for them in any case (WK-6).
+        self.shared.drops.drop_held();
         let seq = self.next_seq;
         self.next_seq += 1;
         let info = A::__method_info(msg.method).unwrap_or(MethodInfo {

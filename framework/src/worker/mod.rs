@@ -16,7 +16,9 @@
 //!    kills it if the driver dies first).
 //! 6. **WK-6** A `Free` has taken effect before any call behind it starts: a freed
 //!    value that the control loop drops on the blocking pool (large ones,
-//!    so that the frames behind the `Free` are not held up) is counted
+//!    so that the frames behind the `Free` are not held up), or holds
+//!    until the frames read with the `Free` are handled (small ones, so
+//!    that a delivery read with it starts its receive first), is counted
 //!    in [`AsideDrops`], and a call waits for the count to reach zero
 //!    before its method runs. So memory the driver freed is gone by the
 //!    time a later call looks (`trim`, `wait_tensor_freed`, a slab count).
@@ -708,14 +710,65 @@ impl PartialEq for FittedTargets {
     }
 }
 
-/// Freed values being dropped on the blocking pool (WK-6).
+/// Are small freed values dropped after the frames in hand
+/// (`RDT_DROP_AFTER_FRAMES`, default on; `0` drops them at their `Free`,
+/// for measurements)?
+fn drop_after_frames() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RDT_DROP_AFTER_FRAMES").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Freed values being dropped on the blocking pool, or held for the
+/// control loop to drop once the frames in hand are handled (WK-6).
 #[derive(Default)]
 pub(crate) struct AsideDrops {
     pending: std::sync::atomic::AtomicUsize,
     settled: Notify,
+    /// Small freed values the control loop drops after the frames in hand
+    /// (counted in `pending` until then).
+    held: parking_lot::Mutex<Vec<StoredValue>>,
 }
 
+/// How many small freed values the control loop holds at most before it
+/// drops them, frames in hand or not.
+const MOST_DROPS_HELD: usize = 16;
+
 impl AsideDrops {
+    /// Holds small freed value `v` for [`drop_held`](Self::drop_held),
+    /// counted until then: the control loop drops it once the frames in
+    /// hand are handled, so the free of the previous pass's copy is not
+    /// on the path of the delivery and call read with it (a small receive
+    /// posts its READ first). A call waits for it like for any drop
+    /// (WK-6). Returns how many are held.
+    fn hold(&self, v: StoredValue) -> usize {
+        self.pending
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let mut held = self.held.lock();
+        held.push(v);
+        held.len()
+    }
+
+    /// Whether values wait in [`hold`](Self::hold).
+    fn holds_any(&self) -> bool {
+        !self.held.lock().is_empty()
+    }
+
+    /// Drops the values [`hold`](Self::hold) kept (the control loop
+    /// between batches of frames, or the actor's thread as a call
+    /// arrives).
+    pub(crate) fn drop_held(&self) {
+        use std::sync::atomic::Ordering;
+        let held = std::mem::take(&mut *self.held.lock());
+        let n = held.len();
+        if n == 0 {
+            return;
+        }
+        drop(held);
+        if self.pending.fetch_sub(n, Ordering::AcqRel) == n {
+            self.settled.notify_waiters();
+        }
+    }
+
     /// Drops `v` on the blocking pool, counted until it is gone.
     fn drop_aside<T: Send + 'static>(self: &Arc<Self>, v: T) {
         use std::sync::atomic::Ordering;
@@ -1115,6 +1168,11 @@ async fn control_loop<A: RdtActor>(
                 }
             }
         }
+        // Small freed values go once the frames in hand are handled (and
+        // the receives they started are posted).
+        if !rx.has_whole_frame() && shared.drops.holds_any() {
+            shared.drops.drop_held();
+        }
         // Hot (rdt_transport::hot): the next message of a pass often comes
         // within the window; waking this thread after it slept costs more.
         let next = match heartbeat {
@@ -1263,6 +1321,8 @@ async fn control_loop<A: RdtActor>(
                         v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES;
                     if aside {
                         shared.drops.drop_aside(v);
+                    } else if drop_after_frames() && shared.drops.hold(v) >= MOST_DROPS_HELD {
+                        shared.drops.drop_held();
                     }
                 }
                 rdt_transport::cuda::timeline("free done", object);
