@@ -1878,15 +1878,6 @@ impl Inner {
         })
     }
 
-    /// Is `call` in flight with `object` among its arguments?
-    fn call_took(&self, call: u64, object: u64) -> bool {
-        self.lock()
-            .calls
-            .by_id
-            .get(&call)
-            .is_some_and(|pc| pc.args.contains(&object))
-    }
-
     fn on_message(&self, actor: u64, msg: ToDriver) {
         let mut st = self.lock();
         let st = &mut *st;
@@ -2618,50 +2609,6 @@ async fn read_worker(
         match msg {
             Ok(Some(msg)) => match rt.upgrade() {
                 Some(inner) => {
-                    // A receive's acknowledgement with the frame after it
-                    // in hand already: read that one first, and if it is
-                    // the call that took the value, handle the call first
-                    // (XF-5 settles the receive with it; the acknowledgement
-                    // then only finds it settled). The caller waiting for
-                    // the call is woken a handling earlier.
-                    let msg = match msg {
-                        ToDriver::Received {
-                            object,
-                            xfer,
-                            result: Ok(()),
-                        } if call_done_first() && rx.has_whole_frame() => {
-                            let ack = ToDriver::Received {
-                                object,
-                                xfer,
-                                result: Ok(()),
-                            };
-                            match rx.recv::<ToDriver>().await {
-                                Ok(Some(next)) => {
-                                    let first = matches!(
-                                        &next,
-                                        ToDriver::CallDone { call, .. }
-                                            if inner.call_took(*call, object)
-                                    );
-                                    if first {
-                                        handle_from_worker(&inner, worker, next);
-                                        ack
-                                    } else {
-                                        handle_from_worker(&inner, worker, ack);
-                                        next
-                                    }
-                                }
-                                Ok(None) => {
-                                    handle_from_worker(&inner, worker, ack);
-                                    break "closed its control connection".to_string();
-                                }
-                                Err(e) => {
-                                    handle_from_worker(&inner, worker, ack);
-                                    break format!("broke its control connection ({e})");
-                                }
-                            }
-                        }
-                        msg => msg,
-                    };
                     handle_from_worker(&inner, worker, msg);
                 }
                 None => return,
@@ -2707,14 +2654,6 @@ fn handle_from_worker(inner: &Inner, worker: u64, msg: ToDriver) {
     rdt_transport::cuda::timeline(got, id);
     inner.on_message(worker, msg);
     rdt_transport::cuda::timeline(handled, id);
-}
-
-/// Is a call's `CallDone` handled before the acknowledgement read just
-/// before it (`RDT_CALL_DONE_FIRST`, default on; `0` turns it off for
-/// measurements)?
-fn call_done_first() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RDT_CALL_DONE_FIRST").map_or(true, |v| v.trim() != "0"))
 }
 
 /// The devices (as `CUDA_VISIBLE_DEVICES` entries) a worker asking for `n`

@@ -1365,6 +1365,12 @@ impl GpuConsumer {
     async fn straight(&mut self) -> u64 {
         rdt::straight_deliveries()
     }
+
+    /// Receives this worker's calls acknowledged with their `CallDone`
+    /// (see `rdt::receives_acknowledged_by_calls`).
+    async fn acks_by_calls(&mut self) -> u64 {
+        rdt::receives_acknowledged_by_calls()
+    }
 }
 
 /// An actor that is a client too: it calls other actors, puts, gets and

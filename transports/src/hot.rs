@@ -137,7 +137,6 @@ pub async fn hot_for<F: Future>(window: Duration, fut: F) -> F::Output {
     }
     let mut fut = pin!(fut);
     let t0 = Instant::now();
-    let spin = spin_between_yields();
     loop {
         if let Poll::Ready(v) = futures::poll!(fut.as_mut()) {
             return v;
@@ -145,30 +144,10 @@ pub async fn hot_for<F: Future>(window: Duration, fut: F) -> F::Output {
         if t0.elapsed() >= window {
             return fut.await;
         }
-        // Asked again at once for a moment first: a yield to tokio costs a
-        // system call (its I/O driver is polled), so asking only between
-        // yields sees what arrived microseconds late.
-        if !spin.is_zero() {
-            let s0 = Instant::now();
-            while s0.elapsed() < spin {
-                std::hint::spin_loop();
-                if let Poll::Ready(v) = futures::poll!(fut.as_mut()) {
-                    return v;
-                }
-            }
-        }
         // Yield, not wake-and-return: tokio polls its I/O driver and other
         // tasks before it comes back here, so what we wait for can arrive.
         tokio::task::yield_now().await;
     }
-}
-
-static SPIN: MicrosSetting = MicrosSetting::new("RDT_HOT_SPIN_US");
-
-/// How long [`hot`] asks its future again, without yielding, between two
-/// yields to the executor: `RDT_HOT_SPIN_US` (microseconds), else none.
-pub fn spin_between_yields() -> Duration {
-    SPIN.get(|| Duration::ZERO)
 }
 
 #[cfg(test)]

@@ -435,7 +435,7 @@ impl ActorRuntime {
         // WK-5: a stream-ordered receive returns before its bytes land.
         let landing = self.w.landing.lock().get(&id).cloned();
         if let Some(l) = landing {
-            l.await.map_err(Error::from)?;
+            l.landing.await.map_err(Error::from)?;
         }
         Ok(v)
     }

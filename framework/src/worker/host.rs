@@ -43,7 +43,7 @@ use rdt_transport::hot::{self, hot};
 use rdt_transport::{Blob, Sidedness};
 use tracing::Instrument;
 
-use super::{panic_message, Landing, Slot, StoredValue, WorkerShared};
+use super::{panic_message, Landed, Slot, StoredValue, WorkerShared};
 use crate::actor::{Actor as RdtActor, CallArgs, Concurrency, MethodInfo};
 use crate::error::{Error, Result};
 use crate::protocol::{CallMsg, ToDriver, WireArg, WireExported, WireValue};
@@ -194,10 +194,6 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
 
     fn handle(&mut self, Invoke(msg): Invoke, ctx: &mut Self::Context) {
         rdt_transport::cuda::timeline("call on the actor's thread", msg.call);
-        // Small values freed in the batch of this call are dropped here,
-        // while the control loop starts the call's receives; the call
-        // waits for them in any case (WK-6).
-        self.shared.drops.drop_held();
         let seq = self.next_seq;
         self.next_seq += 1;
         let info = A::__method_info(msg.method).unwrap_or(MethodInfo {
@@ -344,13 +340,24 @@ async fn run_call<A: RdtActor>(
     let method = info.name;
     // WK-5: arguments whose bytes are still landing; the method runs now
     // (its kernels wait on the GPU), its result waits for the landing.
-    let landing: Vec<(u64, Landing)> = {
+    // WK-9: the call acknowledges those receives itself where their task
+    // has not yet (a `CallDone` past argument resolution settles them in
+    // the driver, XF-5): one frame instead of two written at once from
+    // two threads.
+    let landing: Vec<(u64, Landed, bool)> = {
         let l = shared.landing.lock();
         args.refs
             .iter()
-            .filter_map(|id| l.get(id).map(|f| (*id, f.clone())))
+            .filter_map(|id| {
+                l.get(id)
+                    .map(|f| (*id, f.clone(), super::acks_by_calls() && f.take_ack()))
+            })
             .collect()
     };
+    let ours = landing.iter().filter(|(_, _, ours)| *ours).count() as u64;
+    shared
+        .acks_by_calls
+        .fetch_add(ours, std::sync::atomic::Ordering::Relaxed);
     let call_args = CallArgs {
         actor: shared.name.clone(),
         method,
@@ -376,13 +383,30 @@ async fn run_call<A: RdtActor>(
             })
         }
     };
-    for (object, landed) in landing {
-        if let Err(e) = landed.await {
-            return Err(Error::Dependency {
-                object,
-                cause: Box::new(e.into()),
-            });
+    let mut failed = None;
+    for (object, l, _) in &landing {
+        if let Err(e) = l.landing.clone().await {
+            failed.get_or_insert((*object, e));
         }
+    }
+    if let Some((object, e)) = failed {
+        // Not past its arguments after all (the driver does not settle
+        // for it): the receives it took on are acknowledged here, each
+        // with how it ended.
+        for (object, l, ours) in landing {
+            if ours {
+                let result = l.landing.await.map_err(Error::from);
+                let _ = shared.tx.send(&ToDriver::Received {
+                    object,
+                    xfer: l.xfer,
+                    result,
+                });
+            }
+        }
+        return Err(Error::Dependency {
+            object,
+            cause: Box::new(e.into()),
+        });
     }
     let payload = payload?;
     let refs: Vec<u64> = held.borrow().iter().map(|r| r.id).collect();

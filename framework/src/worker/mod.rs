@@ -16,9 +16,7 @@
 //!    kills it if the driver dies first).
 //! 6. **WK-6** A `Free` has taken effect before any call behind it starts: a freed
 //!    value that the control loop drops on the blocking pool (large ones,
-//!    so that the frames behind the `Free` are not held up), or holds
-//!    until the frames read with the `Free` are handled (small ones, so
-//!    that a delivery read with it starts its receive first), is counted
+//!    so that the frames behind the `Free` are not held up) is counted
 //!    in [`AsideDrops`], and a call waits for the count to reach zero
 //!    before its method runs. So memory the driver freed is gone by the
 //!    time a later call looks (`trim`, `wait_tensor_freed`, a slab count).
@@ -37,6 +35,14 @@
 //!    move hands the list to that reader (`TransferCtx::first_reader`),
 //!    which makes them on the actor's thread, where the method walks them
 //!    next. With no reader registered, the receive makes them itself.
+//! 9. **WK-9** A stream-ordered receive (its bytes still landing when it
+//!    returns, WK-5) is acknowledged exactly once, by whoever takes it on
+//!    first ([`Landed::take_ack`]): its task once the bytes landed, or a
+//!    call that took the value before that. Such a call's `CallDone`
+//!    settles the receive in the driver (XF-5: it got past its
+//!    arguments), so no `Received` goes out, unless the call fails on the
+//!    landing itself (`Dependency`): then it sends each `Received` it
+//!    took on, with how that landing ended, before its `CallDone`.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -464,7 +470,7 @@ pub(crate) struct WorkerShared {
     /// Received objects whose bytes are still landing (stream-ordered
     /// receives, WK-5): a call that used one reports its result only once
     /// they landed, and fails if they did not.
-    landing: Mutex<HashMap<u64, Landing>>,
+    landing: Mutex<HashMap<u64, Landed>>,
     /// Told when a call arrives: ends the wait that keeps the actor's
     /// thread awake after a call (within the hot window).
     call_arrived: Arc<Notify>,
@@ -495,6 +501,8 @@ pub(crate) struct WorkerShared {
     /// Receives the control loop started after the frames in hand
     /// (`ReceiveStart::AfterFramesInHand`).
     started_after_frames: std::sync::atomic::AtomicU64,
+    /// Receives a call acknowledged with its `CallDone` (WK-9).
+    acks_by_calls: std::sync::atomic::AtomicU64,
     /// Deliveries straight from producers to consumers (OW-9).
     peer: peer::PeerDelivery,
 }
@@ -515,6 +523,27 @@ struct WorkerGroup {
 type Landing = futures::future::Shared<
     futures::future::BoxFuture<'static, std::result::Result<(), rdt_transport::TransportError>>,
 >;
+
+/// A stream-ordered receive whose bytes are still landing (WK-5): the
+/// landing, the transfer, and who acknowledges it (WK-9).
+#[derive(Clone)]
+pub(crate) struct Landed {
+    pub(crate) landing: Landing,
+    pub(crate) xfer: u64,
+    /// Set by whoever took the acknowledgement on: the receive's task
+    /// once the bytes landed, or a call that took the value first (its
+    /// `CallDone` settles the receive in the driver, XF-5).
+    pub(crate) ack_taken: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Landed {
+    /// Takes the acknowledgement on; false if someone else has.
+    pub(crate) fn take_ack(&self) -> bool {
+        !self
+            .ack_taken
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+    }
+}
 
 /// A transfer waiting its turn in a group's queue.
 type Job = futures::future::BoxFuture<'static, ()>;
@@ -710,65 +739,14 @@ impl PartialEq for FittedTargets {
     }
 }
 
-/// Are small freed values dropped after the frames in hand
-/// (`RDT_DROP_AFTER_FRAMES`, default on; `0` drops them at their `Free`,
-/// for measurements)?
-fn drop_after_frames() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RDT_DROP_AFTER_FRAMES").map_or(true, |v| v.trim() != "0"))
-}
-
-/// Freed values being dropped on the blocking pool, or held for the
-/// control loop to drop once the frames in hand are handled (WK-6).
+/// Freed values being dropped on the blocking pool (WK-6).
 #[derive(Default)]
 pub(crate) struct AsideDrops {
     pending: std::sync::atomic::AtomicUsize,
     settled: Notify,
-    /// Small freed values the control loop drops after the frames in hand
-    /// (counted in `pending` until then).
-    held: parking_lot::Mutex<Vec<StoredValue>>,
 }
 
-/// How many small freed values the control loop holds at most before it
-/// drops them, frames in hand or not.
-const MOST_DROPS_HELD: usize = 16;
-
 impl AsideDrops {
-    /// Holds small freed value `v` for [`drop_held`](Self::drop_held),
-    /// counted until then: the control loop drops it once the frames in
-    /// hand are handled, so the free of the previous pass's copy is not
-    /// on the path of the delivery and call read with it (a small receive
-    /// posts its READ first). A call waits for it like for any drop
-    /// (WK-6). Returns how many are held.
-    fn hold(&self, v: StoredValue) -> usize {
-        self.pending
-            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        let mut held = self.held.lock();
-        held.push(v);
-        held.len()
-    }
-
-    /// Whether values wait in [`hold`](Self::hold).
-    fn holds_any(&self) -> bool {
-        !self.held.lock().is_empty()
-    }
-
-    /// Drops the values [`hold`](Self::hold) kept (the control loop
-    /// between batches of frames, or the actor's thread as a call
-    /// arrives).
-    pub(crate) fn drop_held(&self) {
-        use std::sync::atomic::Ordering;
-        let held = std::mem::take(&mut *self.held.lock());
-        let n = held.len();
-        if n == 0 {
-            return;
-        }
-        drop(held);
-        if self.pending.fetch_sub(n, Ordering::AcqRel) == n {
-            self.settled.notify_waiters();
-        }
-    }
-
     /// Drops `v` on the blocking pool, counted until it is gone.
     fn drop_aside<T: Send + 'static>(self: &Arc<Self>, v: T) {
         use std::sync::atomic::Ordering;
@@ -876,6 +854,25 @@ pub fn receives_started_after_frames() -> u64 {
             w.started_after_frames
                 .load(std::sync::atomic::Ordering::Relaxed)
         })
+        .unwrap_or(0)
+}
+
+/// Do calls acknowledge the receives they took before the landing
+/// (WK-9; `RDT_ACK_BY_CALLS=0` leaves every one to its task, for
+/// measurements)?
+fn acks_by_calls() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RDT_ACK_BY_CALLS").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Inside an actor: how many stream-ordered receives (`nccl`) a call
+/// that took the value acknowledged with its `CallDone`, instead of the
+/// receive's own `Received` (WK-9). Tests use it to prove which path an
+/// acknowledgement took; outside an actor it is 0.
+pub fn receives_acknowledged_by_calls() -> u64 {
+    WORKER
+        .get()
+        .map(|w| w.acks_by_calls.load(std::sync::atomic::Ordering::Relaxed))
         .unwrap_or(0)
 }
 
@@ -1033,6 +1030,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             fitted: Mutex::new(None),
             in_place: Default::default(),
             started_after_frames: Default::default(),
+            acks_by_calls: Default::default(),
             readers: Mutex::new(HashMap::new()),
             peer: peer::PeerDelivery::new(
                 hostname(),
@@ -1167,11 +1165,6 @@ async fn control_loop<A: RdtActor>(
                     run_now_or_spawn(job);
                 }
             }
-        }
-        // Small freed values go once the frames in hand are handled (and
-        // the receives they started are posted).
-        if !rx.has_whole_frame() && shared.drops.holds_any() {
-            shared.drops.drop_held();
         }
         // Hot (rdt_transport::hot): the next message of a pass often comes
         // within the window; waking this thread after it slept costs more.
@@ -1321,8 +1314,6 @@ async fn control_loop<A: RdtActor>(
                         v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES;
                     if aside {
                         shared.drops.drop_aside(v);
-                    } else if drop_after_frames() && shared.drops.hold(v) >= MOST_DROPS_HELD {
-                        shared.drops.drop_held();
                     }
                 }
                 rdt_transport::cuda::timeline("free done", object);
@@ -1488,11 +1479,15 @@ fn on_deliver(
             // A stream-ordered receive returned before its bytes landed
             // (the method may start; its kernels wait on the GPU): the
             // acknowledgement waits for the landing (XF-5).
-            let landing: Option<Landing> = received
+            let landing: Option<Landed> = received
                 .as_ref()
                 .ok()
                 .and_then(|_| transport.1.landed(xfer))
-                .map(FutureExt::shared);
+                .map(|l| Landed {
+                    landing: l.shared(),
+                    xfer,
+                    ack_taken: Arc::default(),
+                });
             // WK-5: known before the value is stored, so that a call that
             // takes the value also finds the landing to wait for.
             if let Some(l) = &landing {
@@ -1525,14 +1520,20 @@ fn on_deliver(
             let acknowledge = async move {
                 let ack = match landing {
                     None => ack,
-                    Some(landed) => {
-                        let landed = landed.await.map_err(Error::from);
+                    Some(l) => {
+                        let landed = l.landing.clone().await.map_err(Error::from);
                         if let Err(e) = &landed {
                             // The bytes never all arrived: a call that has
                             // not taken the value yet fails instead.
                             shared.store.fail_received(object, e.clone());
                         }
                         shared.landing.lock().remove(&object);
+                        // WK-9: a call that took the value acknowledges
+                        // with its `CallDone` (no second frame, written
+                        // beside the reply on the same connection).
+                        if !l.take_ack() {
+                            return;
+                        }
                         landed.and(ack)
                     }
                 };

@@ -98,6 +98,15 @@ gpu_test2!(nccl_method_starts_before_the_bytes_land, async {
         "the method ran before the transfer's done event passed"
     );
     assert_eq!(s, 7.0 * n as f64, "its kernel saw every byte");
+    // WK-9: the call took the value before it landed, so its CallDone
+    // acknowledged the receive (no Received of its own), and that settled
+    // the transfer in the driver.
+    assert!(
+        rt.get(c.acks_by_calls().remote()).await.unwrap() >= 1,
+        "the call acknowledged the receive it took before the landing"
+    );
+    rt.transfers_settled().await;
+    assert_eq!(rt.transfers_in_flight(), 0);
 });
 
 gpu_test2!(nccl_several_tensors_and_nested_values, async {
