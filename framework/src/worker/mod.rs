@@ -545,6 +545,13 @@ impl Landed {
     }
 }
 
+/// Is a group's runtime built with an I/O driver (`RDT_GROUP_RUNTIME_IO=1`,
+/// for measurements; default: timers only)?
+fn group_runtime_io() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("RDT_GROUP_RUNTIME_IO").is_ok_and(|v| v.trim() == "1"))
+}
+
 /// A transfer waiting its turn in a group's queue.
 type Job = futures::future::BoxFuture<'static, ()>;
 
@@ -553,9 +560,19 @@ type Job = futures::future::BoxFuture<'static, ()>;
 /// when the group is dropped and its queue has drained.
 fn start_group_queue(group: u64) -> std::io::Result<tokio::sync::mpsc::UnboundedSender<Job>> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    // Timers only: no transport's group transfer does tokio I/O (`tcp`
+    // moves bytes on threads of its own, NCCL on the GPU), and with an I/O
+    // driver every yield of this thread's hot waits (its next transfer, a
+    // landing) was an `epoll_wait` system call, so each round of those
+    // waits saw what it waited for microseconds late.
+    // `RDT_GROUP_RUNTIME_IO=1` builds it with I/O, to measure.
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    if group_runtime_io() {
+        builder.enable_all();
+    } else {
+        builder.enable_time();
+    }
+    let rt = builder.build()?;
     std::thread::Builder::new()
         .name(format!("rdt-group-{group}"))
         .spawn(move || {
