@@ -455,15 +455,13 @@ impl StreamEvent {
     /// Waits until the GPU passed the event, without blocking the executor
     /// thread (as [`Completion::wait`]).
     ///
-    /// An event another thread watches ([`watched_by_caller`]) is waited
-    /// for by reading what that thread saw, within the hot window, and
-    /// asking CUDA only every [`WATCHED_ASK`] (in case the watcher
+    /// An event another thread watches (an NCCL transfer's landing
+    /// watcher) is waited for by reading what that thread saw, within the
+    /// hot window, and asking CUDA only every 20 µs (in case the watcher
     /// stopped): two threads asking CUDA about one event each saw it
     /// several microseconds late (a query cost 1.5 µs on the 2xH200 host;
     /// a method waiting for a 4 KiB NCCL receive saw its bytes 3.8 µs after
     /// the transfer thread did).
-    ///
-    /// [`watched_by_caller`]: Self::watched_by_caller
     pub async fn wait(self: Arc<Self>) -> Result<(), CudaError> {
         use std::sync::atomic::Ordering::Acquire;
         if self.watched.load(Acquire) && !self.seen_passed.load(Acquire) {
