@@ -350,7 +350,7 @@ async fn run_call<A: RdtActor>(
             .iter()
             .filter_map(|id| {
                 l.get(id)
-                    .map(|f| (*id, f.clone(), super::acks_by_calls() && f.take_ack()))
+                    .map(|f| (*id, f.clone(), super::ACKS_BY_CALLS.on() && f.take_ack()))
             })
             .collect()
     };

@@ -54,6 +54,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
+use rdt_transport::switch::Switch;
 use rdt_transport::{object_store, Peer, ReceiveStart, Sidedness, Target, Tensor, TensorList};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};
@@ -547,10 +548,7 @@ impl Landed {
 
 /// Is a group's runtime built with an I/O driver (`RDT_GROUP_RUNTIME_IO=1`,
 /// for measurements; default: timers only)?
-fn group_runtime_io() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RDT_GROUP_RUNTIME_IO").is_ok_and(|v| v.trim() == "1"))
-}
+static GROUP_RUNTIME_IO: Switch = Switch::new("RDT_GROUP_RUNTIME_IO", false);
 
 /// A transfer waiting its turn in a group's queue.
 type Job = futures::future::BoxFuture<'static, ()>;
@@ -567,7 +565,7 @@ fn start_group_queue(group: u64) -> std::io::Result<tokio::sync::mpsc::Unbounded
     // waits saw what it waited for microseconds late.
     // `RDT_GROUP_RUNTIME_IO=1` builds it with I/O, to measure.
     let mut builder = tokio::runtime::Builder::new_current_thread();
-    if group_runtime_io() {
+    if GROUP_RUNTIME_IO.on() {
         builder.enable_all();
     } else {
         builder.enable_time();
@@ -877,10 +875,7 @@ pub fn receives_started_after_frames() -> u64 {
 /// Do calls acknowledge the receives they took before the landing
 /// (WK-9; `RDT_ACK_BY_CALLS=0` leaves every one to its task, for
 /// measurements)?
-fn acks_by_calls() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RDT_ACK_BY_CALLS").map_or(true, |v| v.trim() != "0"))
-}
+pub(crate) static ACKS_BY_CALLS: Switch = Switch::new("RDT_ACK_BY_CALLS", true);
 
 /// Inside an actor: how many stream-ordered receives (`nccl`) a call
 /// that took the value acknowledged with its `CallDone`, instead of the

@@ -613,10 +613,8 @@ pub fn idle_known_count() -> u64 {
 }
 
 /// Is "known idle" on (`RDT_STREAM_IDLE_KNOWN`, default on)?
-fn idle_known_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("RDT_STREAM_IDLE_KNOWN").map_or(true, |v| v.trim() != "0"))
-}
+static IDLE_KNOWN_ON: crate::switch::Switch =
+    crate::switch::Switch::new("RDT_STREAM_IDLE_KNOWN", true);
 
 /// One visible device of this process: its primary context and rdt's stream.
 pub struct Gpu {
@@ -929,7 +927,7 @@ impl Gpu {
         let mark = self.marks.take();
         // IK-2: read before the query it may be stored for.
         let upto = self.enqueued.load(SeqCst);
-        if idle_known_enabled()
+        if IDLE_KNOWN_ON.on()
             && !self.stream_lent.load(SeqCst)
             && self.idle_upto.load(SeqCst) == upto
         {

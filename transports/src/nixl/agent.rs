@@ -473,8 +473,9 @@ impl Agent {
             req: handle,
         });
         if raw.kept.len() > KEEP_MAX {
+            // It ended: releasing it cancels nothing.
             let oldest = raw.kept.remove(0);
-            self.release_kept(&raw, oldest);
+            self.release_handle(&raw, oldest.req);
         }
         Ok(())
     }
@@ -486,13 +487,8 @@ impl Agent {
             .partition(|k| which(&k.what));
         raw.kept = stay;
         for k in go {
-            self.release_kept(raw, k);
+            self.release_handle(raw, k.req);
         }
-    }
-
-    /// Releases a kept request (it ended: nothing to cancel).
-    fn release_kept(&self, raw: &Raw, k: KeptRead) {
-        self.release_handle(raw, k.req);
     }
 
     /// Releases `req` (cancelling it if it still runs). Gives it back if

@@ -2475,15 +2475,14 @@ impl TensorTransport for NixlTransport {
     /// `RDT_NIXL_RECEIVE_IN_TASK=1` starts every receive in a task of its
     /// own instead (a measurement knob).
     fn receive_start(&self, exported: &Exported) -> crate::ReceiveStart {
-        static IN_TASK: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| {
-            std::env::var("RDT_NIXL_RECEIVE_IN_TASK").is_ok_and(|v| v.trim() == "1")
-        });
+        static IN_TASK: crate::switch::Switch =
+            crate::switch::Switch::new("RDT_NIXL_RECEIVE_IN_TASK", false);
         let small_from_known = || {
             exported.metas.len() < PLAN_MIN_TENSORS
                 && HandlesWire::agent_of(&exported.handles)
                     .is_some_and(|a| self.remotes.lock().contains_key(a))
         };
-        if !*IN_TASK && small_from_known() {
+        if !IN_TASK.on() && small_from_known() {
             crate::ReceiveStart::AfterFramesInHand
         } else {
             crate::ReceiveStart::Task
