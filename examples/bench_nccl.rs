@@ -127,6 +127,15 @@ impl NcclSource {
     async fn matrix(&mut self) -> rdt::Result<Tensor> {
         self.tensor(usize::MAX).await
     }
+
+    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
+    /// in this worker.
+    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
+        for k in &knobs {
+            rdt::data::switch::set(k, on);
+        }
+        on
+    }
 }
 
 /// A cuBLAS handle bound to rdt's stream of this process's GPU.
@@ -222,6 +231,15 @@ impl NcclSink {
         }
         us.sort_by(|a, b| a.partial_cmp(b).unwrap());
         Ok(us[us.len() / 2])
+    }
+
+    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
+    /// in this worker.
+    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
+        for k in &knobs {
+            rdt::data::switch::set(k, on);
+        }
+        on
     }
 }
 
@@ -946,6 +964,45 @@ async fn small_passes(n: usize) -> rdt::Result<()> {
     rt.get(p.prepare(bytes).remote()).await?;
     let r = p.tensor(bytes).transport(Transport::Nccl).remote();
     rt.wait(&r).await?;
+    if let Some(knobs) = rdt_examples::ab_knobs() {
+        // `--ab KNOB`: a tiny call, then a pass with the knobs on and one
+        // with them off (in turns first), N times.
+        let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..n + 20 {
+            let t0 = Instant::now();
+            rt.get(c.ping(i as u64).remote()).await?;
+            let call = us_since(t0);
+            let arms = if i % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            };
+            let mut got = [0.0; 2];
+            for (k, &arm) in arms.iter().enumerate() {
+                for knob in &knobs {
+                    rdt::data::switch::set(knob, arm);
+                }
+                rt.get(p.set_switch(knobs.clone(), arm).remote()).await?;
+                rt.get(c.set_switch(knobs.clone(), arm).remote()).await?;
+                let t0 = Instant::now();
+                rt.get(c.touch(&r).remote()).await?;
+                got[k] = us_since(t0);
+            }
+            if i >= 20 {
+                tiny.push(call);
+                let (a, b) = if arms[0] {
+                    (got[0], got[1])
+                } else {
+                    (got[1], got[0])
+                };
+                on.push(a);
+                off.push(b);
+            }
+        }
+        rdt_examples::print_ab("nccl 4 KiB", &knobs, raw4k, tiny, on, off);
+        rt.shutdown().await;
+        return Ok(());
+    }
     let mut us = Vec::with_capacity(n);
     for i in 0..n + 20 {
         let t0 = Instant::now();

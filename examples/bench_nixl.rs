@@ -100,6 +100,15 @@ impl NixlSource {
     async fn many(&mut self) -> Vec<Tensor> {
         self.many.clone()
     }
+
+    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
+    /// in this worker.
+    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
+        for k in &knobs {
+            rdt::data::switch::set(k, on);
+        }
+        on
+    }
 }
 
 #[rdt::actor]
@@ -189,6 +198,15 @@ impl NixlSink {
     /// This worker's NIXL counters.
     async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
         rdt::data::nixl::stats()
+    }
+
+    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
+    /// in this worker.
+    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
+        for k in &knobs {
+            rdt::data::switch::set(k, on);
+        }
+        on
     }
 }
 
@@ -921,7 +939,7 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
     let reader_gpu = visible.get(1).unwrap_or(&visible[0]);
     raw_baseline(&cx, "host", &visible[0], &visible[0], true).await?;
     raw_baseline(&cx, "host_pinned", &visible[0], &visible[0], true).await?;
-    raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
+    let device_rows = raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
     let (rt, p, c) = producer_and_consumer().await?;
     // Tiny calls to the same consumer first, on the same timeline (id 0):
     // the budget a pass is held to, step by step.
@@ -938,6 +956,48 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
     let bytes = 4usize << 10;
     rt.get(p.prepare(bytes).remote()).await?;
     rt.get(p.prepare_host(bytes).remote()).await?;
+    if let Some(knobs) = rdt_examples::ab_knobs() {
+        // `--ab KNOB`: a tiny call, then a device pass with the knobs on
+        // and one with them off (in turns first), N times.
+        let raw = rdt_examples::median_of(&device_rows, "pass_device", "raw", 4096);
+        let r = p.tensor(bytes).transport(Transport::Nixl).remote();
+        rt.wait(&r).await?;
+        rt.get(c.touch(&r).remote()).await?;
+        let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
+        for i in 0..n + 10 {
+            let t0 = Instant::now();
+            rt.get(c.ping(i as u64).remote()).await?;
+            let call = us_since(t0);
+            let arms = if i % 2 == 0 {
+                [true, false]
+            } else {
+                [false, true]
+            };
+            let mut got = [0.0; 2];
+            for (k, &arm) in arms.iter().enumerate() {
+                for knob in &knobs {
+                    rdt::data::switch::set(knob, arm);
+                }
+                rt.get(p.set_switch(knobs.clone(), arm).remote()).await?;
+                rt.get(c.set_switch(knobs.clone(), arm).remote()).await?;
+                let t0 = Instant::now();
+                rt.get(c.touch(&r).remote()).await?;
+                got[k] = us_since(t0);
+            }
+            if i >= 10 {
+                tiny.push(call);
+                let (a, b) = if arms[0] {
+                    (got[0], got[1])
+                } else {
+                    (got[1], got[0])
+                };
+                on.push(a);
+                off.push(b);
+            }
+        }
+        rdt_examples::print_ab("nixl 4 KiB device", &knobs, raw, tiny, on, off);
+        return Ok(());
+    }
     // `None`: the default spin, left as it is.
     let spins: Vec<Option<u64>> = if spin_us == 0 {
         vec![None]

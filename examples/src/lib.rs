@@ -137,3 +137,33 @@ pub fn arg_value(name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1))
         .cloned()
 }
+
+/// The knobs of `--ab KNOB[,KNOB..]` (`rdt::data::switch` names), if
+/// given: passes with them on and off alternate one by one.
+pub fn ab_knobs() -> Option<Vec<String>> {
+    arg_value("--ab").map(|v| v.split(',').map(|k| k.trim().to_string()).collect())
+}
+
+/// Medians of an A/B run, printed as one line: the tiny call, and each
+/// arm's pass with its excess over raw + call.
+pub fn print_ab(
+    what: &str,
+    knobs: &[String],
+    raw: f64,
+    tiny: Vec<f64>,
+    on: Vec<f64>,
+    off: Vec<f64>,
+) {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let n = tiny.len();
+    let (tiny, on, off) = (median(tiny), median(on), median(off));
+    println!(
+        "ab {what} {}: {n} rounds; tiny call {tiny:.1} us, raw {raw:.1} us; on {on:.1} us ({:.1} over raw + call), off {off:.1} us ({:.1} over)",
+        knobs.join(","),
+        on - raw - tiny,
+        off - raw - tiny
+    );
+}

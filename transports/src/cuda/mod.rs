@@ -175,8 +175,17 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// The timeline points recorded and not printed yet: (ns, what, id).
-type TimelinePoints = parking_lot::Mutex<Vec<(u64, &'static str, u64)>>;
+/// The timeline points recorded and not printed yet: (ns, thread, what,
+/// id).
+type TimelinePoints = parking_lot::Mutex<Vec<(u64, u32, &'static str, u64)>>;
+
+thread_local! {
+    /// This thread's kernel id (`gettid`), asked once.
+    static TID: u32 = {
+        // SAFETY: no arguments; returns the caller's thread id.
+        unsafe { libc::gettid() as u32 }
+    };
+}
 
 fn timeline_points() -> &'static TimelinePoints {
     static POINTS: OnceLock<TimelinePoints> = OnceLock::new();
@@ -194,11 +203,12 @@ fn timeline_points() -> &'static TimelinePoints {
 
 /// One timeline point (see [`timeline_enabled`]): `what` happened to
 /// transfer or call `id`. Printed as `[timeline] <µs, 3 decimals> pid
-/// <pid> <what> <id>`.
+/// <pid> tid <thread> <what> <id>`.
 pub fn timeline(what: &'static str, id: u64) {
     if timeline_enabled() {
         let at = monotonic_ns();
-        timeline_points().lock().push((at, what, id));
+        let tid = TID.with(|t| *t);
+        timeline_points().lock().push((at, tid, what, id));
     }
 }
 
@@ -214,9 +224,9 @@ pub fn timeline_flush() {
     use std::io::Write;
     let pid = std::process::id();
     let mut out = String::with_capacity(points.len() * 64);
-    for (at, what, id) in points {
+    for (at, tid, what, id) in points {
         out.push_str(&format!(
-            "[timeline] {}.{:03} pid {pid} {what} {id}\n",
+            "[timeline] {}.{:03} pid {pid} tid {tid} {what} {id}\n",
             at / 1000,
             at % 1000
         ));
