@@ -312,6 +312,10 @@ pub(crate) struct OwnerTable {
     next_xfer: u64,
     /// Straight orders (OW-9) whose producer has not answered yet.
     straight_orders: usize,
+    /// Getters of values that became ready or failed, to be woken once
+    /// the driver's lock is released (`StateGuard`'s drop): woken under
+    /// the lock, a getter found it held and waited for it.
+    woken: Vec<oneshot::Sender<()>>,
 }
 
 impl OwnerTable {
@@ -389,6 +393,12 @@ impl OwnerTable {
             e.refs = e.refs.saturating_sub(1);
         }
         self.maybe_free(id, actors);
+    }
+
+    /// The getters to wake now that their values are settled (see
+    /// `woken`).
+    pub fn take_woken(&mut self) -> Vec<oneshot::Sender<()>> {
+        std::mem::take(&mut self.woken)
     }
 
     /// Transfers started and ended since the last call: `(started,
@@ -597,9 +607,7 @@ impl OwnerTable {
                     }
                     Err(err) => ObjState::Failed(err),
                 };
-                for g in e.getters.drain(..) {
-                    let _ = g.send(());
-                }
+                self.woken.append(&mut e.getters);
                 let nested = e.nested.clone();
                 let waiting = std::mem::take(&mut e.waiting);
                 let straight = std::mem::take(&mut e.straight);
