@@ -581,6 +581,12 @@ impl Consumer {
         rdt::runtime().load_into(&r, &*kept).await?;
         Ok(kept.iter().map(Tensor::sum).collect::<Result<_, _>>()?)
     }
+
+    /// Receives this worker's calls acknowledged with their `CallDone`
+    /// (see `rdt::receives_acknowledged_by_calls`).
+    async fn acks_by_calls(&mut self) -> u64 {
+        rdt::receives_acknowledged_by_calls()
+    }
 }
 
 /// An actor whose constructor can fail.
@@ -1370,6 +1376,15 @@ impl GpuConsumer {
     /// (see `rdt::receives_acknowledged_by_calls`).
     async fn acks_by_calls(&mut self) -> u64 {
         rdt::receives_acknowledged_by_calls()
+    }
+
+    /// [`early_sum`](Self::early_sum) of a method that then runs on for
+    /// `ms` milliseconds (longer than a short transfer deadline) before it
+    /// sums.
+    async fn early_sum_after(&mut self, t: Tensor, ms: u64) -> rdt::Result<(bool, f64)> {
+        let early = !t.ready_event_passed().map_err(tensor_err)?;
+        tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        Ok((early, t.sum().map_err(tensor_err)?))
     }
 }
 

@@ -344,16 +344,32 @@ async fn run_call<A: RdtActor>(
     // has not yet (a `CallDone` past argument resolution settles them in
     // the driver, XF-5): one frame instead of two written at once from
     // two threads.
+    // WK-10: so do small receives done before the call, whose
+    // acknowledgement they offered to it.
     let landing: Vec<(u64, Landed, bool)> = {
         let l = shared.landing.lock();
-        args.refs
+        let mut landing: Vec<_> = args
+            .refs
             .iter()
             .filter_map(|id| {
                 l.get(id)
                     .map(|f| (*id, f.clone(), super::ACKS_BY_CALLS.on() && f.take_ack()))
             })
-            .collect()
+            .collect();
+        drop(l);
+        let offered = shared.offered.lock();
+        if !offered.is_empty() {
+            landing.extend(
+                args.refs
+                    .iter()
+                    .filter_map(|id| offered.get(id).map(|f| (*id, f.clone(), f.take_ack()))),
+            );
+        }
+        landing
     };
+    // However the call ends, the receives it took on are its to
+    // acknowledge from here on: their tasks stop waiting for it.
+    let _ended = EndsTakenAcks(&landing);
     let ours = landing.iter().filter(|(_, _, ours)| *ours).count() as u64;
     shared
         .acks_by_calls
@@ -393,8 +409,9 @@ async fn run_call<A: RdtActor>(
         // Not past its arguments after all (the driver does not settle
         // for it): the receives it took on are acknowledged here, each
         // with how it ended.
-        for (object, l, ours) in landing {
-            if ours {
+        for (object, l, ours) in &landing {
+            if *ours {
+                let (object, l) = (*object, l.clone());
                 let result = l.landing.await.map_err(Error::from);
                 let _ = shared.tx.send(&ToDriver::Received {
                     object,
@@ -454,6 +471,20 @@ async fn run_call<A: RdtActor>(
         exported: WireExported::new(exported)?,
         refs,
     })
+}
+
+/// Marks the receives a call took on (WK-9) as the call's to acknowledge
+/// when it ends, however it ends.
+struct EndsTakenAcks<'a>(&'a [(u64, Landed, bool)]);
+
+impl Drop for EndsTakenAcks<'_> {
+    fn drop(&mut self) {
+        for (_, l, ours) in self.0 {
+            if *ours {
+                l.end_call();
+            }
+        }
+    }
 }
 
 /// HO-5: a panic in the method becomes an error, not the worker's end.

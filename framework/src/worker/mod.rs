@@ -504,6 +504,12 @@ pub(crate) struct WorkerShared {
     started_after_frames: std::sync::atomic::AtomicU64,
     /// Receives a call acknowledged with its `CallDone` (WK-9).
     acks_by_calls: std::sync::atomic::AtomicU64,
+    /// How long a receive leaves its acknowledgement to a call that took
+    /// it on, after the landing (`ack_wait`).
+    ack_wait: Duration,
+    /// Small receives done, whose acknowledgement is offered to the call
+    /// that takes the value (WK-10), by object.
+    offered: Mutex<HashMap<u64, Landed>>,
     /// Deliveries straight from producers to consumers (OW-9).
     peer: peer::PeerDelivery,
 }
@@ -531,19 +537,52 @@ type Landing = futures::future::Shared<
 pub(crate) struct Landed {
     pub(crate) landing: Landing,
     pub(crate) xfer: u64,
+    /// Who acknowledges it, and whether the call that did has ended.
+    pub(crate) ack: Arc<AckState>,
+}
+
+/// The acknowledgement of a stream-ordered receive (WK-9).
+#[derive(Default)]
+pub(crate) struct AckState {
     /// Set by whoever took the acknowledgement on: the receive's task
     /// once the bytes landed, or a call that took the value first (its
     /// `CallDone` settles the receive in the driver, XF-5).
-    pub(crate) ack_taken: Arc<std::sync::atomic::AtomicBool>,
+    taken: std::sync::atomic::AtomicBool,
+    /// Set when the call that took it on has ended (its `CallDone`, or
+    /// its own `Received` messages, follow at once).
+    call_ended: std::sync::atomic::AtomicBool,
 }
 
 impl Landed {
     /// Takes the acknowledgement on; false if someone else has.
     pub(crate) fn take_ack(&self) -> bool {
         !self
-            .ack_taken
+            .ack
+            .taken
             .swap(true, std::sync::atomic::Ordering::AcqRel)
     }
+
+    /// The call that took the acknowledgement on has ended.
+    pub(crate) fn end_call(&self) {
+        self.ack
+            .call_ended
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn call_ended(&self) -> bool {
+        self.ack
+            .call_ended
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// How long the receive's task leaves the acknowledgement to a call that
+/// took it on, once the bytes landed, before it sends one itself (WK-9):
+/// an eighth of the transfer deadline, at most 10 ms. A method that runs
+/// on must not hold it until the driver's deadline for the transfer,
+/// which would abort a finished transfer and break its group.
+fn ack_wait(transfer_timeout: Duration) -> Duration {
+    (transfer_timeout / 8).min(Duration::from_millis(10))
 }
 
 /// Is a group's runtime built with an I/O driver (`RDT_GROUP_RUNTIME_IO=1`,
@@ -877,10 +916,22 @@ pub fn receives_started_after_frames() -> u64 {
 /// measurements)?
 pub(crate) static ACKS_BY_CALLS: Switch = Switch::new("RDT_ACK_BY_CALLS", true);
 
-/// Inside an actor: how many stream-ordered receives (`nccl`) a call
-/// that took the value acknowledged with its `CallDone`, instead of the
-/// receive's own `Received` (WK-9). Tests use it to prove which path an
-/// acknowledgement took; outside an actor it is 0.
+/// Do small receives started behind their call offer their
+/// acknowledgement to the call (WK-10; `RDT_ACK_SMALL_BY_CALLS=0` sends
+/// each at once, for measurements)?
+pub(crate) static SMALL_ACKS_BY_CALLS: Switch = Switch::new("RDT_ACK_SMALL_BY_CALLS", true);
+
+/// The largest receive (bytes) whose acknowledgement is offered to the
+/// call behind it (WK-10): past this, one more control frame is nothing
+/// beside the transfer, and the producer's memory is not held for the
+/// call.
+const MOST_BYTES_ACKED_BY_CALLS: usize = 1 << 20;
+
+/// Inside an actor: how many receives a call that took the value
+/// acknowledged with its `CallDone`, instead of the receive's own
+/// `Received` (stream-ordered ones, WK-9; small ones offered, WK-10).
+/// Tests use it to prove which path an acknowledgement took; outside an
+/// actor it is 0.
 pub fn receives_acknowledged_by_calls() -> u64 {
     WORKER
         .get()
@@ -1043,6 +1094,8 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             in_place: Default::default(),
             started_after_frames: Default::default(),
             acks_by_calls: Default::default(),
+            ack_wait: ack_wait(Duration::from_millis(order.transfer_timeout_ms)),
+            offered: Mutex::new(HashMap::new()),
             readers: Mutex::new(HashMap::new()),
             peer: peer::PeerDelivery::new(
                 hostname(),
@@ -1441,6 +1494,11 @@ fn on_deliver(
             .get()
             .map_or(ReceiveStart::Task, |e| transport.1.receive_start(e)),
     };
+    // WK-10: the call behind this delivery acknowledges a small receive.
+    let offer_ack = matches!(start, ReceiveStart::AfterFramesInHand)
+        && d.value.exported.nbytes() <= MOST_BYTES_ACKED_BY_CALLS
+        && ACKS_BY_CALLS.on()
+        && SMALL_ACKS_BY_CALLS.on();
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1498,13 +1556,26 @@ fn on_deliver(
                 .map(|l| Landed {
                     landing: l.shared(),
                     xfer,
-                    ack_taken: Arc::default(),
+                    ack: Arc::default(),
                 });
             // WK-5: known before the value is stored, so that a call that
             // takes the value also finds the landing to wait for.
             if let Some(l) = &landing {
                 shared.landing.lock().insert(object, l.clone());
             }
+            // WK-10: offered to the call that takes the value (its
+            // `CallDone` settles the receive, XF-5: one frame for the
+            // driver to read instead of two), before the value is stored
+            // for the same reason.
+            let offered = (landing.is_none() && offer_ack && ack.is_ok()).then(|| {
+                let offered = Landed {
+                    landing: futures::future::ready(Ok(())).boxed().shared(),
+                    xfer,
+                    ack: Arc::default(),
+                };
+                shared.offered.lock().insert(object, offered.clone());
+                (offered, shared.clone())
+            });
             {
                 // Held across the store insert: a `Free` either finds the
                 // receive and leaves a tombstone, or finds the value stored.
@@ -1542,9 +1613,19 @@ fn on_deliver(
                         shared.landing.lock().remove(&object);
                         // WK-9: a call that took the value acknowledges
                         // with its `CallDone` (no second frame, written
-                        // beside the reply on the same connection).
+                        // beside the reply on the same connection)...
                         if !l.take_ack() {
-                            return;
+                            // ...unless its method runs on: then the
+                            // acknowledgement goes now, well before the
+                            // transfer deadline (a failed landing is the
+                            // call's to report, with `Dependency`).
+                            if landed.is_err() || l.call_ended() {
+                                return;
+                            }
+                            tokio::time::sleep(shared.ack_wait).await;
+                            if l.call_ended() {
+                                return;
+                            }
                         }
                         landed.and(ack)
                     }
@@ -1565,7 +1646,30 @@ fn on_deliver(
                     result: ack,
                 });
             };
-            if landed_already {
+            if let Some((offered, shared)) = offered {
+                // WK-10: the call has `ack_wait` to take it on.
+                tokio::spawn(
+                    async move {
+                        tokio::time::sleep(shared.ack_wait).await;
+                        {
+                            let mut o = shared.offered.lock();
+                            if o.get(&object).is_some_and(|l| l.xfer == xfer) {
+                                o.remove(&object);
+                            }
+                        }
+                        // No call took it, or the one that did runs on.
+                        if !offered.take_ack() && offered.call_ended() {
+                            return;
+                        }
+                        let _ = shared.tx.send(&ToDriver::Received {
+                            object,
+                            xfer,
+                            result: Ok(()),
+                        });
+                    }
+                    .in_current_span(),
+                );
+            } else if landed_already {
                 acknowledge.await;
             } else {
                 // Off the group's queue: the next transfer is enqueued

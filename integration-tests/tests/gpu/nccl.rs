@@ -109,6 +109,48 @@ gpu_test2!(nccl_method_starts_before_the_bytes_land, async {
     assert_eq!(rt.transfers_in_flight(), 0);
 });
 
+gpu_test2!(
+    nccl_a_long_method_on_an_early_value_outlives_the_transfer_deadline,
+    async {
+        // WK-9 bound: a call that took its value before the bytes landed
+        // acknowledges the receive with its `CallDone`, but a method that runs
+        // on past the landing must not hold the acknowledgement until the
+        // transfer deadline: the driver would abort a finished transfer and
+        // break the group under a call that is doing nothing wrong.
+        require_two_gpus();
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(std::time::Duration::from_secs(2))
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<GpuProducer>(()).on_gpus([0]).await.unwrap();
+        let c = rt.spawn::<GpuConsumer>(()).on_gpus([1]).await.unwrap();
+        rt.create_collective_group(&[p.id(), c.id()], NCCL)
+            .await
+            .expect("an nccl group of two actors on two GPUs");
+        warm_up(&rt, &p, &c).await;
+        let n = 256 << 20;
+        let r = p.make_busy(7.0, n, 1000).transport(NCCL).remote();
+        let (early, s) = rt.get(c.early_sum_after(&r, 3000).remote()).await.expect(
+            "a method that runs past the transfer deadline after its bytes landed succeeds",
+        );
+        assert!(early, "the method took the value before it landed");
+        assert_eq!(s, 7.0 * n as f64, "its kernel saw every byte");
+        rt.transfers_settled().await;
+        assert_eq!(rt.transfers_in_flight(), 0);
+        // The group is whole: the transfer was acknowledged, not expired.
+        let r = p.make(1.0, 4).transport(NCCL).remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote())
+                .await
+                .expect("the group still works after the long method"),
+            (4.0, true)
+        );
+        assert_nccl_path(&rt, &c, 3).await;
+    }
+);
+
 gpu_test2!(nccl_several_tensors_and_nested_values, async {
     let (rt, p, c, _) = nccl_pair().await;
     let b = p.batch(3).transport(NCCL).remote();
