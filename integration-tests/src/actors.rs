@@ -581,12 +581,6 @@ impl Consumer {
         rdt::runtime().load_into(&r, &*kept).await?;
         Ok(kept.iter().map(Tensor::sum).collect::<Result<_, _>>()?)
     }
-
-    /// Receives this worker's calls acknowledged with their `CallDone`
-    /// (see `rdt::receives_acknowledged_by_calls`).
-    async fn acks_by_calls(&mut self) -> u64 {
-        rdt::receives_acknowledged_by_calls()
-    }
 }
 
 /// An actor whose constructor can fail.

@@ -463,38 +463,6 @@ async fn a_small_read_from_a_known_producer_starts_once_its_call_is_handed_on() 
 }
 
 #[tokio::test]
-async fn a_small_reads_acknowledgement_rides_on_its_calls_reply() {
-    deadline(DL, async {
-        let (rt, p, c) = start().await;
-        for i in 0..4 {
-            let r = produced(&rt, &p, i as f32, 256).await;
-            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64 * 256.0);
-        }
-        // WK-10: the first read connected, in a task, and acknowledged
-        // itself; the next three offered their acknowledgement to the call
-        // behind them, whose reply settled them in the driver (XF-5).
-        assert_eq!(rt.get(c.acks_by_calls().remote()).await.unwrap(), 3);
-        tokio::time::timeout(Duration::from_secs(2), rt.transfers_settled())
-            .await
-            .expect("the calls' replies settled their receives");
-        assert_eq!(rt.transfers_in_flight(), 0);
-        // A small read that no call takes (a `get` inside a method) is
-        // acknowledged by its own receive, within moments.
-        let r = p.make_many(4, 16).transport(Transport::Nixl).remote();
-        rt.wait(&r).await.unwrap();
-        let (sums, _) = rt.get(c.update_kept(&r, 4, 16).remote()).await.unwrap();
-        assert_eq!(sums, (0..4).map(|i| 16.0 * i as f64).collect::<Vec<_>>());
-        tokio::time::timeout(Duration::from_secs(2), rt.transfers_settled())
-            .await
-            .expect("the receive no call took acknowledged itself");
-        assert_eq!(rt.transfers_in_flight(), 0);
-        assert_eq!(rt.get(c.acks_by_calls().remote()).await.unwrap(), 3);
-        assert_eq!(of_consumer(&rt, &c).await.reads_posted, 5);
-    })
-    .await;
-}
-
-#[tokio::test]
 async fn a_long_call_does_not_hold_its_arguments_acknowledgement() {
     deadline(DL, async {
         let (rt, p, c) = start().await;

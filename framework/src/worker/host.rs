@@ -344,28 +344,15 @@ async fn run_call<A: RdtActor>(
     // has not yet (a `CallDone` past argument resolution settles them in
     // the driver, XF-5): one frame instead of two written at once from
     // two threads.
-    // WK-10: so do small receives done before the call, whose
-    // acknowledgement they offered to it.
     let landing: Vec<(u64, Landed, bool)> = {
         let l = shared.landing.lock();
-        let mut landing: Vec<_> = args
-            .refs
+        args.refs
             .iter()
             .filter_map(|id| {
                 l.get(id)
                     .map(|f| (*id, f.clone(), super::ACKS_BY_CALLS.on() && f.take_ack()))
             })
-            .collect();
-        drop(l);
-        let offered = shared.offered.lock();
-        if !offered.is_empty() {
-            landing.extend(
-                args.refs
-                    .iter()
-                    .filter_map(|id| offered.get(id).map(|f| (*id, f.clone(), f.take_ack()))),
-            );
-        }
-        landing
+            .collect()
     };
     // However the call ends, the receives it took on are its to
     // acknowledge from here on: their tasks stop waiting for it.

@@ -507,9 +507,6 @@ pub(crate) struct WorkerShared {
     /// How long a receive leaves its acknowledgement to a call that took
     /// it on, after the landing (`ack_wait`).
     ack_wait: Duration,
-    /// Small receives done, whose acknowledgement is offered to the call
-    /// that takes the value (WK-10), by object.
-    offered: Mutex<HashMap<u64, Landed>>,
     /// Deliveries straight from producers to consumers (OW-9).
     peer: peer::PeerDelivery,
 }
@@ -916,22 +913,10 @@ pub fn receives_started_after_frames() -> u64 {
 /// measurements)?
 pub(crate) static ACKS_BY_CALLS: Switch = Switch::new("RDT_ACK_BY_CALLS", true);
 
-/// Do small receives started behind their call offer their
-/// acknowledgement to the call (WK-10; `RDT_ACK_SMALL_BY_CALLS=0` sends
-/// each at once, for measurements)?
-pub(crate) static SMALL_ACKS_BY_CALLS: Switch = Switch::new("RDT_ACK_SMALL_BY_CALLS", true);
-
-/// The largest receive (bytes) whose acknowledgement is offered to the
-/// call behind it (WK-10): past this, one more control frame is nothing
-/// beside the transfer, and the producer's memory is not held for the
-/// call.
-const MOST_BYTES_ACKED_BY_CALLS: usize = 1 << 20;
-
-/// Inside an actor: how many receives a call that took the value
-/// acknowledged with its `CallDone`, instead of the receive's own
-/// `Received` (stream-ordered ones, WK-9; small ones offered, WK-10).
-/// Tests use it to prove which path an acknowledgement took; outside an
-/// actor it is 0.
+/// Inside an actor: how many stream-ordered receives (`nccl`) a call
+/// that took the value acknowledged with its `CallDone`, instead of the
+/// receive's own `Received` (WK-9). Tests use it to prove which path an
+/// acknowledgement took; outside an actor it is 0.
 pub fn receives_acknowledged_by_calls() -> u64 {
     WORKER
         .get()
@@ -1095,7 +1080,6 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             started_after_frames: Default::default(),
             acks_by_calls: Default::default(),
             ack_wait: ack_wait(Duration::from_millis(order.transfer_timeout_ms)),
-            offered: Mutex::new(HashMap::new()),
             readers: Mutex::new(HashMap::new()),
             peer: peer::PeerDelivery::new(
                 hostname(),
@@ -1494,11 +1478,6 @@ fn on_deliver(
             .get()
             .map_or(ReceiveStart::Task, |e| transport.1.receive_start(e)),
     };
-    // WK-10: the call behind this delivery acknowledges a small receive.
-    let offer_ack = matches!(start, ReceiveStart::AfterFramesInHand)
-        && d.value.exported.nbytes() <= MOST_BYTES_ACKED_BY_CALLS
-        && ACKS_BY_CALLS.on()
-        && SMALL_ACKS_BY_CALLS.on();
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1563,19 +1542,6 @@ fn on_deliver(
             if let Some(l) = &landing {
                 shared.landing.lock().insert(object, l.clone());
             }
-            // WK-10: offered to the call that takes the value (its
-            // `CallDone` settles the receive, XF-5: one frame for the
-            // driver to read instead of two), before the value is stored
-            // for the same reason.
-            let offered = (landing.is_none() && offer_ack && ack.is_ok()).then(|| {
-                let offered = Landed {
-                    landing: futures::future::ready(Ok(())).boxed().shared(),
-                    xfer,
-                    ack: Arc::default(),
-                };
-                shared.offered.lock().insert(object, offered.clone());
-                (offered, shared.clone())
-            });
             {
                 // Held across the store insert: a `Free` either finds the
                 // receive and leaves a tombstone, or finds the value stored.
@@ -1646,30 +1612,7 @@ fn on_deliver(
                     result: ack,
                 });
             };
-            if let Some((offered, shared)) = offered {
-                // WK-10: the call has `ack_wait` to take it on.
-                tokio::spawn(
-                    async move {
-                        tokio::time::sleep(shared.ack_wait).await;
-                        {
-                            let mut o = shared.offered.lock();
-                            if o.get(&object).is_some_and(|l| l.xfer == xfer) {
-                                o.remove(&object);
-                            }
-                        }
-                        // No call took it, or the one that did runs on.
-                        if !offered.take_ack() && offered.call_ended() {
-                            return;
-                        }
-                        let _ = shared.tx.send(&ToDriver::Received {
-                            object,
-                            xfer,
-                            result: Ok(()),
-                        });
-                    }
-                    .in_current_span(),
-                );
-            } else if landed_already {
+            if landed_already {
                 acknowledge.await;
             } else {
                 // Off the group's queue: the next transfer is enqueued
