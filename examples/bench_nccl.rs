@@ -518,6 +518,9 @@ async fn main() -> rdt::Result<()> {
     if args.iter().any(|a| a == "--timeline") {
         return timeline_passes().await;
     }
+    if let Some(n) = arg_value("--ab-control-threads").and_then(|n| n.parse().ok()) {
+        return ab_control_threads(n).await;
+    }
     if let Some(n) = arg_value("--small-passes").and_then(|n| n.parse().ok()) {
         return small_passes(n).await;
     }
@@ -931,6 +934,66 @@ async fn timeline_passes() -> rdt::Result<()> {
     // Every process prints its points every 20 ms.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     rdt::data::cuda::timeline_flush();
+    Ok(())
+}
+
+/// `--ab-control-threads N`: two producer/consumer pairs (producers on
+/// GPU 0, consumers on GPU 1, a group each), one whose workers run their
+/// control loop on one tokio thread (`RDT_CONTROL_THREADS=1`), one on two
+/// (the default); N rounds of a tiny call and a 4 KiB pass to each pair,
+/// in turns.
+async fn ab_control_threads(n: usize) -> rdt::Result<()> {
+    let cx = Ctx::across_gpus(std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()))?;
+    let raw = raw_baseline(&cx, &sizes(true), true).await?;
+    let raw4k = median_of(&raw, "pass", "raw", 4 << 10);
+    let rt = Runtime::start().await?;
+    let bytes = 4usize << 10;
+    let mut pairs = Vec::new();
+    for threads in ["1", "2"] {
+        // SAFETY: no other thread of this process reads the environment
+        // while the workers are spawned (they inherit it).
+        unsafe { std::env::set_var("RDT_CONTROL_THREADS", threads) };
+        let p = rt.spawn::<NcclSource>(()).on_gpus([0]).await?;
+        let c = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
+            .await?;
+        rt.get(c.warm().remote()).await?;
+        rt.get(p.prepare(bytes).remote()).await?;
+        let r = p.tensor(bytes).transport(Transport::Nccl).remote();
+        rt.wait(&r).await?;
+        rt.get(c.touch(&r).remote()).await?;
+        pairs.push((p, c, r));
+    }
+    unsafe { std::env::remove_var("RDT_CONTROL_THREADS") };
+    let mut tiny = [Vec::new(), Vec::new()];
+    let mut pass = [Vec::new(), Vec::new()];
+    for i in 0..n + 20 {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for &k in &order {
+            let (_, c, r) = &pairs[k];
+            let t0 = Instant::now();
+            rt.get(c.ping(i as u64).remote()).await?;
+            let call = us_since(t0);
+            let t0 = Instant::now();
+            rt.get(c.touch(r).remote()).await?;
+            if i >= 20 {
+                tiny[k].push(call);
+                pass[k].push(us_since(t0));
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for (k, threads) in ["1", "2"].iter().enumerate() {
+        let (t, ps) = (median(&mut tiny[k]), median(&mut pass[k]));
+        println!(
+            "nccl control threads {threads}: tiny call {t:.1} us, 4 KiB pass {ps:.1} us ({:.1} over raw {raw4k:.1} + call)",
+            ps - raw4k - t
+        );
+    }
+    rt.shutdown().await;
     Ok(())
 }
 

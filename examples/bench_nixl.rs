@@ -785,6 +785,9 @@ async fn main() -> rdt::Result<()> {
     if args.iter().any(|a| a == "--timeline-many") {
         return timeline_many(8).await;
     }
+    if let Some(n) = arg_value("--ab-control-threads").and_then(|n| n.parse().ok()) {
+        return ab_control_threads(n).await;
+    }
     if let Some(n) = arg_value("--small-passes").and_then(|n| n.parse().ok()) {
         let spin = arg_value("--spin-us")
             .and_then(|n| n.parse().ok())
@@ -1047,6 +1050,91 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
         }
     }
     flush_timelines().await;
+    Ok(())
+}
+
+/// `--ab-control-threads N`: two consumers on the same GPU, one whose
+/// worker runs its control loop on one tokio thread
+/// (`RDT_CONTROL_THREADS=1`) and one on two (the default), fed by one
+/// producer; N rounds of a tiny call and a 4 KiB pass to each, then N/4
+/// rounds of a pass of 10 000 tensors of 4 KiB to each, in turns.
+async fn ab_control_threads(n: usize) -> rdt::Result<()> {
+    let cx = Ctx::of_this_run()?;
+    let visible = visible_gpus();
+    let reader_gpu = visible.get(1).unwrap_or(&visible[0]);
+    let raw_rows = raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
+    let raw = rdt_examples::median_of(&raw_rows, "pass_device", "raw", 4096);
+    let rt = Runtime::start().await?;
+    let gpu = if rdt::data::cuda::device_count() >= 2 {
+        1
+    } else {
+        0
+    };
+    let p = rt.spawn::<NixlSource>(()).on_gpus([0]).await?;
+    let mut sinks = Vec::new();
+    for threads in ["1", "2"] {
+        // SAFETY: no other thread of this process reads the environment
+        // while the worker is spawned (it inherits it).
+        unsafe { std::env::set_var("RDT_CONTROL_THREADS", threads) };
+        let c = rt.spawn::<NixlSink>(()).on_gpus([gpu]).await?;
+        rt.get(c.warm().remote()).await?;
+        sinks.push(c);
+    }
+    unsafe { std::env::remove_var("RDT_CONTROL_THREADS") };
+    let bytes = 4usize << 10;
+    rt.get(p.prepare(bytes).remote()).await?;
+    rt.get(p.prepare_many(10_000, 4096).remote()).await?;
+    let r = p.tensor(bytes).transport(Transport::Nixl).remote();
+    let m = p.many().transport(Transport::Nixl).remote();
+    rt.wait(&r).await?;
+    rt.wait(&m).await?;
+    for c in &sinks {
+        rt.get(c.touch(&r).remote()).await?;
+        rt.get(c.touch_all(&m).remote()).await?;
+    }
+    let mut tiny = [Vec::new(), Vec::new()];
+    let mut pass = [Vec::new(), Vec::new()];
+    let mut many = [Vec::new(), Vec::new()];
+    for i in 0..n + 10 {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for &k in &order {
+            let t0 = Instant::now();
+            rt.get(sinks[k].ping(i as u64).remote()).await?;
+            let call = us_since(t0);
+            let t0 = Instant::now();
+            rt.get(sinks[k].touch(&r).remote()).await?;
+            if i >= 10 {
+                tiny[k].push(call);
+                pass[k].push(us_since(t0));
+            }
+        }
+    }
+    for i in 0..n / 4 + 4 {
+        let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+        for &k in &order {
+            let t0 = Instant::now();
+            rt.get(sinks[k].touch_all(&m).remote()).await?;
+            if i >= 4 {
+                many[k].push(us_since(t0));
+            }
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for (k, threads) in ["1", "2"].iter().enumerate() {
+        let (t, ps, mn) = (
+            median(&mut tiny[k]),
+            median(&mut pass[k]),
+            median(&mut many[k]),
+        );
+        println!(
+            "control threads {threads}: tiny call {t:.1} us, 4 KiB pass {ps:.1} us ({:.1} over raw {raw:.1} + call), 10 000 x 4 KiB {mn:.1} us",
+            ps - raw - t
+        );
+    }
+    rt.shutdown().await;
     Ok(())
 }
 
