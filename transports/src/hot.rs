@@ -122,6 +122,43 @@ impl MicrosSetting {
     }
 }
 
+thread_local! {
+    /// Set while [`hot_for`] polls its future on this thread.
+    static POLLED_HOT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Is the future being polled on this thread polled by a hot wait (which
+/// polls it again after every yield, woken or not)? A future may then
+/// just look, and return `Pending` without registering a waker: the hot
+/// wait asks again in a moment, and once its window is over it awaits
+/// the future plainly (this is then `false`, and the future registers).
+///
+/// Why: the thread that makes the awaited thing ready wakes a registered
+/// waker, and waking a task of another runtime is not free: on a
+/// current-thread runtime with I/O (an actor's thread), every wake from
+/// another thread writes the runtime's eventfd, a system call of 1–2 µs
+/// on the GPU hosts' VMs, paid on the waking thread's path (the worker's
+/// control loop, storing a received value that the actor's call waits
+/// for). A thread that spins needs no wake-up. `RDT_HOT_ASKS=0` turns
+/// this off (a measurement knob).
+pub fn polled_hot() -> bool {
+    static ASKS: crate::switch::Switch = crate::switch::Switch::new("RDT_HOT_ASKS", true);
+    POLLED_HOT.with(|p| p.get()) && ASKS.on()
+}
+
+/// A future that is pending once, without waking anyone, then ready: for
+/// a future polled hot ([`polled_hot`]) to give the hot wait its turn.
+pub fn pending_once() -> impl Future<Output = ()> {
+    let mut first = true;
+    std::future::poll_fn(move |_| {
+        if std::mem::take(&mut first) {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+}
+
 /// Awaits `fut`, keeping this thread awake for up to [`window`] (asking
 /// `fut` again after every yield to the executor), then parking as a
 /// plain `.await` would. Outside a tokio runtime, or with a zero window,
@@ -138,7 +175,10 @@ pub async fn hot_for<F: Future>(window: Duration, fut: F) -> F::Output {
     let mut fut = pin!(fut);
     let t0 = Instant::now();
     loop {
-        if let Poll::Ready(v) = futures::poll!(fut.as_mut()) {
+        let was = POLLED_HOT.with(|p| p.replace(true));
+        let polled = futures::poll!(fut.as_mut());
+        POLLED_HOT.with(|p| p.set(was));
+        if let Poll::Ready(v) = polled {
             return v;
         }
         if t0.elapsed() >= window {
@@ -199,6 +239,92 @@ mod tests {
                 .await
                 .expect("deadline");
         assert_eq!(got.unwrap(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_future_polled_hot_may_look_without_a_waker_and_still_sees_the_value() {
+        // The value is set by another thread that wakes nobody: a future
+        // that only looks while polled hot still returns it, within the
+        // window (polled again after every yield) or after (awaited
+        // plainly: it must then be woken, here by a notify).
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let notify = std::sync::Arc::new(tokio::sync::Notify::new());
+        let looked_hot = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let wait = {
+            let (flag, notify, looked_hot) = (flag.clone(), notify.clone(), looked_hot.clone());
+            async move {
+                loop {
+                    if polled_hot() {
+                        looked_hot.fetch_add(1, Ordering::Relaxed);
+                        if flag.load(Ordering::Acquire) {
+                            return true;
+                        }
+                        pending_once().await;
+                        continue;
+                    }
+                    let n = notify.notified();
+                    tokio::pin!(n);
+                    n.as_mut().enable();
+                    if flag.load(Ordering::Acquire) {
+                        return false;
+                    }
+                    n.await;
+                }
+            }
+        };
+        let setter = {
+            let flag = flag.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(2));
+                flag.store(true, Ordering::Release);
+            })
+        };
+        let got = tokio::time::timeout(
+            Duration::from_secs(10),
+            hot_for(Duration::from_secs(5), wait),
+        )
+        .await
+        .expect("deadline");
+        setter.join().unwrap();
+        assert!(got, "seen while polled hot, with no waker");
+        assert!(looked_hot.load(Ordering::Relaxed) > 1);
+        assert!(!polled_hot(), "the flag is this poll's only");
+        // Past the window: awaited plainly, registered, woken.
+        flag.store(false, Ordering::Release);
+        let wait = {
+            let (flag, notify) = (flag.clone(), notify.clone());
+            async move {
+                loop {
+                    if polled_hot() {
+                        if flag.load(Ordering::Acquire) {
+                            return true;
+                        }
+                        pending_once().await;
+                        continue;
+                    }
+                    let n = notify.notified();
+                    tokio::pin!(n);
+                    n.as_mut().enable();
+                    if flag.load(Ordering::Acquire) {
+                        return false;
+                    }
+                    n.await;
+                }
+            }
+        };
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            flag.store(true, Ordering::Release);
+            notify.notify_waiters();
+        });
+        let got = tokio::time::timeout(
+            Duration::from_secs(10),
+            hot_for(Duration::from_millis(1), wait),
+        )
+        .await
+        .expect("deadline");
+        setter.join().unwrap();
+        assert!(!got, "seen after the window, through the waker");
     }
 
     #[test]

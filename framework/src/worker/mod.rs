@@ -357,6 +357,16 @@ impl Store {
     /// change of the store (registered before the check: no lost wake-up).
     async fn wait_until<T>(&self, ready: impl Fn(&Store) -> Option<T>) -> T {
         loop {
+            // Polled hot (an actor's call waiting for its argument): look,
+            // and register nothing, so the thread that stores the value
+            // need not wake this one (`rdt_transport::hot::polled_hot`).
+            if hot::polled_hot() {
+                if let Some(v) = ready(self) {
+                    return v;
+                }
+                hot::pending_once().await;
+                continue;
+            }
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
