@@ -583,6 +583,11 @@ impl Landed {
     }
 }
 
+/// `RDT_ACK_BOUND=0` leaves a taken acknowledgement to its call however
+/// long it runs (WK-9 without its bound: only to show, on a GPU host, the
+/// failure the bound prevents).
+static ACK_BOUND: Switch = Switch::new("RDT_ACK_BOUND", true);
+
 /// How long the receive's task leaves the acknowledgement to a call that
 /// took it on, once the bytes landed, before it sends one itself (WK-9):
 /// an eighth of the transfer deadline, at most 10 ms. A method that runs
@@ -1595,7 +1600,7 @@ fn on_deliver(
                             // acknowledgement goes now, well before the
                             // transfer deadline (a failed landing is the
                             // call's to report, with `Dependency`).
-                            if landed.is_err() || l.call_ended() {
+                            if landed.is_err() || l.call_ended() || !ACK_BOUND.on() {
                                 return;
                             }
                             tokio::time::sleep(shared.ack_wait).await;
