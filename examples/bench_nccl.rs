@@ -982,10 +982,7 @@ async fn ab_control_threads(n: usize) -> rdt::Result<()> {
             }
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let median = rdt_examples::median;
     for (k, threads) in ["1", "2"].iter().enumerate() {
         let (t, ps) = (median(&mut tiny[k]), median(&mut pass[k]));
         println!(
@@ -1030,39 +1027,22 @@ async fn small_passes(n: usize) -> rdt::Result<()> {
     if let Some(knobs) = rdt_examples::ab_knobs() {
         // `--ab KNOB`: a tiny call, then a pass with the knobs on and one
         // with them off (in turns first), N times.
-        let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
-        for i in 0..n + 20 {
-            let t0 = Instant::now();
-            rt.get(c.ping(i as u64).remote()).await?;
-            let call = us_since(t0);
-            let arms = if i % 2 == 0 {
-                [true, false]
-            } else {
-                [false, true]
-            };
-            let mut got = [0.0; 2];
-            for (k, &arm) in arms.iter().enumerate() {
-                for knob in &knobs {
-                    rdt::data::switch::set(knob, arm);
-                }
+        let (rt, p, c, knobs) = (&rt, &p, &c, &knobs);
+        rdt_examples::ab_rounds(
+            "nccl 4 KiB",
+            knobs,
+            raw4k,
+            n,
+            20,
+            |i| async move { rt.get(c.ping(i).remote()).await.map(drop) },
+            |arm| async move {
                 rt.get(p.set_switch(knobs.clone(), arm).remote()).await?;
                 rt.get(c.set_switch(knobs.clone(), arm).remote()).await?;
-                let t0 = Instant::now();
-                rt.get(c.touch(&r).remote()).await?;
-                got[k] = us_since(t0);
-            }
-            if i >= 20 {
-                tiny.push(call);
-                let (a, b) = if arms[0] {
-                    (got[0], got[1])
-                } else {
-                    (got[1], got[0])
-                };
-                on.push(a);
-                off.push(b);
-            }
-        }
-        rdt_examples::print_ab("nccl 4 KiB", &knobs, raw4k, tiny, on, off);
+                Ok(())
+            },
+            || async { rt.get(c.touch(&r).remote()).await.map(drop) },
+        )
+        .await?;
         rt.shutdown().await;
         return Ok(());
     }

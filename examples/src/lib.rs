@@ -144,26 +144,73 @@ pub fn ab_knobs() -> Option<Vec<String>> {
     arg_value("--ab").map(|v| v.split(',').map(|k| k.trim().to_string()).collect())
 }
 
-/// Medians of an A/B run, printed as one line: the tiny call, and each
-/// arm's pass with its excess over raw + call.
-pub fn print_ab(
+/// The median of `v` (sorted in place); NaN when empty.
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// `--ab`'s rounds: `warm` untimed, then `n` timed, each a tiny call
+/// (`ping`), then a pass (`pass`) with `knobs` on and one with them off,
+/// in turns first; the knobs are set in this process and, by `set`, in
+/// the workers before each pass. Prints the medians on one line, with
+/// each arm's excess over `raw` + the tiny call.
+#[allow(clippy::too_many_arguments)]
+pub async fn ab_rounds<P, PF, S, SF, T, TF>(
     what: &str,
     knobs: &[String],
     raw: f64,
-    tiny: Vec<f64>,
-    on: Vec<f64>,
-    off: Vec<f64>,
-) {
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let n = tiny.len();
-    let (tiny, on, off) = (median(tiny), median(on), median(off));
+    n: usize,
+    warm: usize,
+    mut ping: P,
+    mut set: S,
+    mut pass: T,
+) -> rdt::Result<()>
+where
+    P: FnMut(u64) -> PF,
+    PF: std::future::Future<Output = rdt::Result<()>>,
+    S: FnMut(bool) -> SF,
+    SF: std::future::Future<Output = rdt::Result<()>>,
+    T: FnMut() -> TF,
+    TF: std::future::Future<Output = rdt::Result<()>>,
+{
+    let us_since = |t0: std::time::Instant| t0.elapsed().as_secs_f64() * 1e6;
+    let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n + warm {
+        let t0 = std::time::Instant::now();
+        ping(i as u64).await?;
+        let call = us_since(t0);
+        let arms = if i % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for arm in arms {
+            for knob in knobs {
+                rdt::data::switch::set(knob, arm);
+            }
+            set(arm).await?;
+            let t0 = std::time::Instant::now();
+            pass().await?;
+            let took = us_since(t0);
+            if i >= warm {
+                if arm {
+                    on.push(took)
+                } else {
+                    off.push(took)
+                }
+            }
+        }
+        if i >= warm {
+            tiny.push(call);
+        }
+    }
+    let (tiny, on, off) = (median(&mut tiny), median(&mut on), median(&mut off));
     println!(
         "ab {what} {}: {n} rounds; tiny call {tiny:.1} us, raw {raw:.1} us; on {on:.1} us ({:.1} over raw + call), off {off:.1} us ({:.1} over)",
         knobs.join(","),
         on - raw - tiny,
         off - raw - tiny
     );
+    Ok(())
 }

@@ -315,16 +315,17 @@ impl std::ops::DerefMut for StateGuard<'_> {
 
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
-        let woken = match &mut self.guard {
-            Some(st) if WAKE_AFTER_UNLOCK.on() => st.table.take_woken(),
-            Some(st) => {
-                for g in st.table.take_woken() {
-                    let _ = g.send(());
-                }
-                Vec::new()
+        let wake = |getters: Vec<oneshot::Sender<()>>| {
+            for g in getters {
+                let _ = g.send(());
             }
-            None => Vec::new(),
         };
+        let mut woken = (self.guard.as_mut())
+            .map(|st| st.table.take_woken())
+            .unwrap_or_default();
+        if !WAKE_AFTER_UNLOCK.on() {
+            wake(std::mem::take(&mut woken));
+        }
         // Unlock first, then wake the getters whose values settled (a
         // getter's first step is to take the lock: woken under it, it
         // waited there, parked, while this thread finished the message;
@@ -332,9 +333,7 @@ impl Drop for StateGuard<'_> {
         // was sent meanwhile (invariant 2: the frames are queued in order
         // already; a getter's own frames queue behind them).
         drop(self.guard.take());
-        for g in woken {
-            let _ = g.send(());
-        }
+        wake(woken);
         protocol::flush_deferred();
     }
 }

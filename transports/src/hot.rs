@@ -241,6 +241,33 @@ mod tests {
         assert_eq!(got.unwrap(), 3);
     }
 
+    /// Waits for `flag`: while polled hot, only looks (counting the looks
+    /// in `looked_hot`; `true` if it saw the flag so); else registers on
+    /// `notify` before it looks (`false` if it saw the flag so).
+    async fn looks_hot_or_waits(
+        flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        notify: std::sync::Arc<tokio::sync::Notify>,
+        looked_hot: std::sync::Arc<std::sync::atomic::AtomicU32>,
+    ) -> bool {
+        loop {
+            if polled_hot() {
+                looked_hot.fetch_add(1, Ordering::Relaxed);
+                if flag.load(Ordering::Acquire) {
+                    return true;
+                }
+                pending_once().await;
+                continue;
+            }
+            let n = notify.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if flag.load(Ordering::Acquire) {
+                return false;
+            }
+            n.await;
+        }
+    }
+
     #[tokio::test]
     async fn a_future_polled_hot_may_look_without_a_waker_and_still_sees_the_value() {
         // The value is set by another thread that wakes nobody: a future
@@ -250,28 +277,7 @@ mod tests {
         let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let notify = std::sync::Arc::new(tokio::sync::Notify::new());
         let looked_hot = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let wait = {
-            let (flag, notify, looked_hot) = (flag.clone(), notify.clone(), looked_hot.clone());
-            async move {
-                loop {
-                    if polled_hot() {
-                        looked_hot.fetch_add(1, Ordering::Relaxed);
-                        if flag.load(Ordering::Acquire) {
-                            return true;
-                        }
-                        pending_once().await;
-                        continue;
-                    }
-                    let n = notify.notified();
-                    tokio::pin!(n);
-                    n.as_mut().enable();
-                    if flag.load(Ordering::Acquire) {
-                        return false;
-                    }
-                    n.await;
-                }
-            }
-        };
+        let wait = looks_hot_or_waits(flag.clone(), notify.clone(), looked_hot.clone());
         let setter = {
             let flag = flag.clone();
             std::thread::spawn(move || {
@@ -291,27 +297,7 @@ mod tests {
         assert!(!polled_hot(), "the flag is this poll's only");
         // Past the window: awaited plainly, registered, woken.
         flag.store(false, Ordering::Release);
-        let wait = {
-            let (flag, notify) = (flag.clone(), notify.clone());
-            async move {
-                loop {
-                    if polled_hot() {
-                        if flag.load(Ordering::Acquire) {
-                            return true;
-                        }
-                        pending_once().await;
-                        continue;
-                    }
-                    let n = notify.notified();
-                    tokio::pin!(n);
-                    n.as_mut().enable();
-                    if flag.load(Ordering::Acquire) {
-                        return false;
-                    }
-                    n.await;
-                }
-            }
-        };
+        let wait = looks_hot_or_waits(flag.clone(), notify.clone(), looked_hot.clone());
         let setter = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(30));
             flag.store(true, Ordering::Release);

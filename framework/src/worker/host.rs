@@ -398,10 +398,9 @@ async fn run_call<A: RdtActor>(
         // with how it ended.
         for (object, l, ours) in &landing {
             if *ours {
-                let (object, l) = (*object, l.clone());
-                let result = l.landing.await.map_err(Error::from);
+                let result = l.landing.clone().await.map_err(Error::from);
                 let _ = shared.tx.send(&ToDriver::Received {
-                    object,
+                    object: *object,
                     xfer: l.xfer,
                     result,
                 });

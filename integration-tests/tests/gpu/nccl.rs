@@ -18,6 +18,24 @@ async fn nccl_pair() -> (Runtime, GpuProducerHandle, GpuConsumerHandle, rdt::Gro
     (rt, p, c, g)
 }
 
+/// [`nccl_pair`] under a transfer deadline of `secs` seconds, warmed up.
+async fn warm_pair_with_deadline(secs: u64) -> (Runtime, GpuProducerHandle, GpuConsumerHandle) {
+    require_two_gpus();
+    rdt_integration_tests::logs();
+    let rt = Runtime::builder()
+        .transfer_timeout(std::time::Duration::from_secs(secs))
+        .start()
+        .await
+        .unwrap();
+    let p = rt.spawn::<GpuProducer>(()).on_gpus([0]).await.unwrap();
+    let c = rt.spawn::<GpuConsumer>(()).on_gpus([1]).await.unwrap();
+    rt.create_collective_group(&[p.id(), c.id()], NCCL)
+        .await
+        .expect("an nccl group of two actors on two GPUs");
+    warm_up(&rt, &p, &c).await;
+    (rt, p, c)
+}
+
 /// One small pass, so that NCCL's connection between the two is set up
 /// (it is made on first use) and later timing-sensitive passes do not
 /// include it.
@@ -117,19 +135,7 @@ gpu_test2!(
         // on past the landing must not hold the acknowledgement until the
         // transfer deadline: the driver would abort a finished transfer and
         // break the group under a call that is doing nothing wrong.
-        require_two_gpus();
-        rdt_integration_tests::logs();
-        let rt = Runtime::builder()
-            .transfer_timeout(std::time::Duration::from_secs(2))
-            .start()
-            .await
-            .unwrap();
-        let p = rt.spawn::<GpuProducer>(()).on_gpus([0]).await.unwrap();
-        let c = rt.spawn::<GpuConsumer>(()).on_gpus([1]).await.unwrap();
-        rt.create_collective_group(&[p.id(), c.id()], NCCL)
-            .await
-            .expect("an nccl group of two actors on two GPUs");
-        warm_up(&rt, &p, &c).await;
+        let (rt, p, c) = warm_pair_with_deadline(2).await;
         let n = 256 << 20;
         let r = p.make_busy(7.0, n, 1000).transport(NCCL).remote();
         let (early, s) = rt.get(c.early_sum_after(&r, 3000).remote()).await.expect(
@@ -363,19 +369,7 @@ gpu_test2!(nccl_sender_dies_before_and_while_sending, async {
 });
 
 gpu_test2!(nccl_transfer_deadline_aborts_the_communicator, async {
-    require_two_gpus();
-    rdt_integration_tests::logs();
-    let rt = Runtime::builder()
-        .transfer_timeout(std::time::Duration::from_secs(2))
-        .start()
-        .await
-        .unwrap();
-    let p = rt.spawn::<GpuProducer>(()).on_gpus([0]).await.unwrap();
-    let c = rt.spawn::<GpuConsumer>(()).on_gpus([1]).await.unwrap();
-    rt.create_collective_group(&[p.id(), c.id()], NCCL)
-        .await
-        .unwrap();
-    warm_up(&rt, &p, &c).await;
+    let (rt, p, c) = warm_pair_with_deadline(2).await;
     // The producer stops (SIGSTOP: alive, silent) before it sends: the
     // consumer waits in NCCL until the deadline aborts both ends; the
     // call fails with the timeout, both actors go on.
