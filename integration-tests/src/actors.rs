@@ -333,6 +333,8 @@ pub struct Consumer {
     params: Vec<Tensor>,
     /// Parameters kept as `rdt::Targets` (`update_kept`).
     kept: Option<rdt::Targets>,
+    /// What `note` was given, in call order.
+    noted: Vec<u64>,
 }
 
 #[rdt::actor]
@@ -343,6 +345,7 @@ impl Consumer {
             held: Vec::new(),
             params: Vec::new(),
             kept: None,
+            noted: Vec::new(),
         }
     }
 
@@ -580,6 +583,23 @@ impl Consumer {
         });
         rdt::runtime().load_into(&r, &*kept).await?;
         Ok(kept.iter().map(Tensor::sum).collect::<Result<_, _>>()?)
+    }
+
+    /// Notes `i` after those noted before; how many are noted now.
+    async fn note(&mut self, i: u64) -> u64 {
+        self.noted.push(i);
+        self.noted.len() as u64
+    }
+
+    /// Everything noted, in the order the calls ran.
+    async fn noted(&mut self) -> Vec<u64> {
+        self.noted.clone()
+    }
+
+    /// Calls that reached this actor's thread through the hand-off queue
+    /// (see `rdt::calls_handed_to_listener`).
+    async fn handed_over(&mut self) -> u64 {
+        rdt::calls_handed_to_listener()
     }
 }
 

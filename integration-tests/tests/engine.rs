@@ -310,11 +310,17 @@ async fn wk_1_workers_run_rusts_process_start_up() {
 /// worker, and calls and direct transfers with a window (threads polling
 /// instead of sleeping, on whatever cores this machine has) give the same
 /// results as without; a window of zero turns it off.
+///
+/// HF-1..3 (`worker/handoff.rs`): with the window on, a call that finds
+/// the actor's thread listening after the previous one is queued for it
+/// instead of waking it through the mailbox. Calls back to back and a
+/// burst submitted at once all run, in submission order, through the
+/// queue with a window and never without one.
 #[tokio::test]
 async fn hot_window_reaches_workers_and_changes_no_result() {
     deadline(120, async {
         rdt_integration_tests::logs();
-        for window in [Duration::from_millis(2), Duration::ZERO] {
+        for window in [Duration::from_millis(20), Duration::ZERO] {
             let rt = Runtime::builder().hot_window(window).start().await.unwrap();
             let p = rt.spawn::<Producer>(()).await.unwrap();
             let c = rt.spawn::<Consumer>(()).await.unwrap();
@@ -326,6 +332,28 @@ async fn hot_window_reaches_workers_and_changes_no_result() {
                 assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64);
             }
             assert_eq!(rt.get(c.seen().remote()).await.unwrap(), 20);
+            for i in 0..50u64 {
+                assert_eq!(rt.get(c.note(i).remote()).await.unwrap(), i + 1);
+            }
+            // Submitted without waiting: calls arrive while one runs and
+            // while the thread listens after it.
+            let burst: Vec<_> = (50..250u64).map(|i| c.note(i).remote()).collect();
+            for (k, r) in burst.iter().enumerate() {
+                assert_eq!(rt.get(r).await.unwrap(), 51 + k as u64);
+            }
+            assert_eq!(
+                rt.get(c.noted().remote()).await.unwrap(),
+                (0..250u64).collect::<Vec<_>>()
+            );
+            let handed = rt.get(c.handed_over().remote()).await.unwrap();
+            if window.is_zero() {
+                assert_eq!(handed, 0, "calls queued for a listener with no hot window");
+            } else {
+                assert!(
+                    handed > 0,
+                    "no call reached the actor's thread through the hand-off queue"
+                );
+            }
             rt.shutdown().await;
         }
     })

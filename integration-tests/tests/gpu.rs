@@ -217,6 +217,52 @@ gpu_test!(a_stream_known_idle_is_asked_again_after_an_enqueue, async {
     assert_eq!(big.sum().unwrap(), 9.0 * (1u64 << 30) as f64);
 });
 
+// EP-1, EP-2: an event whose last holder dropped it is recorded again
+// for the next completion instead of a new one being created; a wait on
+// each still sees its own fill. With the pool off (`RDT_EVENT_POOL`),
+// every completion of a busy stream creates one.
+gpu_test!(cuda_events_are_reused_once_dropped, async {
+    require_gpu();
+    let g = rdt::data::cuda::gpu(0).unwrap();
+    let t = Tensor::cuda_zeros(DType::U8, &[256 << 20], 0).unwrap();
+    let busy_completions = |n: u8| {
+        let g = g.clone();
+        let t = t.clone();
+        async move {
+            let mut busy = 0;
+            for v in 1..=n {
+                t.fill_(v).unwrap();
+                // A 256 MiB fill just enqueued: the stream is busy, so
+                // the completion records an event.
+                busy += u64::from(!g.stream_idle().unwrap());
+                g.completion().unwrap().wait().await.unwrap();
+                assert_eq!(t.sum().unwrap(), f64::from(v) * (256u64 << 20) as f64);
+            }
+            busy
+        }
+    };
+    busy_completions(2).await;
+    let before = rdt::data::cuda::events_created();
+    let busy = busy_completions(40).await;
+    let pooled = rdt::data::cuda::events_created() - before;
+    assert!(busy >= 20, "the stream was seldom busy ({busy} of 40)");
+    // Other tests of this process may make a few at the same time.
+    assert!(
+        pooled <= 4,
+        "{pooled} events created for {busy} busy completions"
+    );
+    rdt::data::switch::set("RDT_EVENT_POOL", false);
+    let before = rdt::data::cuda::events_created();
+    let busy = busy_completions(40).await;
+    let unpooled = rdt::data::cuda::events_created() - before;
+    rdt::data::switch::set("RDT_EVENT_POOL", true);
+    // (A fill may end between the question and the completion.)
+    assert!(
+        unpooled * 2 >= busy,
+        "{unpooled} events created for {busy} busy completions with the pool off"
+    );
+});
+
 gpu_test!(views_of_one_cuda_storage, async {
     let (rt, p, c) = setup().await;
     let want: Vec<f64> = flat_views(Tensor::arange::<f32>(1000))

@@ -313,6 +313,103 @@ mod tests {
         assert!(!got, "seen after the window, through the waker");
     }
 
+    /// Not a test: what the steps a hot wait and a hand-off between
+    /// threads are made of cost on this host (`cargo test --release -p
+    /// rdt-transport -- --ignored host_costs_timing --nocapture`): a clock
+    /// read, a yield on a current-thread runtime with and without I/O,
+    /// and the waker's side of waking a task of a current-thread runtime
+    /// with I/O (an actor's thread) from another thread, while that
+    /// runtime spins and while it sleeps.
+    #[test]
+    #[ignore]
+    fn host_costs_timing() {
+        if let Ok(c) = std::fs::read_to_string(
+            "/sys/devices/system/clocksource/clocksource0/current_clocksource",
+        ) {
+            println!("clocksource: {}", c.trim());
+        }
+        let n = 200_000;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            std::hint::black_box(Instant::now());
+        }
+        println!(
+            "Instant::now: {:.3} us each",
+            t0.elapsed().as_secs_f64() * 1e6 / n as f64
+        );
+        for io in [true, false] {
+            let mut b = tokio::runtime::Builder::new_current_thread();
+            if io {
+                b.enable_io();
+            }
+            let rt = b.enable_time().build().unwrap();
+            let t0 = Instant::now();
+            rt.block_on(async {
+                for _ in 0..n {
+                    tokio::task::yield_now().await;
+                }
+            });
+            println!(
+                "yield_now on a current-thread runtime (I/O {io}): {:.3} us each",
+                t0.elapsed().as_secs_f64() * 1e6 / n as f64
+            );
+        }
+        for spinning in [true, false] {
+            let notify = std::sync::Arc::new(tokio::sync::Notify::new());
+            let woken = std::sync::Arc::new(AtomicU64::new(0));
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let th = {
+                let (notify, woken, stop) = (notify.clone(), woken.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    let local = tokio::task::LocalSet::new();
+                    local.block_on(&rt, async move {
+                        if spinning {
+                            let stop = stop.clone();
+                            tokio::task::spawn_local(async move {
+                                while !stop.load(Ordering::Relaxed) {
+                                    tokio::task::yield_now().await;
+                                }
+                            });
+                        }
+                        while !stop.load(Ordering::Relaxed) {
+                            notify.notified().await;
+                            woken.fetch_add(1, Ordering::Release);
+                        }
+                    });
+                })
+            };
+            let rounds = 2000u64;
+            let mut spent = Duration::ZERO;
+            for i in 0..rounds {
+                // Let the task register (and the runtime settle: spin, or
+                // park in epoll_wait).
+                let settle = Instant::now();
+                while settle.elapsed() < Duration::from_micros(if spinning { 20 } else { 200 }) {
+                    std::hint::spin_loop();
+                }
+                let t = Instant::now();
+                notify.notify_one();
+                spent += t.elapsed();
+                while woken.load(Ordering::Acquire) <= i {
+                    std::hint::spin_loop();
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            notify.notify_one();
+            th.join().unwrap();
+            println!(
+                "waking a task of a current-thread runtime with I/O from another thread, \
+                 runtime {}: {:.2} us on the waker's side",
+                if spinning { "spinning" } else { "asleep" },
+                spent.as_secs_f64() * 1e6 / rounds as f64
+            );
+        }
+    }
+
     #[test]
     fn set_window_overrides_the_default() {
         set_window(Duration::from_micros(1234));

@@ -1403,6 +1403,28 @@ mod tests {
         });
         time("stream_idle", &mut || assert!(g.stream_idle().unwrap()));
         time("bind", &mut || g.bind().unwrap());
+        // EP-1: what the event pool saves per record.
+        time("cuEventCreate + cuEventDestroy", &mut || {
+            let e = cudarc::driver::result::event::create(
+                cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            )
+            .unwrap();
+            // SAFETY: our event, unused.
+            unsafe { cudarc::driver::result::event::destroy(e).unwrap() };
+        });
+        let busy = Tensor::cuda_zeros(DType::U8, &[1 << 20], 0).unwrap();
+        for pool in [true, false] {
+            crate::switch::set("RDT_EVENT_POOL", pool);
+            time(
+                &format!("fill 1 MiB + completion + wait (event pool {pool})"),
+                &mut || {
+                    busy.fill_(1u8).unwrap();
+                    let c = g.completion().unwrap();
+                    rt.block_on(c.wait()).unwrap();
+                },
+            );
+        }
+        crate::switch::set("RDT_EVENT_POOL", true);
     }
 
     /// Not a test: times making 10 000 views of one storage, as a

@@ -167,8 +167,14 @@ impl<A: RdtActor> Host<A> {
             actor = %self.shared.name,
             method = q.info.name,
         );
-        let run = run_and_reply::<A>(self.actor.clone(), self.shared.clone(), q, exclusive)
-            .instrument(span);
+        let run = run_and_reply::<A>(
+            self.actor.clone(),
+            self.shared.clone(),
+            ctx.address(),
+            q,
+            exclusive,
+        )
+        .instrument(span);
         ctx.spawn(run.into_actor(self).map(move |(), this, ctx| {
             this.running.total -= 1;
             this.running.per_group[group] -= 1;
@@ -272,6 +278,7 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
 async fn run_and_reply<A: RdtActor>(
     actor: Rc<RefCell<A>>,
     shared: Arc<WorkerShared>,
+    addr: actix::Addr<Host<A>>,
     q: Queued,
     exclusive: bool,
 ) {
@@ -314,14 +321,12 @@ async fn run_and_reply<A: RdtActor>(
     drop(held);
     rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
     // Keep this thread awake for the hot window, or until the next call
-    // arrives: a call that finds it asleep pays the wake-up.
-    if !hot::window().is_zero() {
-        // Made here, not in the task: a call arriving before the task
-        // first runs still ends it.
-        let next = shared.call_arrived.clone().notified_owned();
-        actix::spawn(async move {
-            hot(next).await;
-        });
+    // arrives: a call that finds it asleep pays the wake-up, and one that
+    // finds it listening costs the control loop no wake-up at all
+    // (`handoff.rs`).
+    let window = hot::window();
+    if !window.is_zero() {
+        actix::spawn(super::handoff::listen(shared, addr, window));
     }
 }
 

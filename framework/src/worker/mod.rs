@@ -63,6 +63,7 @@ use tracing::Instrument;
 use crate::actor::{Actor as RdtActor, ACTOR_TYPES};
 
 mod client;
+mod handoff;
 mod host;
 mod peer;
 use crate::error::{Error, Result};
@@ -71,7 +72,7 @@ use crate::runtime::inline_value;
 use crate::transport::Transport;
 pub(crate) use client::BorrowBatch;
 pub use client::{runtime, try_runtime, ActorRuntime};
-use host::{Host, Invoke};
+use host::Host;
 
 /// Names of the environment variables a local worker is started with.
 pub(crate) mod env {
@@ -482,9 +483,9 @@ pub(crate) struct WorkerShared {
     /// receives, WK-5): a call that used one reports its result only once
     /// they landed, and fails if they did not.
     landing: Mutex<HashMap<u64, Landed>>,
-    /// Told when a call arrives: ends the wait that keeps the actor's
-    /// thread awake after a call (within the hot window).
-    call_arrived: Arc<Notify>,
+    /// Calls on their way to the actor's thread while it listens after a
+    /// call (`handoff.rs`, HF-1..3).
+    handoff: handoff::HandOff,
     /// Freed values still being dropped on the blocking pool (WK-6).
     drops: Arc<AsideDrops>,
     /// The refs this actor holds, counted locally (CL-1).
@@ -923,6 +924,14 @@ pub fn receives_started_after_frames() -> u64 {
         .unwrap_or(0)
 }
 
+/// Inside an actor: how many calls reached its thread through the
+/// hand-off queue, found listening after an earlier call (no wake-up
+/// paid by the control loop; `handoff.rs`). Tests use it to prove the
+/// path ran; outside an actor it is 0.
+pub fn calls_handed_to_listener() -> u64 {
+    WORKER.get().map(|w| w.handoff.queued()).unwrap_or(0)
+}
+
 /// Do calls acknowledge the receives they took before the landing
 /// (WK-9; `RDT_ACK_BY_CALLS=0` leaves every one to its task, for
 /// measurements)?
@@ -1081,7 +1090,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             received: Default::default(),
             groups: Mutex::new(HashMap::new()),
             landing: Mutex::new(HashMap::new()),
-            call_arrived: Arc::new(Notify::new()),
+            handoff: Default::default(),
             drops: Arc::default(),
             local_refs: Default::default(),
             next_object: id_space.into(),
@@ -1253,32 +1262,18 @@ async fn control_loop<A: RdtActor>(
             ToWorker::Call(call) => {
                 // The actor replies itself, from its own thread (no hop back
                 // here); a full or closed mailbox fails the call at once.
-                let id = call.call;
                 let result = call.result;
-                rdt_transport::cuda::timeline("call received", id);
+                rdt_transport::cuda::timeline("call received", call.call);
                 // PD-1: orders to deliver its value straight are taken
                 // from now until it finishes.
                 let straight = call.transport.sidedness() != Sidedness::TwoSided;
                 if straight {
                     shared.peer.open_call(result);
                 }
-                let sent = addr.try_send(Invoke(call));
-                // After the call is in the mailbox: each wake of the actor's
-                // thread costs a system call here, and the call's own wake
-                // (try_send) is the one the actor waits for.
-                shared.call_arrived.notify_waiters();
-                if let Err(e) = sent {
-                    if straight {
-                        shared.peer.close_call(result);
-                    }
-                    let _ = tx.send(&ToDriver::CallDone {
-                        call: id,
-                        result: Err(Error::Protocol(format!(
-                            "actor mailbox refused the call: {e}"
-                        ))),
-                        delivered: Vec::new(),
-                    });
-                }
+                // To the actor's thread: queued for it while it listens
+                // after a call (no wake-up to pay here, before a READ
+                // the call waits for), else through its mailbox.
+                handoff::hand_over(&shared, &addr, call);
             }
             ToWorker::Deliver { object, value } => {
                 if let Ok(d) = &value {

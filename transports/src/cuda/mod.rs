@@ -399,12 +399,91 @@ unsafe impl Send for Event {}
 // SAFETY: as above.
 unsafe impl Sync for Event {}
 
+/// The CUDA events of one device's context that rdt made and no longer
+/// uses, kept for its next record instead of destroyed (EP-1, EP-2).
+///
+/// Every NCCL transfer records a done event on each side, and a busy
+/// stream's completion records one too: `cuEventCreate` and
+/// `cuEventDestroy` each cost a driver call on the transfer's path (the
+/// record after the group call, the free of a received tensor that held
+/// the last reference). `RDT_EVENT_POOL=0` creates and destroys them
+/// every time (a measurement knob).
+///
+/// * **EP-1 (reuse is safe):** an event goes back to the pool only when
+///   its last holder dropped it. A wait another stream enqueued on it
+///   (`cuStreamWaitEvent`) waits for the record made before that call,
+///   not for a later one (CUDA's documented semantics), so recording it
+///   again for another transfer changes no enqueued wait.
+/// * **EP-2 (bounded):** at most [`POOLED_EVENTS`] are kept per device;
+///   the rest are destroyed as before. The pool lives as long as its
+///   `Gpu` (the process's), and so does the primary context its events
+///   belong to.
+pub(crate) struct EventPool {
+    free: Mutex<Vec<Event>>,
+}
+
+/// EP-2's bound: more than a pass ever has in flight per device.
+const POOLED_EVENTS: usize = 64;
+
+static EVENT_POOL: crate::switch::Switch = crate::switch::Switch::new("RDT_EVENT_POOL", true);
+
+static EVENTS_CREATED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many CUDA events rdt's completions and stream events created in
+/// this process (not counting interprocess ones): with the pool on
+/// (EP-1), one per event in use at once, not one per record. Tests use it
+/// to prove events are reused.
+pub fn events_created() -> u64 {
+    EVENTS_CREATED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+impl EventPool {
+    fn new() -> Self {
+        EventPool {
+            free: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// An event without timing, from the pool or new. The caller has
+    /// bound the pool's context.
+    fn take(&self) -> Result<Event, CudaError> {
+        if EVENT_POOL.on() {
+            if let Some(e) = self.free.lock().pop() {
+                return Ok(e);
+            }
+        }
+        EVENTS_CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(Event)
+            .map_err(|e| CudaError::call("cuEventCreate", e))
+    }
+
+    /// Takes back an event nobody holds any more (EP-1). The caller has
+    /// bound the pool's context.
+    fn give(&self, e: Event) {
+        if EVENT_POOL.on() {
+            let mut free = self.free.lock();
+            if free.len() < POOLED_EVENTS {
+                free.push(e);
+                return;
+            }
+        }
+        // SAFETY: our event, unused from here on; destroying one still
+        // pending is allowed (an enqueued wait on it is not cancelled).
+        unsafe {
+            let _ = cu::event::destroy(e.0);
+        }
+    }
+}
+
 /// An event recorded on another library's stream (see
-/// `Tensor::produced_on_stream`), owned by rdt and destroyed once rdt's
-/// stream waits on it.
+/// `Tensor::produced_on_stream`), owned by rdt and given back to its
+/// device's pool (or destroyed) once its last holder drops it.
 pub struct StreamEvent {
     event: Event,
     ctx: Arc<CudaContext>,
+    /// Where the event goes when dropped (EP-1).
+    pool: Arc<EventPool>,
     /// Someone saw the GPU pass the event. It is recorded once, so that
     /// stays true; other holders then need not ask CUDA (a query cost
     /// 1.5 µs on the 2xH200 host, and a method waiting for a receive's
@@ -550,11 +629,9 @@ async fn wait_for_gpu<T: Send + 'static>(
 impl Drop for StreamEvent {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: our event; a wait already enqueued on it is not
-            // cancelled by its destruction.
-            unsafe {
-                let _ = cu::event::destroy(self.event.0);
-            }
+            // A wait already enqueued on it is neither cancelled by its
+            // destruction nor changed by its next record (EP-1).
+            self.pool.give(self.event);
         }
     }
 }
@@ -652,6 +729,8 @@ pub struct Gpu {
     /// [`Gpu::raw_stream`] was handed out: others may enqueue what rdt
     /// does not count, so the stream is always asked (IK-3).
     stream_lent: std::sync::atomic::AtomicBool,
+    /// Events of this context free for the next record (EP-1, EP-2).
+    events: Arc<EventPool>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -714,6 +793,7 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, CudaError> {
         enqueued: 1.into(),
         idle_upto: 0.into(),
         stream_lent: false.into(),
+        events: Arc::new(EventPool::new()),
     });
     // Peer access with every device already set up, both ways (gpu.md
     // pitfall 3): without it cross-GPU copies run ten times slower.
@@ -879,17 +959,16 @@ impl Gpu {
                 mark: None,
             });
         }
-        let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| CudaError::call("cuEventCreate", e))?;
-        let mark = self.marks.take();
-        // SAFETY: valid event and stream of this context.
-        unsafe { cu::event::record(ev, self.stream.0) }
-            .map_err(|e| CudaError::call("cuEventRecord", e))?;
-        Ok(Completion {
-            event: Some(Event(ev)),
+        let ev = self.events.take()?;
+        let c = Completion {
+            event: Some((ev, self.events.clone())),
             ctx: self.ctx.clone(),
-            mark: Some((self.marks.clone(), mark)),
-        })
+            mark: Some((self.marks.clone(), self.marks.take())),
+        };
+        // SAFETY: valid event and stream of this context.
+        unsafe { cu::event::record(ev.0, self.stream.0) }
+            .map_err(|e| CudaError::call("cuEventRecord", e))?;
+        Ok(c)
     }
 
     /// This device's free marks (see the module docs).
@@ -998,11 +1077,10 @@ impl Gpu {
         stream: sys::CUstream,
     ) -> Result<StreamEvent, CudaError> {
         self.bind()?;
-        let ev = cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(|e| CudaError::call("cuEventCreate", e))?;
         let ev = StreamEvent {
-            event: Event(ev),
+            event: self.events.take()?,
             ctx: self.ctx.clone(),
+            pool: self.events.clone(),
             seen_passed: false.into(),
             watched: false.into(),
         };
@@ -1028,7 +1106,7 @@ impl Gpu {
         stream: sys::CUstream,
     ) -> Result<(), CudaError> {
         let c = self.completion()?;
-        if let Some(ev) = c.event {
+        if let Some((ev, _)) = &c.event {
             // SAFETY: valid event; the stream is the caller's promise.
             unsafe {
                 cu::stream::wait_event(stream, ev.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
@@ -1264,8 +1342,9 @@ pub const SPIN_BEFORE_BLOCKING: std::time::Duration = std::time::Duration::from_
 /// A future that resolves when the GPU has passed an event (see the module
 /// docs for how it waits).
 pub struct Completion {
-    /// `None`: the stream was idle, nothing to wait for.
-    event: Option<Event>,
+    /// `None`: the stream was idle, nothing to wait for. Else the event
+    /// and the pool it goes back to (EP-1).
+    event: Option<(Event, Arc<EventPool>)>,
     /// The context the event was created in: bound before every query and
     /// at destruction, whatever thread polls (executors move futures).
     ctx: Arc<CudaContext>,
@@ -1276,19 +1355,18 @@ pub struct Completion {
 impl Completion {
     /// Waits without blocking the executor thread (see the module docs).
     pub async fn wait(self) -> Result<(), CudaError> {
-        let Some(event) = self.event else {
+        let Some(event) = self.event.as_ref().map(|e| e.0) else {
             return Ok(());
         };
         wait_for_gpu(self, move |c| c.query(event), move |c| c.synchronize(event)).await
     }
 
-    /// Has the GPU passed the event?
     /// Has the GPU passed the point this completion marks? (Without
     /// waiting; true when the stream was idle.)
     pub(crate) fn passed(&self) -> Result<bool, CudaError> {
-        match self.event {
+        match &self.event {
             None => Ok(true),
-            Some(ev) => self.query(ev),
+            Some((ev, _)) => self.query(*ev),
         }
     }
 
@@ -1330,12 +1408,10 @@ impl Completion {
 
 impl Drop for Completion {
     fn drop(&mut self) {
-        if let Some(event) = self.event {
+        if let Some((event, pool)) = self.event.take() {
             if self.ctx.bind_to_thread().is_ok() {
-                // SAFETY: our event; destroying one that is pending is allowed.
-                unsafe {
-                    let _ = cu::event::destroy(event.0);
-                }
+                // Pending or not (EP-1).
+                pool.give(event);
             }
         }
     }
