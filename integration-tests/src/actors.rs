@@ -601,12 +601,6 @@ impl Consumer {
     async fn handed_over(&mut self) -> u64 {
         rdt::calls_handed_to_listener()
     }
-
-    /// Receives this worker's calls acknowledged with their `CallDone`
-    /// (see `rdt::receives_acknowledged_by_calls`).
-    async fn acks_by_calls(&mut self) -> u64 {
-        rdt::receives_acknowledged_by_calls()
-    }
 }
 
 /// An actor whose constructor can fail.

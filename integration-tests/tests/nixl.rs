@@ -485,68 +485,6 @@ async fn a_long_call_does_not_hold_its_arguments_acknowledgement() {
     .await;
 }
 
-/// WK-10 (OA-1..3): with a hot window, a small receive started behind
-/// its call leaves its acknowledgement to that call, whose `CallDone`
-/// settles it in the driver. A long method on the value, and a call held
-/// behind a long one, still have their receives acknowledged within the
-/// bound (`ack_wait`, 10 ms here), long before the transfer deadline.
-#[tokio::test]
-async fn wk_10_small_receives_are_acknowledged_by_their_call_within_a_bound() {
-    deadline(DL, async {
-        rdt_integration_tests::logs();
-        let before = rdt::data::hot::window();
-        let rt = Runtime::builder()
-            .hot_window(Duration::from_millis(20))
-            .transfer_timeout(Duration::from_secs(2))
-            .start()
-            .await
-            .unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        // The first read connects (in a task); the rest start on the
-        // control loop behind their call.
-        for i in 0..6 {
-            let r = produced(&rt, &p, i as f32, 256).await;
-            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64 * 256.0);
-        }
-        let by_calls = rt.get(c.acks_by_calls().remote()).await.unwrap();
-        // (A READ that does not end at once goes on in a task, which
-        // acknowledges it itself: not every one is left to its call.)
-        assert!(
-            by_calls >= 1,
-            "none of 5 small receives acknowledged by their call"
-        );
-        let settled = |what: &'static str| {
-            let rt = &rt;
-            async move {
-                tokio::time::timeout(Duration::from_millis(1000), rt.transfers_settled())
-                    .await
-                    .unwrap_or_else(|_| panic!("{what}: not acknowledged within 1 s"));
-                assert_eq!(rt.transfers_in_flight(), 0, "{what}");
-            }
-        };
-        settled("after the passes").await;
-        // A method that runs on for 3 s with its argument (past the 2 s
-        // deadline): acknowledged while it runs (OA-2).
-        let r = produced(&rt, &p, 2.0, 256).await;
-        let long = c.sum_after(&r, 3000).remote();
-        settled("a long method's argument").await;
-        // A call queued behind a long one: its receive ends at once, the
-        // call runs 1.5 s later.
-        let r1 = produced(&rt, &p, 1.0, 256).await;
-        let r3 = produced(&rt, &p, 3.0, 256).await;
-        let first = c.sum_after(&r1, 1500).remote();
-        let behind = c.sum(&r3).remote();
-        settled("a queued call's argument").await;
-        assert_eq!(rt.get(long).await.unwrap(), 512.0);
-        assert_eq!(rt.get(first).await.unwrap(), 256.0);
-        assert_eq!(rt.get(behind).await.unwrap(), 768.0);
-        rt.shutdown().await;
-        rdt::data::hot::set_window(before);
-    })
-    .await;
-}
-
 #[tokio::test]
 async fn a_small_object_read_again_posts_its_kept_request_and_sees_new_bytes() {
     deadline(DL, async {

@@ -190,27 +190,6 @@ pub async fn hot_for<F: Future>(window: Duration, fut: F) -> F::Output {
     }
 }
 
-/// Polls `fut` as [`hot_for`] does until `until`, and gives up then:
-/// `None` (the future is dropped, so it must be cancel-safe). For a wait
-/// that has something to do at a known time (the worker's control loop,
-/// with acknowledgements owed) without a timer, whose registration would
-/// wake the thread that sleeps in the runtime's driver.
-pub async fn hot_until<F: Future>(until: Instant, fut: F) -> Option<F::Output> {
-    let mut fut = pin!(fut);
-    loop {
-        let was = POLLED_HOT.with(|p| p.replace(true));
-        let polled = futures::poll!(fut.as_mut());
-        POLLED_HOT.with(|p| p.set(was));
-        if let Poll::Ready(v) = polled {
-            return Some(v);
-        }
-        if Instant::now() >= until {
-            return None;
-        }
-        tokio::task::yield_now().await;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

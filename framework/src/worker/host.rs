@@ -349,20 +349,13 @@ async fn run_call<A: RdtActor>(
     // has not yet (a `CallDone` past argument resolution settles them in
     // the driver, XF-5): one frame instead of two written at once from
     // two threads.
-    // WK-10: so do small receives that ended before the call ran, whose
-    // acknowledgement they left owed to it (`owed_acks.rs`).
     let landing: Vec<(u64, Landed, bool)> = {
         let l = shared.landing.lock();
         args.refs
             .iter()
             .filter_map(|id| {
                 l.get(id)
-                    .cloned()
-                    .or_else(|| shared.owed_acks.get(*id))
-                    .map(|f| {
-                        let ours = super::ACKS_BY_CALLS.on() && f.take_ack();
-                        (*id, f, ours)
-                    })
+                    .map(|f| (*id, f.clone(), super::ACKS_BY_CALLS.on() && f.take_ack()))
             })
             .collect()
     };

@@ -65,7 +65,6 @@ use crate::actor::{Actor as RdtActor, ACTOR_TYPES};
 mod client;
 mod handoff;
 mod host;
-mod owed_acks;
 mod peer;
 use crate::error::{Error, Result};
 use crate::protocol::{self, Delivery, ToDriver, ToWorker};
@@ -487,9 +486,6 @@ pub(crate) struct WorkerShared {
     /// Calls on their way to the actor's thread while it listens after a
     /// call (`handoff.rs`, HF-1..3).
     handoff: handoff::HandOff,
-    /// Acknowledgements of small receives left to the call behind them
-    /// (WK-10, `owed_acks.rs`).
-    owed_acks: owed_acks::OwedAcks,
     /// Freed values still being dropped on the blocking pool (WK-6).
     drops: Arc<AsideDrops>,
     /// The refs this actor holds, counted locally (CL-1).
@@ -585,11 +581,6 @@ impl Landed {
         self.ack
             .call_ended
             .load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Has someone taken the acknowledgement on?
-    fn ack_taken(&self) -> bool {
-        self.ack.taken.load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -1100,7 +1091,6 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             groups: Mutex::new(HashMap::new()),
             landing: Mutex::new(HashMap::new()),
             handoff: Default::default(),
-            owed_acks: Default::default(),
             drops: Arc::default(),
             local_refs: Default::default(),
             next_object: id_space.into(),
@@ -1249,42 +1239,18 @@ async fn control_loop<A: RdtActor>(
                 }
             }
         }
-        // WK-10: what calls settled goes, what is due is sent (OA-1, OA-2).
-        shared.owed_acks.settle(&tx, shared.ack_wait, false);
-        // While acknowledgements are owed, the wait is hot only until the
-        // oldest is due, and nothing stays owed past the hot window
-        // (OA-2, OA-3).
-        let waited_since = std::time::Instant::now();
-        let mut owed_wait = None;
-        while let Some(due) = shared.owed_acks.next_due(shared.ack_wait) {
-            let window_end = waited_since + hot::window();
-            match hot::hot_until(due.min(window_end), rx.recv::<ToWorker>()).await {
-                Some(m) => {
-                    owed_wait = Some(m);
-                    break;
-                }
-                None => shared.owed_acks.settle(
-                    &tx,
-                    shared.ack_wait,
-                    std::time::Instant::now() >= window_end,
-                ),
-            }
-        }
         // Hot (rdt_transport::hot): the next message of a pass often comes
         // within the window; waking this thread after it slept costs more.
-        let next = match owed_wait {
-            Some(m) => m,
-            None => match heartbeat {
-                None => hot(rx.recv::<ToWorker>()).await,
-                // recv is cancel-safe: a frame in progress stays buffered.
-                Some(hb) => match tokio::time::timeout(hb, hot(rx.recv::<ToWorker>())).await {
-                    Ok(m) => m,
-                    Err(_) => {
-                        return Err(Error::Protocol(format!(
-                            "the driver went silent for {hb:?} (network cut?); exiting"
-                        )))
-                    }
-                },
+        let next = match heartbeat {
+            None => hot(rx.recv::<ToWorker>()).await,
+            // recv is cancel-safe: a frame in progress stays buffered.
+            Some(hb) => match tokio::time::timeout(hb, hot(rx.recv::<ToWorker>())).await {
+                Ok(m) => m,
+                Err(_) => {
+                    return Err(Error::Protocol(format!(
+                        "the driver went silent for {hb:?} (network cut?); exiting"
+                    )))
+                }
             },
         };
         let msg = match next {
@@ -1522,9 +1488,6 @@ fn on_deliver(
             .get()
             .map_or(ReceiveStart::Task, |e| transport.1.receive_start(e)),
     };
-    // WK-10: started behind its call, it ends before the call runs; the
-    // call's `CallDone` settles it (`owed_acks.rs`).
-    let owe_ack = start == ReceiveStart::AfterFramesInHand && owed_acks::OwedAcks::enabled();
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1589,7 +1552,6 @@ fn on_deliver(
             if let Some(l) = &landing {
                 shared.landing.lock().insert(object, l.clone());
             }
-            let mut owed = false;
             {
                 // Held across the store insert: a `Free` either finds the
                 // receive and leaves a tombstone, or finds the value stored.
@@ -1606,21 +1568,9 @@ fn on_deliver(
                     }
                 };
                 if !freed {
-                    // WK-10: owed to the call behind it, before the value
-                    // is stored (the call that takes it finds it owed).
-                    owed = owe_ack
-                        && landing.is_none()
-                        && matches!(slot, Slot::Ready(_))
-                        && ON_LOOPS_TURN.with(|t| t.get());
-                    if owed {
-                        shared.owed_acks.owe(object, xfer);
-                    }
                     shared.store.insert(object, slot);
                 }
                 rdt_transport::cuda::timeline("receive stored", xfer);
-            }
-            if owed {
-                return;
             }
             // The acknowledgement comes after the value is stored, off the
             // path of the call waiting for it; a call that ran with it
@@ -1696,20 +1646,9 @@ fn on_deliver(
 /// of it: the value is stored before the loop reads its next frame.
 fn run_now_or_spawn(mut job: Job) {
     let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-    ON_LOOPS_TURN.with(|t| t.set(true));
-    let pending = job.as_mut().poll(&mut cx).is_pending();
-    ON_LOOPS_TURN.with(|t| t.set(false));
-    if pending {
+    if job.as_mut().poll(&mut cx).is_pending() {
         tokio::spawn(job);
     }
-}
-
-thread_local! {
-    /// Set while the control loop runs a job in its own turn
-    /// ([`run_now_or_spawn`]): what the job leaves owed the loop sees
-    /// before it next waits (OA-3). A job that went on in a task of its
-    /// own sends its acknowledgement itself.
-    static ON_LOOPS_TURN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Stores a value delivered through the driver. One whose large blobs
