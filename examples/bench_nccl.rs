@@ -1007,10 +1007,6 @@ async fn small_passes(n: usize) -> rdt::Result<()> {
     rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
         .await?;
     rt.get(c.warm().remote()).await?;
-    let median = |mut us: Vec<f64>| {
-        us.sort_by(f64::total_cmp);
-        us[us.len() / 2]
-    };
     let mut us = Vec::with_capacity(n);
     for i in 0..n as u64 + 20 {
         let t0 = Instant::now();
@@ -1019,7 +1015,7 @@ async fn small_passes(n: usize) -> rdt::Result<()> {
             us.push(us_since(t0));
         }
     }
-    let call = median(us);
+    let call = rdt_examples::median(&mut us);
     let bytes = 4usize << 10;
     rt.get(p.prepare(bytes).remote()).await?;
     let r = p.tensor(bytes).transport(Transport::Nccl).remote();
@@ -1054,7 +1050,7 @@ async fn small_passes(n: usize) -> rdt::Result<()> {
             us.push(us_since(t0));
         }
     }
-    let pass = median(us);
+    let pass = rdt_examples::median(&mut us);
     println!(
         "nccl small passes: {n} tiny calls median {call:.1} us; {n} passes of 4 KiB median {pass:.1} us; \
          raw 4 KiB {raw4k:.1} us; pass - (raw + call) = {:.1} us",
