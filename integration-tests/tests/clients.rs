@@ -100,6 +100,10 @@ async fn a_nested_ref_lives_until_its_last_borrower_drops_it() {
         // The driver drops its own refs: the second relay's borrows keep
         // the objects (and their tensors in the producer) alive.
         drop(refs);
+        // The first relay got `keep`'s result straight from the second
+        // (peer delivery), possibly before the second's call ended in the
+        // driver: until it does, that result is still in the table.
+        rt.transfers_settled().await;
         assert_eq!(rt.live_objects(), 3, "borrowed objects are alive");
         let sum = rt.get(second.sum_kept().remote()).await.unwrap();
         assert_eq!(sum, 10.0 * (1.0 + 2.0 + 3.0));
