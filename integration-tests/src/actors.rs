@@ -323,18 +323,6 @@ impl Producer {
     async fn kept_range(&mut self, at: usize, n: usize) -> Vec<Tensor> {
         self.kept[at..at + n].to_vec()
     }
-
-    /// Values freed here and dropped after the frames in hand
-    /// (`rdt::values_freed_after_frames`).
-    async fn freed_after_frames(&mut self) -> u64 {
-        rdt::values_freed_after_frames()
-    }
-
-    /// Turns the switch `name` on or off in this worker
-    /// (`rdt::data::switch::set`).
-    async fn set_switch(&mut self, name: String, on: bool) {
-        rdt::data::switch::set(&name, on);
-    }
 }
 
 /// Consumes tensors.
@@ -612,12 +600,6 @@ impl Consumer {
     /// (see `rdt::calls_handed_to_listener`).
     async fn handed_over(&mut self) -> u64 {
         rdt::calls_handed_to_listener()
-    }
-
-    /// Turns the switch `name` on or off in this worker
-    /// (`rdt::data::switch::set`).
-    async fn set_switch(&mut self, name: String, on: bool) {
-        rdt::data::switch::set(&name, on);
     }
 }
 

@@ -37,26 +37,14 @@ async fn ow_6_put_checks_the_frame_it_travels_in() {
 /// starts, also when the freed value is large enough to be dropped beside
 /// the control loop (it was dropped while the next call ran, so that call
 /// still saw the freed tensors alive), and when it is small enough to be
-/// held until the frames read with it are handled (WK-11: the call read
-/// with the `Free` waits for that drop; with `RDT_FREE_AFTER_FRAMES` off
-/// it is dropped at the `Free`).
+/// dropped at the `Free` itself.
 #[tokio::test]
 async fn wk_6_a_free_took_effect_before_the_next_call_starts() {
     deadline(120, async {
         rdt_integration_tests::logs();
         let rt = Runtime::start().await.unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
-        let held = || async { rt.get(p.freed_after_frames().remote()).await.unwrap() };
-        for (n, after_frames) in [
-            (10usize, true),
-            (100_000, true),
-            (200_000, true),
-            (10, false),
-        ] {
-            rt.get(p.set_switch("RDT_FREE_AFTER_FRAMES", after_frames).remote())
-                .await
-                .unwrap();
-            let before = held().await;
+        for n in [10usize, 100_000, 200_000] {
             let r = p.many_keep_last(n).transport(Transport::Shm).remote();
             rt.wait(&r).await.unwrap();
             let i = rt.get(p.stored().remote()).await.unwrap();
@@ -70,14 +58,6 @@ async fn wk_6_a_free_took_effect_before_the_next_call_starts() {
                 rt.get(p.kept_refs(k).remote()).await.unwrap(),
                 1,
                 "only the producer's own clone is left ({n} tensors)"
-            );
-            // Small values were held (WK-11) only with the switch on;
-            // large ones go to the blocking pool either way.
-            let small_and_held = n < 64 && after_frames;
-            assert_eq!(
-                held().await - before,
-                u64::from(small_and_held),
-                "{n} tensors, RDT_FREE_AFTER_FRAMES {after_frames}"
             );
         }
     })

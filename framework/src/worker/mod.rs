@@ -513,8 +513,6 @@ pub(crate) struct WorkerShared {
     /// Receives the control loop started after the frames in hand
     /// (`ReceiveStart::AfterFramesInHand`).
     started_after_frames: std::sync::atomic::AtomicU64,
-    /// Freed values dropped once the frames in hand were handled (WK-11).
-    freed_after_frames: std::sync::atomic::AtomicU64,
     /// Receives a call acknowledged with its `CallDone` (WK-9).
     acks_by_calls: std::sync::atomic::AtomicU64,
     /// How long a receive leaves its acknowledgement to a call that took
@@ -590,11 +588,6 @@ impl Landed {
 /// long it runs (WK-9 without its bound: only to show, on a GPU host, the
 /// failure the bound prevents).
 static ACK_BOUND: Switch = Switch::new("RDT_ACK_BOUND", true);
-
-/// WK-11: a small freed value is taken out of the store at its `Free` and
-/// dropped by the control loop once the frames in hand are handled (a
-/// measurement knob while its worth is measured: `RDT_FREE_AFTER_FRAMES`).
-static FREE_AFTER_FRAMES: Switch = Switch::new("RDT_FREE_AFTER_FRAMES", true);
 
 /// How long the receive's task leaves the acknowledgement to a call that
 /// took it on, once the bytes landed, before it sends one itself (WK-9):
@@ -834,21 +827,6 @@ impl AsideDrops {
         }));
     }
 
-    /// Counts `n` values the control loop drops itself a little later
-    /// (`FREE_AFTER_FRAMES`); [`AsideDrops::dropped`] ends the count.
-    fn hold(&self, n: usize) {
-        self.pending
-            .fetch_add(n, std::sync::atomic::Ordering::AcqRel);
-    }
-
-    /// `n` values counted with [`AsideDrops::hold`] are gone.
-    fn dropped(&self, n: usize) {
-        use std::sync::atomic::Ordering;
-        if n > 0 && self.pending.fetch_sub(n, Ordering::AcqRel) == n {
-            self.settled.notify_waiters();
-        }
-    }
-
     /// Resolves once every value counted so far is dropped (at once when
     /// none is pending: one atomic load). A drop always ends, so this
     /// needs no deadline of its own.
@@ -941,20 +919,6 @@ pub fn receives_started_after_frames() -> u64 {
         .get()
         .map(|w| {
             w.started_after_frames
-                .load(std::sync::atomic::Ordering::Relaxed)
-        })
-        .unwrap_or(0)
-}
-
-/// Inside an actor: how many values the driver freed here were dropped
-/// once the frames read with their `Free` were handled (WK-11), not at
-/// the `Free`. Tests use it to prove the path ran; outside an actor it
-/// is 0.
-pub fn values_freed_after_frames() -> u64 {
-    WORKER
-        .get()
-        .map(|w| {
-            w.freed_after_frames
                 .load(std::sync::atomic::Ordering::Relaxed)
         })
         .unwrap_or(0)
@@ -1138,7 +1102,6 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             fitted: Mutex::new(None),
             in_place: Default::default(),
             started_after_frames: Default::default(),
-            freed_after_frames: Default::default(),
             acks_by_calls: Default::default(),
             ack_wait: ack_wait(Duration::from_millis(order.transfer_timeout_ms)),
             readers: Mutex::new(HashMap::new()),
@@ -1262,10 +1225,6 @@ async fn control_loop<A: RdtActor>(
     const MOST_FRAMES_AHEAD: usize = 16;
     let mut after_frames_in_hand: Vec<Job> = Vec::new();
     let mut frames_ahead = 0;
-    // WK-11: freed values the loop drops once the frames in hand are
-    // handled (at most this many held).
-    const MOST_FREED_HELD: usize = 16;
-    let mut freed_in_hand: Vec<StoredValue> = Vec::new();
     loop {
         if !after_frames_in_hand.is_empty() {
             frames_ahead += 1;
@@ -1279,17 +1238,6 @@ async fn control_loop<A: RdtActor>(
                     run_now_or_spawn(job);
                 }
             }
-        }
-        if !freed_in_hand.is_empty()
-            && (freed_in_hand.len() >= MOST_FREED_HELD || !rx.has_whole_frame())
-        {
-            let n = freed_in_hand.len();
-            freed_in_hand.clear();
-            shared.drops.dropped(n);
-            shared
-                .freed_after_frames
-                .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-            rdt_transport::cuda::timeline("freed after frames", n as u64);
         }
         // Hot (rdt_transport::hot): the next message of a pass often comes
         // within the window; waking this thread after it slept costs more.
@@ -1425,12 +1373,6 @@ async fn control_loop<A: RdtActor>(
                         v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES;
                     if aside {
                         shared.drops.drop_aside(v);
-                    } else if FREE_AFTER_FRAMES.on() {
-                        // WK-11: the delivery and the call often behind
-                        // this Free go first; a call waits for the count
-                        // (WK-6).
-                        shared.drops.hold(1);
-                        freed_in_hand.push(v);
                     }
                 }
                 rdt_transport::cuda::timeline("free done", object);
@@ -1827,7 +1769,7 @@ fn run_transfer(
         tokio::spawn(job);
         return;
     };
-    rdt_transport::cuda::timeline("receive job queued", xfer);
+    rdt_transport::cuda::timeline("transfer job queued", xfer);
     if let Err((why, job)) = queue_in_group(shared, g.id, job) {
         // The job runs at once and meets its abort: a receive is
         // acknowledged as failed, a send reported, by the usual paths.

@@ -76,13 +76,6 @@
 //!   still read the old values), and a READ into fresh device memory takes
 //!   clean memory where the allocator has some and otherwise waits the
 //!   same way (`cuda::alloc`, invariant 5). An idle stream costs one query.
-//! - **NX-10 (post, then let the call through):** a small receive from a
-//!   producer read before starts on the worker's control loop when its
-//!   delivery is read (`ReceiveStart::Now`), posts its READ and yields
-//!   once; the loop reads the call behind the delivery and hands it to the
-//!   actor while the bytes move, and the receive then waits for its READ
-//!   as any does. `RDT_NIXL_POST_FIRST=0` starts it after the frames in
-//!   hand instead (`AfterFramesInHand`), as before.
 
 mod agent;
 pub mod api;
@@ -193,10 +186,6 @@ pub struct NixlStats {
     pub lists_made_by_reader: u64,
     /// ... or, with no reader waiting, by the receive itself.
     pub lists_premade: u64,
-    /// Receives that posted their READ on the control loop at their
-    /// delivery and let the frames behind it through before waiting
-    /// (NX-10).
-    pub receives_posted_first: u64,
 }
 
 #[derive(Default)]
@@ -204,7 +193,6 @@ struct Counters {
     registrations: AtomicU64,
     deregistrations: AtomicU64,
     reads_posted: AtomicU64,
-    receives_posted_first: AtomicU64,
     descriptors_posted: AtomicU64,
     reads_served: AtomicU64,
     remote_loads: AtomicU64,
@@ -268,13 +256,8 @@ pub fn stats() -> NixlStats {
         target_lists_reused: c.target_lists_reused.load(Ordering::Relaxed),
         lists_made_by_reader: c.lists_made_by_reader.load(Ordering::Relaxed),
         lists_premade: c.lists_premade.load(Ordering::Relaxed),
-        receives_posted_first: c.receives_posted_first.load(Ordering::Relaxed),
     }
 }
-
-/// NX-10 (see the module docs); `RDT_NIXL_POST_FIRST=0` turns it off, to
-/// measure.
-static POST_FIRST: crate::switch::Switch = crate::switch::Switch::new("RDT_NIXL_POST_FIRST", true);
 
 /// [`set_read_spin`]'s default.
 pub const DEFAULT_READ_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
@@ -1207,14 +1190,6 @@ impl NixlTransport {
         })
     }
 
-    /// A small object from a producer this process has read from before:
-    /// its READ is posted within microseconds and ends within a few more.
-    fn small_from_known(&self, exported: &Exported) -> bool {
-        exported.metas.len() < PLAN_MIN_TENSORS
-            && HandlesWire::agent_of(&exported.handles)
-                .is_some_and(|a| self.remotes.lock().contains_key(a))
-    }
-
     async fn receive_inner(
         &self,
         from: &Peer,
@@ -1223,10 +1198,6 @@ impl NixlTransport {
     ) -> Result<TensorList, TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
         crate::cuda::timeline("nixl receive start", cx.xfer);
-        // NX-10: started on the worker's control loop (`receive_start`
-        // said `Now`): once posted, the loop handles the frames behind the
-        // delivery (the call) while the bytes move.
-        let posted_first = POST_FIRST.on() && self.small_from_known(exported);
         let agent = self.agent()?;
         // Into fresh memory: through the layout's plan, made once (NX-7).
         // Into the caller's tensors: through the plan of the same layout
@@ -1361,11 +1332,6 @@ impl NixlTransport {
         // here, within the hot window (yielding to the executor between
         // asks), and hand the rest to the poller. Waking the poller and
         // being woken by it cost more than such a read on a busy host.
-        if posted_first {
-            bump(&COUNTERS.receives_posted_first, 1);
-            tokio::task::yield_now().await;
-            crate::cuda::timeline("nixl read resumed", cx.xfer);
-        }
         let window = crate::hot::window();
         let spin = read_spin().min(window);
         let posted_at = std::time::Instant::now();
@@ -2511,12 +2477,15 @@ impl TensorTransport for NixlTransport {
     fn receive_start(&self, exported: &Exported) -> crate::ReceiveStart {
         static IN_TASK: crate::switch::Switch =
             crate::switch::Switch::new("RDT_NIXL_RECEIVE_IN_TASK", false);
-        if IN_TASK.on() || !self.small_from_known(exported) {
-            crate::ReceiveStart::Task
-        } else if POST_FIRST.on() {
-            crate::ReceiveStart::Now
-        } else {
+        let small_from_known = || {
+            exported.metas.len() < PLAN_MIN_TENSORS
+                && HandlesWire::agent_of(&exported.handles)
+                    .is_some_and(|a| self.remotes.lock().contains_key(a))
+        };
+        if !IN_TASK.on() && small_from_known() {
             crate::ReceiveStart::AfterFramesInHand
+        } else {
+            crate::ReceiveStart::Task
         }
     }
 
