@@ -1233,6 +1233,7 @@ impl Sender {
     /// inline `send` and `flush`.
     fn write_queued(&self, mut q: parking_lot::MutexGuard<'_, WriteQueue>) {
         q.held = false;
+        rdt_transport::cuda::timeline("socket write", q.chunks.len() as u64);
         let written = write_ready(&self.inner, &mut q.chunks);
         rdt_transport::cuda::timeline("socket written", q.chunks.len() as u64);
         match written {

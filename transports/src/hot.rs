@@ -410,6 +410,129 @@ mod tests {
         }
     }
 
+    /// Not a test: what writing a small frame (38 bytes, a `CallDone`)
+    /// into a Unix socket costs the writer on this host, by what the
+    /// reading side is doing (`cargo test --release -p rdt-transport --
+    /// --ignored socket_write_costs_timing --nocapture`): a thread that
+    /// spins on a non-blocking `recv` of a socket in no epoll set; a
+    /// current-thread runtime with the socket registered that spins
+    /// (yields between reads: never in `epoll_wait` for long); the same
+    /// runtime asleep in `epoll_wait`; a two-worker runtime whose one task
+    /// spins while the other worker sleeps in `epoll_wait` (a worker's
+    /// control runtime, and the case the book's Internals names).
+    #[test]
+    #[ignore]
+    fn socket_write_costs_timing() {
+        use std::io::Write;
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        let cases = [
+            "a thread spinning on recv, socket in no epoll set",
+            "a current-thread runtime spinning, socket registered",
+            "a current-thread runtime asleep in epoll_wait",
+            "a two-worker runtime, one task spinning, the other worker asleep",
+        ];
+        for (case, what) in cases.iter().enumerate() {
+            let (mut w, r) = std::os::unix::net::UnixStream::pair().unwrap();
+            r.set_nonblocking(true).unwrap();
+            let got = Arc::new(AtomicU64::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            // Reads until stopped, counting each read that got bytes;
+            // yields between empty reads when asked to.
+            async fn spin_reading(
+                r: tokio::net::UnixStream,
+                got: Arc<AtomicU64>,
+                stop: Arc<AtomicBool>,
+            ) {
+                let mut buf = [0u8; 256];
+                while !stop.load(Ordering::Relaxed) {
+                    match r.try_read(&mut buf) {
+                        Ok(n) if n > 0 => {
+                            got.fetch_add(1, Ordering::Release);
+                        }
+                        _ => tokio::task::yield_now().await,
+                    }
+                }
+            }
+            let th = {
+                let (got, stop) = (got.clone(), stop.clone());
+                std::thread::spawn(move || match case {
+                    0 => {
+                        use std::io::Read;
+                        let mut r = r;
+                        let mut buf = [0u8; 256];
+                        while !stop.load(Ordering::Relaxed) {
+                            if let Ok(n) = r.read(&mut buf) {
+                                if n > 0 {
+                                    got.fetch_add(1, Ordering::Release);
+                                }
+                            }
+                            std::hint::spin_loop();
+                        }
+                    }
+                    1 | 2 => {
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .unwrap();
+                        rt.block_on(async move {
+                            let r = tokio::net::UnixStream::from_std(r).unwrap();
+                            if case == 1 {
+                                return spin_reading(r, got, stop).await;
+                            }
+                            let mut buf = [0u8; 256];
+                            while !stop.load(Ordering::Relaxed) {
+                                let _ =
+                                    tokio::time::timeout(Duration::from_millis(50), r.readable())
+                                        .await;
+                                if let Ok(n) = r.try_read(&mut buf) {
+                                    if n > 0 {
+                                        got.fetch_add(1, Ordering::Release);
+                                    }
+                                }
+                            }
+                        })
+                    }
+                    _ => {
+                        let rt = tokio::runtime::Builder::new_multi_thread()
+                            .worker_threads(2)
+                            .enable_all()
+                            .build()
+                            .unwrap();
+                        rt.block_on(async move {
+                            let r = tokio::net::UnixStream::from_std(r).unwrap();
+                            tokio::spawn(spin_reading(r, got, stop)).await.unwrap()
+                        })
+                    }
+                })
+            };
+            let asleep = case == 2;
+            let rounds = 2000u64;
+            let mut spent = Duration::ZERO;
+            let frame = [7u8; 38];
+            for i in 0..rounds {
+                // Let the reader settle: spin, or park.
+                let settle = Instant::now();
+                while settle.elapsed() < Duration::from_micros(if asleep { 200 } else { 30 }) {
+                    std::hint::spin_loop();
+                }
+                let t = Instant::now();
+                w.write_all(&frame).unwrap();
+                spent += t.elapsed();
+                while got.load(Ordering::Acquire) <= i {
+                    std::hint::spin_loop();
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            let _ = w.write_all(&frame);
+            th.join().unwrap();
+            println!(
+                "writing a 38-byte frame into a Unix socket, the reader {what}: {:.2} us on the writer's side",
+                spent.as_secs_f64() * 1e6 / rounds as f64
+            );
+        }
+    }
+
     #[test]
     fn set_window_overrides_the_default() {
         set_window(Duration::from_micros(1234));
