@@ -47,7 +47,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use rdt::prelude::*;
-use rdt_examples::{arg_value, median_of, Kind, Row};
+use rdt_examples::{arg_value, median_of, us_since, Kind, Row};
 
 // ANCHOR: source
 #[rdt::actor]
@@ -180,10 +180,6 @@ fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<
     };
     r.print();
     r
-}
-
-fn us_since(t0: Instant) -> f64 {
-    t0.elapsed().as_secs_f64() * 1e6
 }
 
 async fn pass(

@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use rdt::data::nccl::{Communicator, P2p, UniqueId};
 use rdt::prelude::*;
-use rdt_examples::{arg_value, median_of, Kind, Row};
+use rdt_examples::{arg_value, median_of, us_since, Kind, Row};
 use serde::Serialize;
 
 /// Side of the overlap workload's matrices.
@@ -227,10 +227,9 @@ impl NcclSink {
             let t0 = Instant::now();
             self.multiply(&a)?;
             self.read_one().await?;
-            us.push(t0.elapsed().as_secs_f64() * 1e6);
+            us.push(us_since(t0));
         }
-        us.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        Ok(us[us.len() / 2])
+        Ok(rdt_examples::median(&mut us))
     }
 
     /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
@@ -339,10 +338,6 @@ fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<
     };
     r.print();
     r
-}
-
-fn us_since(t0: Instant) -> f64 {
-    t0.elapsed().as_secs_f64() * 1e6
 }
 
 fn cuda_err(e: impl std::fmt::Debug) -> Error {

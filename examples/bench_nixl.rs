@@ -36,7 +36,7 @@ use std::time::Instant;
 
 use rdt::data::nixl::raw::{Memory, RawAgent};
 use rdt::prelude::*;
-use rdt_examples::{arg_value, Kind, Row};
+use rdt_examples::{arg_value, us_since, Kind, Row};
 use serde::{Deserialize, Serialize};
 
 #[rdt::actor]
@@ -212,10 +212,6 @@ impl NixlSink {
 
 fn err(e: impl std::fmt::Display) -> Error {
     Error::Protocol(e.to_string())
-}
-
-fn us_since(t0: Instant) -> f64 {
-    t0.elapsed().as_secs_f64() * 1e6
 }
 
 struct Ctx {

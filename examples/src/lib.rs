@@ -144,6 +144,11 @@ pub fn ab_knobs() -> Option<Vec<String>> {
     arg_value("--ab").map(|v| v.split(',').map(|k| k.trim().to_string()).collect())
 }
 
+/// Microseconds since `t0`.
+pub fn us_since(t0: std::time::Instant) -> f64 {
+    t0.elapsed().as_secs_f64() * 1e6
+}
+
 /// The median of `v` (sorted in place); NaN when empty.
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -174,7 +179,6 @@ where
     T: FnMut() -> TF,
     TF: std::future::Future<Output = rdt::Result<()>>,
 {
-    let us_since = |t0: std::time::Instant| t0.elapsed().as_secs_f64() * 1e6;
     let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..n + warm {
         let t0 = std::time::Instant::now();
