@@ -313,6 +313,28 @@ mod tests {
         assert!(!got, "seen after the window, through the waker");
     }
 
+    /// The acting side's cost of 2000 hand-offs to another thread, in
+    /// microseconds each: every round lets the other side settle for
+    /// `settle` (spin, or park), times `act`, then waits until `seen`
+    /// counts the round.
+    fn hand_off_costs(settle: Duration, mut act: impl FnMut(), seen: &AtomicU64) -> f64 {
+        let rounds = 2000u64;
+        let mut spent = Duration::ZERO;
+        for i in 0..rounds {
+            let settling = Instant::now();
+            while settling.elapsed() < settle {
+                std::hint::spin_loop();
+            }
+            let t = Instant::now();
+            act();
+            spent += t.elapsed();
+            while seen.load(Ordering::Acquire) <= i {
+                std::hint::spin_loop();
+            }
+        }
+        spent.as_secs_f64() * 1e6 / rounds as f64
+    }
+
     /// Not a test: what the steps a hot wait and a hand-off between
     /// threads are made of cost on this host (`cargo test --release -p
     /// rdt-transport -- --ignored host_costs_timing --nocapture`): a clock
@@ -382,22 +404,10 @@ mod tests {
                     });
                 })
             };
-            let rounds = 2000u64;
-            let mut spent = Duration::ZERO;
-            for i in 0..rounds {
-                // Let the task register (and the runtime settle: spin, or
-                // park in epoll_wait).
-                let settle = Instant::now();
-                while settle.elapsed() < Duration::from_micros(if spinning { 20 } else { 200 }) {
-                    std::hint::spin_loop();
-                }
-                let t = Instant::now();
-                notify.notify_one();
-                spent += t.elapsed();
-                while woken.load(Ordering::Acquire) <= i {
-                    std::hint::spin_loop();
-                }
-            }
+            // Let the task register (and the runtime settle: spin, or
+            // park in epoll_wait).
+            let settle = Duration::from_micros(if spinning { 20 } else { 200 });
+            let us = hand_off_costs(settle, || notify.notify_one(), &woken);
             stop.store(true, Ordering::Relaxed);
             notify.notify_one();
             th.join().unwrap();
@@ -405,7 +415,7 @@ mod tests {
                 "waking a task of a current-thread runtime with I/O from another thread, \
                  runtime {}: {:.2} us on the waker's side",
                 if spinning { "spinning" } else { "asleep" },
-                spent.as_secs_f64() * 1e6 / rounds as f64
+                us
             );
         }
     }
@@ -507,28 +517,15 @@ mod tests {
                 })
             };
             let asleep = case == 2;
-            let rounds = 2000u64;
-            let mut spent = Duration::ZERO;
             let frame = [7u8; 38];
-            for i in 0..rounds {
-                // Let the reader settle: spin, or park.
-                let settle = Instant::now();
-                while settle.elapsed() < Duration::from_micros(if asleep { 200 } else { 30 }) {
-                    std::hint::spin_loop();
-                }
-                let t = Instant::now();
-                w.write_all(&frame).unwrap();
-                spent += t.elapsed();
-                while got.load(Ordering::Acquire) <= i {
-                    std::hint::spin_loop();
-                }
-            }
+            // Let the reader settle: spin, or park.
+            let settle = Duration::from_micros(if asleep { 200 } else { 30 });
+            let us = hand_off_costs(settle, || w.write_all(&frame).unwrap(), &got);
             stop.store(true, Ordering::Relaxed);
             let _ = w.write_all(&frame);
             th.join().unwrap();
             println!(
-                "writing a 38-byte frame into a Unix socket, the reader {what}: {:.2} us on the writer's side",
-                spent.as_secs_f64() * 1e6 / rounds as f64
+                "writing a 38-byte frame into a Unix socket, the reader {what}: {us:.2} us on the writer's side"
             );
         }
     }
