@@ -1182,6 +1182,12 @@ pub fn defer_writes() {
     });
 }
 
+/// Whether frames queued since [`defer_writes`] on this thread wait for
+/// [`flush_deferred`].
+pub fn deferred_pending() -> bool {
+    DEFERRED.with(|d| d.borrow().as_ref().is_some_and(|l| !l.is_empty()))
+}
+
 /// Ends [`defer_writes`] and writes what was queued meanwhile (without
 /// blocking: what the socket does not take now, each connection's writer
 /// task writes).

@@ -343,6 +343,19 @@ impl Drop for StateGuard<'_> {
 pub(crate) static WAKE_AFTER_UNLOCK: rdt_transport::switch::Switch =
     rdt_transport::switch::Switch::new("RDT_WAKE_AFTER_UNLOCK", true);
 
+/// `RDT_ORDERS_FIRST=0` writes a driver call's transfer orders together
+/// with the call, once it is queued, as before (a measurement knob).
+pub(crate) static ORDERS_FIRST: rdt_transport::switch::Switch =
+    rdt_transport::switch::Switch::new("RDT_ORDERS_FIRST", true);
+
+/// A call whose result and arguments are recorded, not sent yet
+/// ([`Inner::stage_call`]).
+struct StagedCall {
+    call: u64,
+    actor: u64,
+    msg: ToWorker,
+}
+
 impl Inner {
     /// Locks the driver's state. Messages sent while it is held are queued
     /// on their connections in the order they were decided and written
@@ -1589,7 +1602,22 @@ impl Inner {
             error: early,
         };
         let mut guard = self.lock();
-        self.submit_locked(&mut guard, msg, method_name);
+        let mut staged = self.stage_call(&mut guard, msg, method_name);
+        if staged.is_some() && ORDERS_FIRST.on() && protocol::deferred_pending() {
+            // The transfers this call needs were ordered (a delivery to the
+            // callee, a send order to a producer): their frames are written
+            // now, before the call is encoded and queued behind them, so
+            // both ends start moving bytes microseconds earlier (the call
+            // itself waits for its arguments there anyway). The lock is
+            // released for the writes (invariant 2); a death meanwhile
+            // ended the call (`on_death`), and then it is not sent.
+            drop(guard);
+            guard = self.lock();
+            staged = staged.filter(|s| guard.calls.by_id.contains_key(&s.call));
+        }
+        if let Some(s) = staged {
+            self.send_call(&mut guard, s);
+        }
         rdt_transport::cuda::timeline("driver submitted", 0);
         drop(guard);
         // Releases the arguments' refs after `need` and `hold` counted
@@ -1602,6 +1630,16 @@ impl Inner {
     /// a pending object (failed at once if it cannot run), its arguments
     /// are needed by the callee, and the call goes out.
     fn submit_locked(&self, st: &mut State, msg: SubmitMsg, method_name: &str) {
+        if let Some(s) = self.stage_call(st, msg, method_name) {
+            self.send_call(st, s);
+        }
+    }
+
+    /// The first half of [`submit_locked`](Self::submit_locked): the
+    /// result becomes a pending object, the arguments are needed by the
+    /// callee (which orders their transfers) and the call is pending.
+    /// Returns the call to send, or `None` if it failed at once.
+    fn stage_call(&self, st: &mut State, msg: SubmitMsg, method_name: &str) -> Option<StagedCall> {
         let SubmitMsg {
             actor,
             method,
@@ -1630,7 +1668,7 @@ impl Inner {
         let early = error.or(dead).or_else(|| check_groups(st, actor, &arg_ids));
         if let Some(e) = early {
             st.table.insert_done(id, Some(actor), ObjState::Failed(e));
-            return;
+            return None;
         }
         st.table.insert_pending(id, actor, transport);
         st.table.hold(&nested);
@@ -1650,21 +1688,32 @@ impl Inner {
                 nested,
             },
         );
+        tracing::trace!(call, method = method_name, "submit");
+        Some(StagedCall {
+            call,
+            actor,
+            msg: ToWorker::Call(CallMsg {
+                call,
+                method,
+                args: wire_args,
+                result: id,
+                transport,
+            }),
+        })
+    }
+
+    /// The second half of [`submit_locked`](Self::submit_locked): the
+    /// staged call goes out (behind the frames of the transfers it
+    /// needs), and the transfers it started are watched.
+    fn send_call(&self, st: &mut State, staged: StagedCall) {
+        let StagedCall { call, actor, msg } = staged;
         if let Some(reader) = st.readers.get(&actor) {
             reader.notify_one();
         }
-        tracing::trace!(call, method = method_name, "submit");
-        let msg = ToWorker::Call(CallMsg {
-            call,
-            method,
-            args: wire_args,
-            result: id,
-            transport,
-        });
         if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
             if let Err(e) = conn.send(&msg) {
                 // Too large to send: the call fails, nothing waits.
-                let pc = st.calls.remove(&call).expect("inserted above");
+                let pc = st.calls.remove(&call).expect("staged above");
                 end_call(st, pc, Err(e), &[]);
             }
         }
