@@ -528,18 +528,8 @@ pub(crate) struct WorkerShared {
 struct WorkerGroup {
     backend: Transport,
     spec: rdt_transport::GroupSpec,
-    queue: GroupQueue,
+    queue: tokio::sync::mpsc::UnboundedSender<Job>,
     broken: Option<String>,
-}
-
-/// A group's ordered queue of transfers (XF-3) and what its thread has
-/// in hand.
-struct GroupQueue {
-    tx: tokio::sync::mpsc::UnboundedSender<Job>,
-    /// Jobs queued or running on the group's thread, plus one until its
-    /// first job ended (that one may connect the peers: always there).
-    /// At zero the control loop may run a job itself (GQ-1).
-    in_hand: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// The landing of a stream-ordered receive (WK-5), awaited by the
@@ -612,20 +602,14 @@ fn ack_wait(transfer_timeout: Duration) -> Duration {
 /// for measurements; default: timers only)?
 static GROUP_RUNTIME_IO: Switch = Switch::new("RDT_GROUP_RUNTIME_IO", false);
 
-/// `RDT_GROUP_INLINE=0` hands every group transfer to the group's thread,
-/// as before GQ-1 (a measurement knob).
-static GROUP_INLINE: Switch = Switch::new("RDT_GROUP_INLINE", true);
-
 /// A transfer waiting its turn in a group's queue.
 type Job = futures::future::BoxFuture<'static, ()>;
 
 /// Starts the thread that runs a group's transfers one after the other, in
 /// the order the control loop queued them (the driver's order). It ends
 /// when the group is dropped and its queue has drained.
-fn start_group_queue(group: u64) -> std::io::Result<GroupQueue> {
+fn start_group_queue(group: u64) -> std::io::Result<tokio::sync::mpsc::UnboundedSender<Job>> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
-    let in_hand = Arc::new(std::sync::atomic::AtomicUsize::new(1));
-    let done = in_hand.clone();
     // Timers only: no transport's group transfer does tokio I/O (`tcp`
     // moves bytes on threads of its own, NCCL on the GPU), and with an I/O
     // driver every yield of this thread's hot waits (its next transfer, a
@@ -646,16 +630,12 @@ fn start_group_queue(group: u64) -> std::io::Result<GroupQueue> {
                 // Hot (rdt_transport::hot): the next transfer of a pass
                 // often comes within the window, and waking this thread
                 // after it slept costs more than the spin.
-                let mut first = true;
                 while let Some(job) = hot(rx.recv()).await {
                     job.await;
-                    // The first job's phantom goes with it (GQ-1).
-                    let n = if std::mem::take(&mut first) { 2 } else { 1 };
-                    done.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
                 }
             })
         })?;
-    Ok(GroupQueue { tx, in_hand })
+    Ok(tx)
 }
 
 /// A collective group as an actor sees it (see [`group_memberships`]).
@@ -711,47 +691,12 @@ fn queue_in_group(
     if let Some(why) = &g.broken {
         return Err((format!("collective group {group} was aborted: {why}"), job));
     }
-    let in_hand = g.queue.in_hand.clone();
-    let idle = GROUP_INLINE.on()
-        && in_hand
-            .compare_exchange(
-                0,
-                1,
-                std::sync::atomic::Ordering::AcqRel,
-                std::sync::atomic::Ordering::Acquire,
-            )
-            .is_ok();
-    if !idle {
-        in_hand.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        return g.queue.tx.send(job).map_err(|e| {
-            in_hand.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-            (
-                format!("the queue of collective group {group} is closed"),
-                e.0,
-            )
-        });
-    }
-    // GQ-1: nothing is queued or running in the group, so this job is
-    // next in its order: it runs here, on the control loop, up to its
-    // first wait (a small NCCL transfer runs whole: its group call
-    // returns once enqueued), saving the hand-off to the group's thread
-    // on both ends of every small transfer. Jobs that come meanwhile
-    // queue behind it; one that waits is handed to the group's thread,
-    // still first in the queue.
-    let tx = g.queue.tx.clone();
-    drop(groups);
-    let mut job = job;
-    let mut cx = std::task::Context::from_waker(futures::task::noop_waker_ref());
-    if job.as_mut().poll(&mut cx).is_ready() {
-        in_hand.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        return Ok(());
-    }
-    if let Err(e) = tx.send(job) {
-        // The group was dropped meanwhile: the job meets its abort.
-        in_hand.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        tokio::spawn(e.0);
-    }
-    Ok(())
+    g.queue.send(job).map_err(|e| {
+        (
+            format!("the queue of collective group {group} is closed"),
+            e.0,
+        )
+    })
 }
 
 impl WorkerShared {
