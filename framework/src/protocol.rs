@@ -1075,9 +1075,32 @@ impl Sender {
             .soon_armed
             .swap(true, std::sync::atomic::Ordering::AcqRel)
         {
-            self.inner.soon.notify_one();
+            self.arm_soon();
         }
         Ok(())
+    }
+
+    /// Wakes the writer task to write held frames within [`SOON`]. Under
+    /// the driver's state lock ([`defer_writes`]) the wake waits for
+    /// [`flush_deferred`]: waking a task that slept costs the waking
+    /// thread a system call (1–2 µs on the GPU hosts), and the thread
+    /// under the lock is usually the reader handling a call's end, whose
+    /// getter wakes only after the unlock. A frame that comes meanwhile
+    /// takes the held ones along anyway.
+    fn arm_soon(&self) {
+        if DEFER_SOON.on()
+            && DEFERRED.with(|d| d.borrow().is_some())
+            && DEFERRED_SOON.with(|d| {
+                let mut d = d.borrow_mut();
+                if !d.iter().any(|s| Arc::ptr_eq(&s.inner, &self.inner)) {
+                    d.push(self.clone());
+                }
+                true
+            })
+        {
+            return;
+        }
+        self.inner.soon.notify_one();
     }
 
     /// Whether `other` sends on the same connection.
@@ -1166,7 +1189,15 @@ thread_local! {
     /// Senders with frames queued while this thread defers writes (see
     /// [`defer_writes`]).
     static DEFERRED: std::cell::RefCell<Option<Vec<Sender>>> = const { std::cell::RefCell::new(None) };
+    /// Senders whose writer task is to be woken for held frames once this
+    /// thread's deferred writes are done (see [`Sender::arm_soon`]).
+    static DEFERRED_SOON: std::cell::RefCell<Vec<Sender>> = const { std::cell::RefCell::new(Vec::new()) };
 }
+
+/// `RDT_DEFER_SOON=0` wakes a connection's writer for held frames at
+/// once, under the driver's lock, as before (a measurement knob).
+static DEFER_SOON: rdt_transport::switch::Switch =
+    rdt_transport::switch::Switch::new("RDT_DEFER_SOON", true);
 
 /// From now until [`flush_deferred`] on this thread, [`Sender::send`] queues
 /// its frame in order and leaves the socket write for later. The driver
@@ -1197,6 +1228,9 @@ pub fn flush_deferred() {
     };
     for s in list {
         s.flush();
+    }
+    for s in DEFERRED_SOON.with(|d| std::mem::take(&mut *d.borrow_mut())) {
+        s.inner.soon.notify_one();
     }
 }
 
@@ -2034,6 +2068,30 @@ mod tests {
                     Some(ToWorker::Free { object }) => assert_eq!(object, want),
                     other => panic!("{other:?}"),
                 }
+            }
+        })
+        .await
+        .expect("deadline");
+    }
+
+    /// A frame sent with `send_soon` while writes are deferred (the
+    /// driver's lock) wakes no writer then: the wake waits for
+    /// `flush_deferred`, and the frame still arrives on its own.
+    #[tokio::test]
+    async fn a_frame_sent_soon_under_deferred_writes_wakes_the_writer_after_the_flush() {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            let (a, b) = UnixStream::pair().unwrap();
+            let tx = spawn_writer(WriteHalf::Unix(a.into_split().1), 1 << 20);
+            let mut rx = Receiver::new(b, 1 << 20);
+            defer_writes();
+            tx.send_soon(&ToWorker::Free { object: 7 }).unwrap();
+            let parked = DEFERRED_SOON.with(|d| d.borrow().len());
+            assert_eq!(parked, 1, "the writer's wake waits for the flush");
+            flush_deferred();
+            assert_eq!(DEFERRED_SOON.with(|d| d.borrow().len()), 0);
+            match rx.recv::<ToWorker>().await.unwrap() {
+                Some(ToWorker::Free { object }) => assert_eq!(object, 7),
+                other => panic!("{other:?}"),
             }
         })
         .await
