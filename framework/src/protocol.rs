@@ -1214,9 +1214,13 @@ pub fn defer_writes() {
 }
 
 /// Whether frames queued since [`defer_writes`] on this thread wait for
-/// [`flush_deferred`].
-pub fn deferred_pending() -> bool {
-    DEFERRED.with(|d| d.borrow().as_ref().is_some_and(|l| !l.is_empty()))
+/// [`flush_deferred`] on a connection other than `conn`'s.
+pub fn deferred_besides(conn: &Sender) -> bool {
+    DEFERRED.with(|d| {
+        d.borrow()
+            .as_ref()
+            .is_some_and(|l| l.iter().any(|s| !Arc::ptr_eq(&s.inner, &conn.inner)))
+    })
 }
 
 /// Ends [`defer_writes`] and writes what was queued meanwhile (without
