@@ -218,6 +218,7 @@ impl RuntimeBuilder {
             volunteer_joined: tokio::sync::Notify::new(),
             settled: tokio::sync::Notify::new(),
             deadline_wake: Arc::new(tokio::sync::Notify::new()),
+            orders_first: AtomicU64::new(0),
         });
         tokio::spawn(deadline_keeper(
             Arc::downgrade(&inner),
@@ -285,6 +286,9 @@ pub(crate) struct Inner {
     settled: tokio::sync::Notify,
     /// Wakes the deadline keeper (DL-1).
     deadline_wake: Arc<tokio::sync::Notify>,
+    /// Calls whose transfer orders were written before them
+    /// (`ORDERS_FIRST`; for tests and benchmarks).
+    orders_first: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -1213,6 +1217,14 @@ impl Runtime {
             .fold((0, 0), |(a, b), (x, y)| (a + x, b + y))
     }
 
+    /// How many calls of the driver's had the orders of the transfers they
+    /// need written before them: two-sided transfers (a delivery to the
+    /// callee and a send order to the producer) start while the call
+    /// itself is still being encoded. For tests and benchmarks.
+    pub fn calls_with_orders_first(&self) -> u64 {
+        self.inner.orders_first.load(Ordering::Relaxed)
+    }
+
     /// Number of objects the owner table holds (for tests and leak checks).
     pub fn live_objects(&self) -> usize {
         self.inner.lock().table.len()
@@ -1612,6 +1624,7 @@ impl Inner {
                     .is_some_and(protocol::deferred_besides)
         });
         if orders_to_others {
+            self.orders_first.fetch_add(1, Ordering::Relaxed);
             // The transfers this call needs were ordered on both ends (a
             // delivery to the callee, a send order to a producer: a
             // two-sided transport): their frames are written now, before

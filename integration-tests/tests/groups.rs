@@ -263,6 +263,46 @@ async fn shm_consumer_writes_are_seen_by_the_producer() {
     .await;
 }
 
+/// A call that needs a two-sided transfer (`tcp` in a group: a delivery to
+/// the callee, a send order to the producer) has those orders written
+/// before it; one that needs a one-sided transfer (`shm`: the callee's
+/// delivery alone) sends it with the call. The values are right either
+/// way, pass after pass.
+#[tokio::test]
+async fn a_two_sided_transfers_orders_go_out_before_its_call() {
+    deadline(60, async {
+        let (rt, p, c, _) = three().await;
+        rt.create_collective_group(&[p.id(), c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        let r = p.make_tcp(1.5, 8).remote();
+        rt.wait(&r).await.unwrap();
+        let before = rt.calls_with_orders_first();
+        for _ in 0..5 {
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 12.0);
+        }
+        assert_eq!(rt.calls_with_orders_first() - before, 5);
+        let s = p.make_shm(2.0, 8).remote();
+        rt.wait(&s).await.unwrap();
+        let before = rt.calls_with_orders_first();
+        for _ in 0..3 {
+            assert_eq!(rt.get(c.sum(&s).remote()).await.unwrap(), 16.0);
+        }
+        assert_eq!(
+            rt.calls_with_orders_first(),
+            before,
+            "one-sided: with the call"
+        );
+        // A call with no transfer behind it has no orders at all.
+        rt.get(c.seen().remote()).await.unwrap();
+        assert_eq!(rt.calls_with_orders_first(), before);
+        // And the two-sided one still does.
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 12.0);
+        assert_eq!(rt.calls_with_orders_first() - before, 1);
+    })
+    .await;
+}
+
 /// XF-2: a group reaches its members: each joined, with its rank, before
 /// `create_collective_group` returned, and left before
 /// `destroy_collective_group` returned.
