@@ -404,11 +404,20 @@ async fn raw_side(
         let mut us = Vec::new();
         for i in 0..iters + 3 {
             let t0 = Instant::now();
+            // With RDT_TIMELINE: each side's group call and wait, to set
+            // beside an rdt pass's (`--timeline`, `--small-passes`).
+            let side = |what: [&'static str; 2]| what[rank.min(1)];
+            rdt::data::cuda::timeline(side(["raw send start", "raw recv start"]), i as u64);
             comm.group(&ops).await.map_err(cuda_err)?;
+            rdt::data::cuda::timeline(
+                side(["raw send group call", "raw recv group call"]),
+                i as u64,
+            );
             let done = comm.record_done().map_err(cuda_err)?;
             comm.wait_done(&done, Duration::from_secs(30))
                 .await
                 .map_err(cuda_err)?;
+            rdt::data::cuda::timeline(side(["raw send done", "raw recv done"]), i as u64);
             let t = us_since(t0);
             if first_us.is_nan() {
                 first_us = t;
@@ -422,6 +431,7 @@ async fn raw_side(
     comm.destroy(Duration::from_secs(30))
         .await
         .map_err(cuda_err)?;
+    rdt::data::cuda::timeline_flush();
     Ok((out, init_us, first_us))
 }
 
