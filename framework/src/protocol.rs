@@ -1086,21 +1086,14 @@ impl Sender {
     /// thread a system call (1–2 µs on the GPU hosts), and the thread
     /// under the lock is usually the reader handling a call's end, whose
     /// getter wakes only after the unlock. A frame that comes meanwhile
-    /// takes the held ones along anyway.
+    /// takes the held ones along anyway. Called once per arming
+    /// (`soon_armed`), so a connection is listed once.
     fn arm_soon(&self) {
-        if DEFER_SOON.on()
-            && DEFERRED.with(|d| d.borrow().is_some())
-            && DEFERRED_SOON.with(|d| {
-                let mut d = d.borrow_mut();
-                if !d.iter().any(|s| Arc::ptr_eq(&s.inner, &self.inner)) {
-                    d.push(self.clone());
-                }
-                true
-            })
-        {
-            return;
+        if DEFER_SOON.on() && DEFERRED.with(|d| d.borrow().is_some()) {
+            DEFERRED_SOON.with(|d| d.borrow_mut().push(self.clone()));
+        } else {
+            self.inner.soon.notify_one();
         }
-        self.inner.soon.notify_one();
     }
 
     /// Whether `other` sends on the same connection.
@@ -1994,12 +1987,20 @@ mod tests {
         assert!(actor_id_space(0xFF_FFFF) > actor_id_space(0xFF_FFFE));
     }
 
+    /// A sender and the receiver at the other end of a Unix socket pair,
+    /// both with the frame limit `max`.
+    fn connected(max: usize) -> (Sender, Receiver<UnixStream>) {
+        let (a, b) = UnixStream::pair().unwrap();
+        (
+            spawn_writer(WriteHalf::Unix(a.into_split().1), max),
+            Receiver::new(b, max),
+        )
+    }
+
     #[tokio::test]
     async fn frames_round_trip_and_oversize_frames_are_refused() {
         tokio::time::timeout(Duration::from_secs(10), async {
-            let (a, b) = UnixStream::pair().unwrap();
-            let tx = spawn_writer(WriteHalf::Unix(a.into_split().1), 16 << 20);
-            let mut rx = Receiver::new(b, 16 << 20);
+            let (tx, mut rx) = connected(16 << 20);
             tx.send(&ToDriver::Pong).unwrap();
             assert!(matches!(
                 rx.recv::<ToDriver>().await.unwrap(),
@@ -2046,9 +2047,7 @@ mod tests {
     #[tokio::test]
     async fn a_frame_sent_soon_goes_with_the_next_frame_or_on_its_own_soon() {
         tokio::time::timeout(Duration::from_secs(10), async {
-            let (a, b) = UnixStream::pair().unwrap();
-            let tx = spawn_writer(WriteHalf::Unix(a.into_split().1), 1 << 20);
-            let mut rx = Receiver::new(b, 1 << 20);
+            let (tx, mut rx) = connected(1 << 20);
             tx.send_soon(&ToWorker::Free { object: 1 }).unwrap();
             {
                 let q = tx.inner.queue.lock();
@@ -2084,9 +2083,7 @@ mod tests {
     #[tokio::test]
     async fn a_frame_sent_soon_under_deferred_writes_wakes_the_writer_after_the_flush() {
         tokio::time::timeout(Duration::from_secs(10), async {
-            let (a, b) = UnixStream::pair().unwrap();
-            let tx = spawn_writer(WriteHalf::Unix(a.into_split().1), 1 << 20);
-            let mut rx = Receiver::new(b, 1 << 20);
+            let (tx, mut rx) = connected(1 << 20);
             defer_writes();
             tx.send_soon(&ToWorker::Free { object: 7 }).unwrap();
             let parked = DEFERRED_SOON.with(|d| d.borrow().len());
