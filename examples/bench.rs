@@ -37,8 +37,10 @@
 //!   a hand-off look like a copy. Both cases read one byte in every
 //!   4 KiB (the first of each small tensor, every 4 KiB of the big one),
 //!   so both fault in the same pages of a fresh mapping.
-//! - `timeline`: no rows; a few tiny calls and cached `cuda_ipc` hand-offs
-//!   with `RDT_TIMELINE` on everywhere (where each one's time goes).
+//! - `timeline`: no rows; a few tiny calls, 4 KiB passes of a kept tensor
+//!   over `tcp` in a group (two-sided, as `nccl`), and cached `cuda_ipc`
+//!   hand-offs with `RDT_TIMELINE` on everywhere (where each one's time
+//!   goes).
 //! - `soak`: the long form of the soak test: `--passes N` (default
 //!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
 //!   the per-pass latency and checks at the end that the owner table is
@@ -1027,6 +1029,30 @@ async fn timeline() -> rdt::Result<()> {
         rt.get(src.ping(i).remote()).await?;
         rdt::data::cuda::timeline("driver tiny call end", i);
     }
+    // A kept 4 KiB tensor passed over `tcp` in a group (two-sided, as
+    // `nccl`: a delivery and a send order per pass, settled by the call's
+    // `CallDone`, the copy freed after), each pass after a tiny call, as
+    // `bench_nccl --timeline` times them ("driver pass start" 0 and 4096).
+    rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp)
+        .await?;
+    let r = src.tensor(4096).transport(Transport::Tcp).remote();
+    rt.wait(&r).await?;
+    for i in 0..220u64 {
+        let timed = i >= 200;
+        if timed {
+            rdt::data::cuda::timeline("driver pass start", 0);
+        }
+        rt.get(src.ping(i).remote()).await?;
+        if timed {
+            rdt::data::cuda::timeline("driver pass end", 0);
+            rdt::data::cuda::timeline("driver pass start", 4096);
+        }
+        rt.get(sink.touch(&r).remote()).await?;
+        if timed {
+            rdt::data::cuda::timeline("driver pass end", 4096);
+        }
+    }
+    drop(r);
     if gpu {
         for i in 0..208 {
             let timed = i >= 200;

@@ -63,6 +63,15 @@
 //!   producer's death does not abort such a transfer once its value is
 //!   in the driver whole. The object store's promise, that a value
 //!   outlives its producer, holds on the straight path too.
+//! - **OW-12 (the consumer drops its own copy):** a call submitted while
+//!   it was its actor's only need of a ref argument (and that actor is
+//!   not the producer) names that argument in its `release` list; when
+//!   the call ends past argument resolution and no other call the
+//!   consumer holds takes the argument, the consumer takes its copy out
+//!   of its store before writing the `CallDone`, which names it
+//!   (`released`). The driver then forgets that copy without a `Free`
+//!   (OW-2 without a frame on the next pass's path), and delivers again
+//!   to a consumer that a call submitted meanwhile made need it.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
 //!   go out (a delivery that waited for a pending object too): no transfer
@@ -316,6 +325,10 @@ pub(crate) struct OwnerTable {
     /// the driver's lock is released (`StateGuard`'s drop): woken under
     /// the lock, a getter found it held and waited for it.
     woken: Vec<oneshot::Sender<()>>,
+    /// Copies consumers dropped themselves (OW-12), and those of them a
+    /// call submitted meanwhile needed, delivered again: for tests.
+    pub released_by_callees: u64,
+    pub delivered_again: u64,
 }
 
 impl OwnerTable {
@@ -455,6 +468,15 @@ impl OwnerTable {
         }
     }
 
+    /// OW-12: may `consumer` drop its copy of `id` itself when the call
+    /// just submitted ends? Yes if that call is its only need of the
+    /// object and it did not produce it.
+    pub fn releasable(&self, id: u64, consumer: ActorId) -> bool {
+        self.objects
+            .get(&id)
+            .is_some_and(|e| e.producer != Some(consumer) && e.needs.get(&consumer) == Some(&1))
+    }
+
     /// OW-9: asks the producer of pending object `id` to deliver it to
     /// `consumer` itself, if both are workers on this host that take
     /// such deliveries and the object's transport is one-sided. Returns
@@ -584,7 +606,8 @@ impl OwnerTable {
     }
 
     /// A call finished: record its result and release its arguments.
-    /// `delivered`: the transfers its producer carried out itself (OW-9).
+    /// `delivered`: the transfers its producer carried out itself (OW-9);
+    /// `released`: the argument copies its consumer dropped itself (OW-12).
     #[allow(clippy::too_many_arguments)]
     pub fn call_done(
         &mut self,
@@ -593,6 +616,7 @@ impl OwnerTable {
         consumer: ActorId,
         args: &[u64],
         delivered: &[u64],
+        released: &[u64],
         actors: &Actors,
         groups: &dyn GroupLookup,
     ) {
@@ -644,6 +668,7 @@ impl OwnerTable {
                 }
             }
         }
+        rdt_transport::cuda::timeline("driver call result stored", result);
         // XF-5: a call that got past argument resolution received every
         // argument; its receives are settled now, without waiting for their
         // acknowledgements (which follow on the same connection). The
@@ -662,7 +687,50 @@ impl OwnerTable {
                 }
             }
         }
+        rdt_transport::cuda::timeline("driver call receives settled", result);
+        // OW-12: those copies are gone from the consumer's store already.
+        let released: Vec<u64> = if resolved {
+            released
+                .iter()
+                .copied()
+                .filter(|a| args.contains(a))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for &a in &released {
+            let copy = self
+                .objects
+                .get_mut(&a)
+                .and_then(|e| e.copies.remove(&consumer));
+            if let Some(Copy::Receiving(xfer)) = copy {
+                // Received (the call ran with it): settled with it.
+                self.end_transfer(xfer);
+            }
+            self.released_by_callees += u64::from(copy.is_some());
+        }
         self.unneed(args, consumer, actors);
+        rdt_transport::cuda::timeline("driver call arguments released", result);
+        // A call submitted since still needs a released copy: it goes again.
+        for &a in &released {
+            let again = self.objects.get(&a).is_some_and(|e| {
+                e.needs.contains_key(&consumer) && !e.copies.contains_key(&consumer)
+            });
+            if !again {
+                continue;
+            }
+            self.delivered_again += 1;
+            let e = self.objects.get_mut(&a).expect("looked up above");
+            if matches!(e.state, ObjState::Pending) {
+                // Received straight from its producer, whose reply has
+                // not come: delivered with the waiting ones (OW-4).
+                if !e.waiting.contains(&consumer) {
+                    e.waiting.push(consumer);
+                }
+            } else {
+                self.deliver(a, consumer, actors, groups);
+            }
+        }
         self.maybe_free(result, actors);
     }
 

@@ -376,6 +376,20 @@ pub struct CallMsg {
     pub result: u64,
     /// Transport for the result's tensors.
     pub transport: Transport,
+    /// Ref arguments whose copy the callee drops itself when this call
+    /// ends, unless another call it holds takes them too (OW-12): the
+    /// driver's last need of them from this actor, when it was submitted.
+    pub release: Vec<u64>,
+}
+
+impl CallMsg {
+    /// The objects its ref arguments name, in order.
+    pub fn ref_args(&self) -> impl Iterator<Item = u64> + '_ {
+        self.args.iter().filter_map(|a| match a {
+            WireArg::Ref(r) => Some(*r),
+            WireArg::Value(_) => None,
+        })
+    }
 }
 
 /// How a consumer obtains an object's tensors.
@@ -615,6 +629,10 @@ pub enum ToDriver {
         /// (the value went to those consumers straight); the driver
         /// delivers to the others itself.
         delivered: Vec<u64>,
+        /// The copies of this call's `release` arguments the worker took
+        /// out of its store before this frame (OW-12): the driver forgets
+        /// them without a `Free`.
+        released: Vec<u64>,
     },
     /// The consumer's receive of a delivery finished: the object is in its
     /// store (`Ok`), or the receive failed. Every delivery of a direct

@@ -347,6 +347,11 @@ impl Drop for StateGuard<'_> {
 pub(crate) static WAKE_AFTER_UNLOCK: rdt_transport::switch::Switch =
     rdt_transport::switch::Switch::new("RDT_WAKE_AFTER_UNLOCK", true);
 
+/// `RDT_CONSUMER_RELEASE=0` has the driver free every argument copy with
+/// a `Free` again, as before OW-12 (a measurement knob).
+pub(crate) static CONSUMER_RELEASE: rdt_transport::switch::Switch =
+    rdt_transport::switch::Switch::new("RDT_CONSUMER_RELEASE", true);
+
 /// `RDT_ORDERS_FIRST=0` writes a driver call's transfer orders together
 /// with the call, once it is queued, as before (a measurement knob).
 pub(crate) static ORDERS_FIRST: rdt_transport::switch::Switch =
@@ -1225,6 +1230,15 @@ impl Runtime {
         self.inner.orders_first.load(Ordering::Relaxed)
     }
 
+    /// How many argument copies callees dropped themselves when their
+    /// call ended (OW-12: no `Free` from the driver), and how many of
+    /// those a call submitted meanwhile needed, so that they were
+    /// delivered again. For tests and benchmarks.
+    pub fn copies_released_by_callees(&self) -> (u64, u64) {
+        let st = self.inner.lock();
+        (st.table.released_by_callees, st.table.delivered_again)
+    }
+
     /// Number of objects the owner table holds (for tests and leak checks).
     pub fn live_objects(&self) -> usize {
         self.inner.lock().table.len()
@@ -1703,6 +1717,17 @@ impl Inner {
             };
             st.table.need(a, actor, &st.actors, &groups);
         }
+        // OW-12: the callee drops these copies itself when the call ends
+        // (no `Free` on the next call's path).
+        let release: Vec<u64> = if CONSUMER_RELEASE.on() {
+            arg_ids
+                .iter()
+                .copied()
+                .filter(|&a| st.table.releasable(a, actor))
+                .collect()
+        } else {
+            Vec::new()
+        };
         st.calls.insert(
             call,
             PendingCall {
@@ -1722,6 +1747,7 @@ impl Inner {
                 args: wire_args,
                 result: id,
                 transport,
+                release,
             }),
         })
     }
@@ -1738,7 +1764,7 @@ impl Inner {
             if let Err(e) = conn.send(&msg) {
                 // Too large to send: the call fails, nothing waits.
                 let pc = st.calls.remove(&call).expect("staged above");
-                end_call(st, pc, Err(e), &[]);
+                end_call(st, pc, Err(e), &[], &[]);
             }
         }
         self.sync_transfers(st);
@@ -1992,12 +2018,14 @@ impl Inner {
                 call,
                 result,
                 delivered,
+                released,
             } => {
                 let Some(pc) = st.calls.remove(&call) else {
                     tracing::warn!("actor {actor} finished unknown call {call}; ignored");
                     return;
                 };
-                end_call(st, pc, result, &delivered);
+                end_call(st, pc, result, &delivered, &released);
+                rdt_transport::cuda::timeline("driver call ended", call);
                 self.sync_transfers(st);
             }
             ToDriver::Received {
@@ -2203,7 +2231,7 @@ impl Inner {
         let failed = st.calls.of(actor);
         for c in failed {
             let pc = st.calls.remove(&c).expect("listed above");
-            end_call(st, pc, Err(err.clone()), &[]);
+            end_call(st, pc, Err(err.clone()), &[], &[]);
         }
         // CL-4: what it borrowed and was getting, it holds no more.
         let gets: Vec<(u64, usize)> = st
@@ -2277,14 +2305,21 @@ fn settled(st: &State, id: u64) -> Option<Result<()>> {
 /// A call ended (its reply, its callee's death, or a send that failed):
 /// its result is recorded, its arguments and the refs in them released.
 /// `delivered`: the transfers its producer carried out itself
-/// (`DeliverTo`, PD-1).
-fn end_call(st: &mut State, pc: PendingCall, outcome: Result<WireValue>, delivered: &[u64]) {
+/// (`DeliverTo`, PD-1); `released`: the argument copies its callee dropped
+/// itself (OW-12).
+fn end_call(
+    st: &mut State,
+    pc: PendingCall,
+    outcome: Result<WireValue>,
+    delivered: &[u64],
+    released: &[u64],
+) {
     let groups = GroupView {
         groups: &st.groups,
         actors: &st.actors,
     };
     st.table.call_done(
-        pc.result, outcome, pc.actor, &pc.args, delivered, &st.actors, &groups,
+        pc.result, outcome, pc.actor, &pc.args, delivered, released, &st.actors, &groups,
     );
     st.table.unhold(&pc.nested, &st.actors);
 }

@@ -283,6 +283,54 @@ async fn ow_2_consumers_drop_copies_they_no_longer_need() {
     .await;
 }
 
+/// OW-12, WK-13: a consumer drops the copy its call was the last to need
+/// by itself when the call ends (the driver sends no `Free`), pass after
+/// pass; and a call submitted before the driver heard of that drop, which
+/// reaches the consumer after it, gets the object delivered again instead
+/// of waiting for a copy that is gone.
+#[tokio::test]
+async fn ow_12_a_consumer_drops_its_own_copy_and_a_later_call_gets_it_again() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let w = p.make(2.0, 4096).transport(Transport::Shm).remote();
+        for pass in 1..=5u64 {
+            assert_eq!(rt.get(c.sum(&w).remote()).await.unwrap(), 8192.0);
+            rt.transfers_settled().await;
+            assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "pass {pass}");
+            assert_eq!(rt.copies_released_by_callees(), (pass, 0), "pass {pass}");
+        }
+        // The second call is submitted by the consumer itself, during the
+        // first (which releases its copy unless the second's frame reached
+        // it first: a race, so up to 20 tries): the driver sees it before
+        // the first's `CallDone` and thinks the copy still held.
+        let mut tries = 0;
+        while rt.copies_released_by_callees().1 == 0 && tries < 20 {
+            tries += 1;
+            let again = rt
+                .get(c.sum_again_later(&w, c.clone(), w.clone()).remote())
+                .await
+                .unwrap();
+            assert_eq!(rt.get(&again).await.unwrap(), 8192.0, "try {tries}");
+            rt.transfers_settled().await;
+            assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0, "try {tries}");
+        }
+        assert_eq!(
+            rt.copies_released_by_callees().1,
+            1,
+            "in {tries} tries, no second call came after its first released the copy"
+        );
+        drop(w);
+        rt.transfers_settled().await;
+        assert_eq!(rt.live_objects(), 0);
+        assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0);
+        assert_eq!(rt.get(p.stored().remote()).await.unwrap(), 0);
+    })
+    .await;
+}
+
 /// Defect 6 / WK-1: a worker behaves like a normal Rust process: SIGPIPE
 /// is ignored (a write to a closed socket is an `EPIPE` error, not death),
 /// and a stack overflow is reported as one (SIGABRT after std's message),

@@ -98,12 +98,18 @@ fn invoke<A: RdtActor>(shared: &WorkerShared, addr: &Addr<Host<A>>, call: CallMs
         if straight {
             shared.peer.close_call(result);
         }
+        let why = e.to_string();
+        // WK-13: it ends here, having taken nothing.
+        let Invoke(call) = e.into_inner();
+        let refs: Vec<u64> = call.ref_args().collect();
+        let _ = shared.uses_end(&refs, &[]);
         let _ = shared.tx.send(&ToDriver::CallDone {
             call: id,
             result: Err(Error::Protocol(format!(
-                "actor mailbox refused the call: {e}"
+                "actor mailbox refused the call: {why}"
             ))),
             delivered: Vec::new(),
+            released: Vec::new(),
         });
     }
 }

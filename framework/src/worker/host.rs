@@ -92,6 +92,10 @@ struct Header {
     method: u32,
     result: u64,
     transport: Transport,
+    /// Its ref arguments, counted in `arg_uses` (WK-13).
+    refs: Vec<u64>,
+    /// The copies it may drop when it ends (WK-13, OW-12).
+    release: Vec<u64>,
 }
 
 /// A call's arguments, ready for the method.
@@ -212,6 +216,8 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
             method: msg.method,
             result: msg.result,
             transport: msg.transport,
+            refs: msg.ref_args().collect(),
+            release: msg.release,
         };
         // Fast path: every argument is here (inline, or in the store).
         let mut resolving = resolve(self.shared.clone(), msg.args).boxed_local();
@@ -284,17 +290,29 @@ async fn run_and_reply<A: RdtActor>(
 ) {
     let call = q.msg.call;
     let result_id = q.msg.result;
+    let mut q = q;
+    let refs = std::mem::take(&mut q.msg.refs);
+    let release = std::mem::take(&mut q.msg.release);
     let t0 = std::time::Instant::now();
     // Invariant 6 of the worker: the frees before this call took effect.
     shared.drops.settled().await;
     rdt_transport::cuda::timeline("call start", call);
     // CL-2: the refs in the return value, released after the reply.
     let held = Rc::new(RefCell::new(Vec::new()));
-    let result = match q.args.expect("only calls with their arguments start") {
-        Ok(args) => run_call::<A>(&actor, &shared, q.msg, q.info, args, exclusive, &held).await,
-        Err(e) => Err(e),
+    let (result, resolved) = match q.args.expect("only calls with their arguments start") {
+        Ok(args) => {
+            let r = run_call::<A>(&actor, &shared, q.msg, q.info, args, exclusive, &held).await;
+            let resolved = !matches!(r, Err(Error::Dependency { .. }));
+            (r, resolved)
+        }
+        Err(e) => (Err(e), false),
     };
     rdt_transport::cuda::timeline("call done", call);
+    // WK-13: out of the store before the `CallDone` that names them (a
+    // delivery the driver sends again after reading it must find the
+    // slot free); dropped after it.
+    let released = shared.uses_end(&refs, if resolved { &release } else { &[] });
+    let released_ids: Vec<u64> = released.iter().map(|(id, _)| *id).collect();
     // HO-6: it ran (a call of this actor to itself, or any other).
     shared.self_calls.lock().remove(&result_id);
     let sent = std::time::Instant::now();
@@ -311,15 +329,18 @@ async fn run_and_reply<A: RdtActor>(
         call,
         result,
         delivered: delivered.clone(),
+        released: released_ids.clone(),
     }) {
         // Too large for a frame: the call fails instead.
         let _ = shared.tx.send(&ToDriver::CallDone {
             call,
             result: Err(e),
             delivered,
+            released: released_ids,
         });
     }
     drop(held);
+    shared.drop_released(released);
     rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
     // Keep this thread awake for the hot window, or until the next call
     // arrives: a call that finds it asleep pays the wake-up, and one that

@@ -43,6 +43,17 @@
 //!    arguments), so no `Received` goes out, unless the call fails on the
 //!    landing itself (`Dependency`): then it sends each `Received` it
 //!    took on, with how that landing ended, before its `CallDone`.
+//! 10. **WK-13** The consumer drops its own argument copies (OW-12). The
+//!     control loop counts, per object, the calls it received that take it
+//!     as a ref and have not ended (`arg_uses`), before it hands a call on.
+//!     A call that ended past its arguments takes each of its `release`
+//!     objects that no other counted call takes out of the store (a
+//!     received copy only, never a value produced here) before it writes
+//!     its `CallDone`, which names them; it drops them after the write
+//!     (large ones on the blocking pool, counted for WK-6), off the path
+//!     of the reply and of the next call's frames. A call counted late (its
+//!     frame read after the drop) finds no copy and waits for the delivery
+//!     the driver then sends again.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -354,6 +365,20 @@ impl Store {
         self.map.lock().get(&id).cloned()
     }
 
+    /// Takes `id` out if it is a value received here (WK-13).
+    fn take_received(&self, id: u64) -> Option<StoredValue> {
+        let mut m = self.map.lock();
+        if !matches!(m.get(&id), Some(Slot::Ready(v)) if !v.produced) {
+            return None;
+        }
+        let Some(Slot::Ready(v)) = m.remove(&id) else {
+            unreachable!("looked up above")
+        };
+        drop(m);
+        self.changed.notify_waiters();
+        Some(v)
+    }
+
     /// Waits until `ready` returns a value, checking again after every
     /// change of the store (registered before the check: no lost wake-up).
     async fn wait_until<T>(&self, ready: impl Fn(&Store) -> Option<T>) -> T {
@@ -523,6 +548,9 @@ pub(crate) struct WorkerShared {
     control: tokio::runtime::Handle,
     /// Deliveries straight from producers to consumers (OW-9).
     peer: peer::PeerDelivery,
+    /// Calls received and not ended, per object they take as a ref
+    /// (WK-13).
+    arg_uses: Mutex<HashMap<u64, u32>>,
 }
 
 /// A collective group this worker is in: its backend, its members, and its
@@ -798,6 +826,50 @@ impl WorkerShared {
                     "received anywhere, then copied into the targets: {why}"
                 );
                 Target::Any
+            }
+        }
+    }
+
+    /// WK-13: a call that takes `refs` was received (counted before it is
+    /// handed on).
+    fn uses_begin(&self, refs: impl Iterator<Item = u64>) {
+        let mut uses = self.arg_uses.lock();
+        for r in refs {
+            *uses.entry(r).or_default() += 1;
+        }
+    }
+
+    /// WK-13: a call that took `refs` ended; the copies of `release` that
+    /// no other call takes now come out of the store, to be dropped after
+    /// the call's `CallDone` ([`drop_released`](Self::drop_released)).
+    fn uses_end(&self, refs: &[u64], release: &[u64]) -> Vec<(u64, StoredValue)> {
+        let mut uses = self.arg_uses.lock();
+        for r in refs {
+            if let std::collections::hash_map::Entry::Occupied(mut e) = uses.entry(*r) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for &r in release {
+            if uses.contains_key(&r) || out.iter().any(|(id, _)| *id == r) {
+                continue;
+            }
+            if let Some(v) = self.store.take_received(r) {
+                out.push((r, v));
+            }
+        }
+        out
+    }
+
+    /// Drops values a call released (WK-13), as a `Free` would: large ones
+    /// on the blocking pool, counted for WK-6.
+    fn drop_released(&self, released: Vec<(u64, StoredValue)>) {
+        for (_, v) in released {
+            if v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES {
+                self.drops.drop_aside(v);
             }
         }
     }
@@ -1160,6 +1232,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             ack_wait: ack_wait(Duration::from_millis(order.transfer_timeout_ms)),
             control: handle.clone(),
             readers: Mutex::new(HashMap::new()),
+            arg_uses: Mutex::new(HashMap::new()),
             peer: peer::PeerDelivery::new(
                 hostname(),
                 &endpoints,
@@ -1319,6 +1392,9 @@ async fn control_loop<A: RdtActor>(
                 // here); a full or closed mailbox fails the call at once.
                 let result = call.result;
                 rdt_transport::cuda::timeline("call received", call.call);
+                // WK-13: counted before the hand-off, so that a call
+                // ending meanwhile keeps the copies this one takes.
+                shared.uses_begin(call.ref_args());
                 // PD-1: orders to deliver its value straight are taken
                 // from now until it finishes.
                 let straight = call.transport.sidedness() != Sidedness::TwoSided;
