@@ -160,6 +160,11 @@ pub fn median(v: &mut [f64]) -> f64 {
 /// in turns first; the knobs are set in this process and, by `set`, in
 /// the workers before each pass. Prints the medians on one line, with
 /// each arm's excess over `raw` + the tiny call.
+///
+/// With `--ab-block K` (K > 1), each of those is K back to back, the
+/// first untimed, as the full benchmark times them: what one pass leaves
+/// behind (a copy to free, an acknowledgement to settle) then lands on
+/// the next pass of the same arm, not on the switch calls between arms.
 #[allow(clippy::too_many_arguments)]
 pub async fn ab_rounds<P, PF, S, SF, T, TF>(
     what: &str,
@@ -179,11 +184,22 @@ where
     T: FnMut() -> TF,
     TF: std::future::Future<Output = rdt::Result<()>>,
 {
+    let block: usize = arg_value("--ab-block")
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(1)
+        .max(1);
+    // In blocks, the first of each block is not timed.
+    let timed = |k: usize| block == 1 || k > 0;
     let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..n + warm {
-        let t0 = std::time::Instant::now();
-        ping(i as u64).await?;
-        let call = us_since(t0);
+        let mut calls = Vec::new();
+        for k in 0..block {
+            let t0 = std::time::Instant::now();
+            ping((i * block + k) as u64).await?;
+            if timed(k) {
+                calls.push(us_since(t0));
+            }
+        }
         let arms = if i % 2 == 0 {
             [true, false]
         } else {
@@ -194,24 +210,31 @@ where
                 rdt::data::switch::set(knob, arm);
             }
             set(arm).await?;
-            let t0 = std::time::Instant::now();
-            pass().await?;
-            let took = us_since(t0);
-            if i >= warm {
-                if arm {
-                    on.push(took)
-                } else {
-                    off.push(took)
+            for k in 0..block {
+                let t0 = std::time::Instant::now();
+                pass().await?;
+                let took = us_since(t0);
+                if i >= warm && timed(k) {
+                    if arm {
+                        on.push(took)
+                    } else {
+                        off.push(took)
+                    }
                 }
             }
         }
         if i >= warm {
-            tiny.push(call);
+            tiny.extend(calls);
         }
     }
     let (tiny, on, off) = (median(&mut tiny), median(&mut on), median(&mut off));
+    let blocks = if block > 1 {
+        format!(" in blocks of {block}")
+    } else {
+        String::new()
+    };
     println!(
-        "ab {what} {}: {n} rounds; tiny call {tiny:.1} us, raw {raw:.1} us; on {on:.1} us ({:.1} over raw + call), off {off:.1} us ({:.1} over)",
+        "ab {what} {}: {n} rounds{blocks}; tiny call {tiny:.1} us, raw {raw:.1} us; on {on:.1} us ({:.1} over raw + call), off {off:.1} us ({:.1} over)",
         knobs.join(","),
         on - raw - tiny,
         off - raw - tiny

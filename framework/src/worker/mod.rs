@@ -1556,7 +1556,7 @@ fn on_deliver(
     object: u64,
     value: std::result::Result<Delivery, Error>,
 ) -> Option<Job> {
-    let d = match value {
+    let mut d = match value {
         Err(e) => {
             shared.store.insert(object, Slot::Failed(e));
             return None;
@@ -1592,7 +1592,7 @@ fn on_deliver(
     let abort = shared.register_transfer(xfer);
     shared.receiving.lock().insert(object, false);
     let worker = shared.clone();
-    let from = d.from.clone().unwrap_or_else(|| Peer {
+    let from = d.from.take().unwrap_or_else(|| Peer {
         actor: 0,
         name: "driver".into(),
         host: String::new(),
