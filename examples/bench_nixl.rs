@@ -962,9 +962,24 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
         let r = p.tensor(bytes).transport(Transport::Nixl).remote();
         rt.wait(&r).await?;
         rt.get(c.touch(&r).remote()).await?;
-        let (rt, p, c, knobs) = (&rt, &p, &c, &knobs);
+        // `--ab-many`: the passes are of 10 000 tensors of 4 KiB (the
+        // weights-sync case; "over" is then meaningless).
+        let many = std::env::args().any(|a| a == "--ab-many");
+        if many {
+            rt.get(p.prepare_many(10_000, 4 << 10).remote()).await?;
+        }
+        let m = p.many().transport(Transport::Nixl).remote();
+        rt.wait(&m).await?;
+        if many {
+            rt.get(c.touch_all(&m).remote()).await?;
+        }
+        let (rt, p, c, knobs, r, m) = (&rt, &p, &c, &knobs, &r, &m);
         rdt_examples::ab_rounds(
-            "nixl 4 KiB device",
+            if many {
+                "nixl 10 000 x 4 KiB device"
+            } else {
+                "nixl 4 KiB device"
+            },
             knobs,
             raw,
             n,
@@ -975,7 +990,13 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
                 rt.get(c.set_switch(knobs.clone(), arm).remote()).await?;
                 Ok(())
             },
-            || async { rt.get(c.touch(&r).remote()).await.map(drop) },
+            || async move {
+                if many {
+                    rt.get(c.touch_all(m).remote()).await.map(drop)
+                } else {
+                    rt.get(c.touch(r).remote()).await.map(drop)
+                }
+            },
         )
         .await?;
         return Ok(());
