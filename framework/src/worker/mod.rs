@@ -186,20 +186,23 @@ fn boot_if_worker() {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    // Two worker threads unless `RDT_CONTROL_THREADS` says otherwise (a
-    // measurement knob: on one 2xH200 host one worker made a 4 KiB `nixl`
-    // pass 11 us faster, alternating in one run; on another the 10 000-tensor
-    // pass was slower with one: see the benchmark page of 2026-11-27,
-    // session 31).
+    // One worker thread unless `RDT_CONTROL_THREADS` says otherwise (a
+    // measurement knob). With two, the idle one slept in `epoll_wait`
+    // holding the I/O driver: every frame written to this worker woke it,
+    // and the spinning control loop could not poll the driver itself. One
+    // was faster in four process pairs of four on 2xH200 (session 38:
+    // 1.4-5.0 us off a 4 KiB `nccl` pass, 2.0-5.4 off a `nixl` one, 2.6-21
+    // off 10 000 tensors), as it was for `nixl` in session 31 (see the
+    // benchmark page of 2026-11-27).
     let threads = match std::env::var("RDT_CONTROL_THREADS") {
-        Err(_) => 2,
+        Err(_) => 1,
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if n > 0 => n,
             _ => {
                 tracing::warn!(
-                    "RDT_CONTROL_THREADS={v:?} is not a positive number of threads; using 2"
+                    "RDT_CONTROL_THREADS={v:?} is not a positive number of threads; using 1"
                 );
-                2
+                1
             }
         },
     };
