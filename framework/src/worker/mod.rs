@@ -189,11 +189,11 @@ fn boot_if_worker() {
     // One worker thread unless `RDT_CONTROL_THREADS` says otherwise (a
     // measurement knob). With two, the idle one slept in `epoll_wait`
     // holding the I/O driver: every frame written to this worker woke it,
-    // and the spinning control loop could not poll the driver itself. One
-    // was faster in four process pairs of four on 2xH200 (session 38:
-    // 1.4-5.0 us off a 4 KiB `nccl` pass, 2.0-5.4 off a `nixl` one, 2.6-21
-    // off 10 000 tensors), as it was for `nixl` in session 31 (see the
-    // benchmark page of 2026-11-27).
+    // and the spinning control loop could not poll the driver itself. On
+    // 2xH200 one was faster in most process pairs of session 38 (a 4 KiB
+    // `nixl` pass in three of four, `nccl` in three of four, 10 000
+    // tensors in all three), as it was for `nixl` in session 31; pairs
+    // differ by as much (see the benchmark page of 2026-11-27).
     let threads = match std::env::var("RDT_CONTROL_THREADS") {
         Err(_) => 1,
         Ok(v) => match v.trim().parse::<usize>() {
