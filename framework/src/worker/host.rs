@@ -285,12 +285,11 @@ async fn run_and_reply<A: RdtActor>(
     actor: Rc<RefCell<A>>,
     shared: Arc<WorkerShared>,
     addr: actix::Addr<Host<A>>,
-    q: Queued,
+    mut q: Queued,
     exclusive: bool,
 ) {
     let call = q.msg.call;
     let result_id = q.msg.result;
-    let mut q = q;
     let refs = std::mem::take(&mut q.msg.refs);
     let release = std::mem::take(&mut q.msg.release);
     let t0 = std::time::Instant::now();

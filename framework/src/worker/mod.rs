@@ -867,13 +867,22 @@ impl WorkerShared {
         out
     }
 
-    /// Drops values a call released (WK-13), as a `Free` would: large ones
-    /// on the blocking pool, counted for WK-6.
+    /// Drops a value taken out of the store (a `Free`, or a call's
+    /// release, WK-13). Dropping thousands of tensors, or unmapping tens
+    /// of MiB, takes 0.2-1 ms, and every frame behind a `Free` waited (on
+    /// the 2xH200 host a weights pass's delivery waited ~1 ms for the
+    /// previous pass's free): large values go to the blocking pool,
+    /// counted for WK-6; small ones are dropped here.
+    fn drop_freed(&self, v: StoredValue) {
+        if v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES {
+            self.drops.drop_aside(v);
+        }
+    }
+
+    /// Drops the values a call released (WK-13), as a `Free` would.
     fn drop_released(&self, released: Vec<(u64, StoredValue)>) {
         for (_, v) in released {
-            if v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES {
-                self.drops.drop_aside(v);
-            }
+            self.drop_freed(v);
         }
     }
 
@@ -1498,16 +1507,7 @@ async fn control_loop<A: RdtActor>(
                             });
                         }
                     }
-                    // Dropping thousands of tensors, or unmapping tens of
-                    // MiB, takes the control loop 0.2-1 ms, and every frame
-                    // behind the Free waits (on the 2xH200 host a weights
-                    // pass's delivery waited ~1 ms for the previous pass's
-                    // free): the blocking pool drops them beside it.
-                    let aside =
-                        v.tensors.len() >= DROP_ASIDE_MIN || v.tensors.nbytes() >= DROP_ASIDE_BYTES;
-                    if aside {
-                        shared.drops.drop_aside(v);
-                    }
+                    shared.drop_freed(v);
                 }
                 rdt_transport::cuda::timeline("free done", object);
             }
