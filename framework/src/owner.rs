@@ -72,12 +72,6 @@
 //!   (`released`). The driver then forgets that copy without a `Free`
 //!   (OW-2 without a frame on the next pass's path), and delivers again
 //!   to a consumer that a call submitted meanwhile made need it.
-//! - **OW-13 (a getter gets the value):** a driver getter waiting for an
-//!   object is handed its value (or error) the moment the producer's reply
-//!   is recorded, before the rest of that reply's bookkeeping (its
-//!   transfers, the call's arguments): it returns without taking the
-//!   driver's lock again. What it does next (a submit, a free) takes the
-//!   lock, so it sees the bookkeeping done.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
 //!   go out (a delivery that waited for a pending object too): no transfer
@@ -92,17 +86,6 @@ use tokio::sync::oneshot;
 use crate::error::Error;
 use crate::protocol::{Delivery, Sender, ToWorker, WireValue};
 use crate::transport::Transport;
-
-/// A driver getter of an object (`Runtime::get` and the like, a worker's
-/// watch): sent the value when it settles (OW-13), or `None`: look again
-/// under the lock.
-pub type Getter = oneshot::Sender<Option<Result<WireValue, Error>>>;
-
-/// `RDT_GETTER_GETS_VALUE=0` wakes getters only after the whole reply is
-/// handled, to read the value under the lock again (a measurement knob;
-/// OW-13).
-pub(crate) static GETTER_GETS_VALUE: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_GETTER_GETS_VALUE", true);
 
 /// Driver-side id of an actor.
 pub(crate) type ActorId = u64;
@@ -142,7 +125,7 @@ pub(crate) struct Entry {
     /// Consumers its producer was asked to deliver to itself, with their
     /// transfers (OW-9), while it is pending.
     straight: Vec<(ActorId, u64)>,
-    pub getters: Vec<Getter>,
+    pub getters: Vec<oneshot::Sender<()>>,
     passed_back: bool,
     sent_elsewhere: bool,
     warned: bool,
@@ -341,13 +324,10 @@ pub(crate) struct OwnerTable {
     /// Getters of values that became ready or failed, to be woken once
     /// the driver's lock is released (`StateGuard`'s drop): woken under
     /// the lock, a getter found it held and waited for it.
-    woken: Vec<Getter>,
+    woken: Vec<oneshot::Sender<()>>,
     /// Copies consumers dropped themselves (OW-12), and those of them a
     /// call submitted meanwhile needed, delivered again: for tests.
     pub released_by_callees: u64,
-    /// Values (or errors) handed to getters with their wake-up (OW-13):
-    /// for tests.
-    pub handed_to_getters: u64,
     pub delivered_again: u64,
 }
 
@@ -430,7 +410,7 @@ impl OwnerTable {
 
     /// The getters to wake now that their values are settled (see
     /// `woken`).
-    pub fn take_woken(&mut self) -> Vec<Getter> {
+    pub fn take_woken(&mut self) -> Vec<oneshot::Sender<()>> {
         std::mem::take(&mut self.woken)
     }
 
@@ -651,21 +631,7 @@ impl OwnerTable {
                     }
                     Err(err) => ObjState::Failed(err),
                 };
-                if GETTER_GETS_VALUE.on() {
-                    // OW-13: handed over now, under the lock (a getter
-                    // that waits hot sees it at once); the rest follows.
-                    let settled = match &e.state {
-                        ObjState::Ready(v) => Ok(v),
-                        ObjState::Failed(err) => Err(err),
-                        ObjState::Pending => unreachable!("set above"),
-                    };
-                    for g in e.getters.drain(..) {
-                        let _ = g.send(Some(settled.cloned().map_err(Clone::clone)));
-                        self.handed_to_getters += 1;
-                    }
-                } else {
-                    self.woken.append(&mut e.getters);
-                }
+                self.woken.append(&mut e.getters);
                 let nested = e.nested.clone();
                 let waiting = std::mem::take(&mut e.waiting);
                 let straight = std::mem::take(&mut e.straight);

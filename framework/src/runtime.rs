@@ -319,9 +319,9 @@ impl std::ops::DerefMut for StateGuard<'_> {
 
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
-        let wake = |getters: Vec<crate::owner::Getter>| {
+        let wake = |getters: Vec<oneshot::Sender<()>>| {
             for g in getters {
-                let _ = g.send(None);
+                let _ = g.send(());
             }
         };
         let mut woken = (self.guard.as_mut())
@@ -1239,13 +1239,6 @@ impl Runtime {
         (st.table.released_by_callees, st.table.delivered_again)
     }
 
-    /// How many values (or errors) driver getters were handed with their
-    /// wake-up (OW-13: the getter returns without taking the driver's
-    /// lock again). For tests and benchmarks.
-    pub fn values_handed_to_getters(&self) -> u64 {
-        self.inner.lock().table.handed_to_getters
-    }
-
     /// Number of objects the owner table holds (for tests and leak checks).
     pub fn live_objects(&self) -> usize {
         self.inner.lock().table.len()
@@ -1610,13 +1603,9 @@ impl Inner {
             };
             // A dropped sender means the runtime went away. Hot
             // (rdt_transport::hot): a value that arrives within the window
-            // is seen at once, not after this thread is woken. Handed the
-            // value (OW-13), the getter is done; otherwise it looks again.
-            let handed = hot(rx).await.map_err(|_| Error::Shutdown)?;
+            // is seen at once, not after this thread is woken.
+            hot(rx).await.map_err(|_| Error::Shutdown)?;
             rdt_transport::cuda::timeline("driver getter woke", id);
-            if let Some(settled) = handed {
-                return settled;
-            }
         }
     }
 

@@ -33,39 +33,6 @@ async fn ow_6_put_checks_the_frame_it_travels_in() {
     .await;
 }
 
-/// OW-13: a driver getter waiting for a pending value is handed it (or
-/// its error) with the wake-up, as soon as the reply is recorded; it no
-/// longer reads it under the driver's lock after the whole reply was
-/// handled. With `RDT_GETTER_GETS_VALUE` off the getter reads it there,
-/// as before, and gets the same values.
-#[tokio::test]
-async fn ow_13_a_getter_is_handed_its_value() {
-    deadline(60, async {
-        rdt_integration_tests::logs();
-        let rt = Runtime::start().await.unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let before = rt.values_handed_to_getters();
-        // Pending while the getter waits: the method blocks 50 ms.
-        assert_eq!(rt.get(p.block(50).remote()).await.unwrap(), 50);
-        assert_eq!(rt.values_handed_to_getters(), before + 1);
-        // Several getters of one value, each handed it.
-        let r = p.block(50).remote();
-        let (a, b) = tokio::join!(rt.get(&r), rt.get(&r));
-        assert_eq!((a.unwrap(), b.unwrap()), (50, 50));
-        assert_eq!(rt.values_handed_to_getters(), before + 3);
-        rdt::data::switch::set("RDT_GETTER_GETS_VALUE", false);
-        let off = rt.get(p.block(50).remote()).await;
-        rdt::data::switch::set("RDT_GETTER_GETS_VALUE", true);
-        assert_eq!(off.unwrap(), 50);
-        assert_eq!(
-            rt.values_handed_to_getters(),
-            before + 3,
-            "off: read under the lock"
-        );
-    })
-    .await;
-}
-
 /// WK-6: a `Free` has taken effect before the next call on the worker
 /// starts, also when the freed value is large enough to be dropped beside
 /// the control loop (it was dropped while the next call ran, so that call
