@@ -1010,7 +1010,9 @@ async fn main() -> rdt::Result<()> {
 /// workers (every step on one clock, on stderr); no rows.
 async fn timeline() -> rdt::Result<()> {
     // Before any worker starts: they inherit it.
-    std::env::set_var("RDT_TIMELINE", "1");
+    if std::env::var_os("RDT_TIMELINE").is_none() {
+        std::env::set_var("RDT_TIMELINE", "1");
+    }
     let rt = Runtime::start().await?;
     let gpu = rdt::data::cuda::available().is_ok();
     let (src, sink) = if gpu {
@@ -1037,8 +1039,13 @@ async fn timeline() -> rdt::Result<()> {
         .await?;
     let r = src.tensor(4096).transport(Transport::Tcp).remote();
     rt.wait(&r).await?;
-    for i in 0..220u64 {
-        let timed = i >= 200;
+    // `--passes N`: N untimed passes first (200 by default), e.g. to
+    // profile the pass with `perf` (`RDT_TIMELINE=0` then).
+    let warm: u64 = arg_value("--passes")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(200);
+    for i in 0..warm + 20 {
+        let timed = i >= warm;
         if timed {
             rdt::data::cuda::timeline("driver pass start", 0);
         }
