@@ -40,7 +40,8 @@
 //! - `timeline`: no rows; a few tiny calls, 4 KiB passes of a kept tensor
 //!   over `tcp` in a group (two-sided, as `nccl`), and cached `cuda_ipc`
 //!   hand-offs with `RDT_TIMELINE` on everywhere (where each one's time
-//!   goes).
+//!   goes). `--passes N` runs N untimed passes first (200 by default);
+//!   with `RDT_TIMELINE=0` that is a steady load to profile with `perf`.
 //! - `soak`: the long form of the soak test: `--passes N` (default
 //!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
 //!   the per-pass latency and checks at the end that the owner table is
