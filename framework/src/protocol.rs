@@ -154,9 +154,14 @@ impl WireExported {
             return Ok(&d.exported);
         }
         let head = self.head.bytes().map_err(lost_bytes)?;
-        let cacheable = self.inline.is_empty() && head.len() >= RecentHeads::MIN_HEAD;
-        if cacheable {
-            if let Some(d) = RecentHeads::find(&head) {
+        let recent = match head.len() {
+            _ if !self.inline.is_empty() => None,
+            n if n >= RecentHeads::MIN_HEAD => Some(&RECENT_HEADS),
+            n if n > 0 && SMALL_HEADS.on() => Some(&RECENT_SMALL_HEADS),
+            _ => None,
+        };
+        if let Some(recent) = recent {
+            if let Some(d) = RecentHeads::find(recent, &head) {
                 return Ok(&self.decoded.get_or_init(|| d).exported);
             }
         }
@@ -174,8 +179,8 @@ impl WireExported {
         };
         e.inline = self.inline.clone();
         let d = Decoded::new(e);
-        if cacheable {
-            RecentHeads::keep(head, d.clone());
+        if let Some(recent) = recent {
+            RecentHeads::keep(recent, head, d.clone());
         }
         Ok(&self.decoded.get_or_init(|| d).exported)
     }
@@ -219,29 +224,42 @@ impl WireExported {
 /// of 10 000 tensors of a few shapes is a few bytes (`metas_wire`), and
 /// decoding still makes 10 000 entries, and a new layout would make the
 /// transport work out its plan again. So every head of at least
-/// [`MIN_HEAD`](Self::MIN_HEAD) bytes is kept (smaller ones carry no
-/// transport handles), the last [`KEEP`](Self::KEEP) of them; a hit
-/// compares every byte, so a head is never taken for another.
+/// [`MIN_HEAD`](Self::MIN_HEAD) bytes is kept, the last
+/// [`KEEP`](Self::KEEP) of them; a hit compares every byte, so a head is
+/// never taken for another. Smaller heads (a few tensors, no transport
+/// handles) are kept apart, as many, so that a stream of small values
+/// does not push a weight sync's head out: decoding one costs little
+/// alone, but it is on a small pass's path before its receive starts
+/// (the group's thread found a 4 KiB `nccl` tensor's head decoded 1.1 µs
+/// after it started on it, 2×H200); `RDT_SMALL_HEADS=0` decodes them
+/// every time.
 pub(crate) struct RecentHeads;
 
+type Heads = rdt_transport::recent::Recent<(Bytes, Arc<Decoded>)>;
+
 impl RecentHeads {
-    /// The smallest head kept.
+    /// The smallest head kept with the large ones.
     pub(crate) const MIN_HEAD: usize = 64;
-    /// Heads kept.
+    /// Heads kept, of each size.
     pub(crate) const KEEP: usize = 8;
 
     /// The decoded form of `head`, if it was decoded lately.
-    fn find(head: &Bytes) -> Option<Arc<Decoded>> {
-        RECENT_HEADS.find(|(h, _)| h == head).map(|(_, d)| d)
+    fn find(recent: &Heads, head: &Bytes) -> Option<Arc<Decoded>> {
+        recent.find(|(h, _)| h == head).map(|(_, d)| d)
     }
 
-    fn keep(head: Bytes, d: Arc<Decoded>) {
-        RECENT_HEADS.keep((head, d));
+    fn keep(recent: &Heads, head: Bytes, d: Arc<Decoded>) {
+        recent.keep((head, d));
     }
 }
 
-static RECENT_HEADS: rdt_transport::recent::Recent<(Bytes, Arc<Decoded>)> =
-    rdt_transport::recent::Recent::new(RecentHeads::KEEP);
+static RECENT_HEADS: Heads = Heads::new(RecentHeads::KEEP);
+static RECENT_SMALL_HEADS: Heads = Heads::new(RecentHeads::KEEP);
+
+/// `RDT_SMALL_HEADS=0`: heads under [`RecentHeads::MIN_HEAD`] bytes are
+/// decoded every time (a measurement knob).
+static SMALL_HEADS: rdt_transport::switch::Switch =
+    rdt_transport::switch::Switch::new("RDT_SMALL_HEADS", true);
 
 /// How a [`WireExported`]'s head travels: small ones inside the frame's
 /// header, large ones as a blob beside it.
@@ -2373,14 +2391,32 @@ mod tests {
         assert!(!std::ptr::eq(a.get().unwrap(), c.get().unwrap()));
         assert_eq!(c.get().unwrap().metas[0].shape.as_slice(), &[5]);
         assert_ne!(a.layout(), c.layout());
-        // Small heads are not kept: each decodes, and each decode is a
-        // layout of its own (equal content, but not known to be).
-        let (d, e) = (arrived(metas(2, 4)), arrived(metas(2, 4)));
+        // Small heads are kept apart: found by their bytes too, with one
+        // layout (shapes no other test uses: the lists are the process's).
+        let (d, e) = (arrived(metas(2, 4321)), arrived(metas(2, 4321)));
         assert!(d.head.len() < RecentHeads::MIN_HEAD);
         assert_eq!(d.layout(), None, "no layout before the head is read");
-        assert!(!std::ptr::eq(d.get().unwrap(), e.get().unwrap()));
-        assert_eq!(d.get().unwrap().metas, e.get().unwrap().metas);
-        assert_ne!(d.layout(), e.layout());
+        assert!(std::ptr::eq(d.get().unwrap(), e.get().unwrap()));
+        assert_eq!(d.layout(), e.layout());
+        // A run of other small heads does not push a large one out.
+        for n in 0..2 * RecentHeads::KEEP {
+            arrived(metas(1, 5000 + n)).get().unwrap();
+        }
+        let f = arrived(metas(300, 4));
+        assert!(std::ptr::eq(a.get().unwrap(), f.get().unwrap()));
+        // Without them (RDT_SMALL_HEADS=0) each small head decodes, and
+        // each decode is a layout of its own (equal content, but not known
+        // to be).
+        rdt_transport::switch::set("RDT_SMALL_HEADS", false);
+        let (g, h) = (arrived(metas(2, 4322)), arrived(metas(2, 4322)));
+        let (eq, layouts) = (
+            std::ptr::eq(g.get().unwrap(), h.get().unwrap()),
+            (g.layout(), h.layout()),
+        );
+        rdt_transport::switch::set("RDT_SMALL_HEADS", true);
+        assert!(!eq);
+        assert_eq!(g.get().unwrap().metas, h.get().unwrap().metas);
+        assert_ne!(layouts.0, layouts.1);
     }
 
     #[test]
