@@ -415,40 +415,6 @@ gpu_test2!(nccl_receive_into_target_tensors, async {
     assert_nccl_path(&rt, &c, 2).await;
 });
 
-// NC-7: once a small receive from a peer landed, the consumer makes
-// memory of the same shapes for the next one from that peer; the next
-// receives take it (every byte still right), and a receive of other
-// shapes allocates.
-gpu_test2!(nccl_small_receives_take_memory_made_ahead, async {
-    let (rt, p, c, _) = nccl_pair().await;
-    warm_up(&rt, &p, &c).await;
-    let s0 = rt.get(c.nccl_stats().remote()).await.unwrap();
-    for v in [2.0f32, 3.0, 4.0, 5.0] {
-        let r = p.make(v, 1000).transport(NCCL).remote();
-        let want = f64::from(v) * 1000.0;
-        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), (want, true));
-    }
-    let s1 = rt.get(c.nccl_stats().remote()).await.unwrap();
-    let spares = s1.receives_from_spares - s0.receives_from_spares;
-    assert_eq!(s1.receives - s0.receives, 4);
-    // The first of these shapes allocates; each later one finds memory
-    // made once the one before it landed (made within microseconds of
-    // that landing, long before the next delivery: all three, unless
-    // this host stalled the group's thread).
-    assert!(
-        (2..=3).contains(&spares),
-        "{spares} of the 3 later receives took memory made ahead"
-    );
-    let r = p.make(6.0, 999).transport(NCCL).remote();
-    assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), (5994.0, true));
-    let s2 = rt.get(c.nccl_stats().remote()).await.unwrap();
-    assert_eq!(
-        s2.receives_from_spares, s1.receives_from_spares,
-        "other shapes: allocated"
-    );
-    assert_nccl_path(&rt, &c, 6).await;
-});
-
 gpu_test2!(nccl_receive_into_clean_memory_overlaps_compute, async {
     let (rt, p, c, _) = nccl_pair().await;
     warm_up(&rt, &p, &c).await;

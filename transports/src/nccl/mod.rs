@@ -37,12 +37,6 @@
 //!   wait for rdt's stream, so it overlaps compute queued there (NC-6).
 //!   Otherwise, and for targets (which compute queued there may still
 //!   read), the communicator's stream waits for rdt's stream first.
-//! - **Memory made ahead (NC-7).** Once a small receive from a peer
-//!   landed (at most [`SPARE_MAX_BYTES`]), the group's thread takes fresh
-//!   memory of the same dtypes and shapes for the next one from that
-//!   peer, off every pass's path; a receive whose tensors match takes it
-//!   instead of allocating. One per group and peer, dropped with the
-//!   group (`RDT_NCCL_SPARE=0` turns it off).
 //! - **Failures.** `abort_group` aborts the communicator from a thread of
 //!   its own (`ncclCommAbort`); transfers in it fail with NCCL's message;
 //!   later transfers in the group are refused. The process, its other
@@ -96,14 +90,11 @@ pub struct NcclStats {
     pub receives_clean: u64,
     /// Of those, receives straight into target tensors.
     pub receives_into_targets: u64,
-    /// Of those, receives into memory made ahead for them (NC-7).
-    pub receives_from_spares: u64,
 }
 
 static RECEIVES: AtomicU64 = AtomicU64::new(0);
 static RECEIVES_CLEAN: AtomicU64 = AtomicU64::new(0);
 static RECEIVES_INTO_TARGETS: AtomicU64 = AtomicU64::new(0);
-static RECEIVES_FROM_SPARES: AtomicU64 = AtomicU64::new(0);
 
 /// This process's counters.
 pub fn stats() -> NcclStats {
@@ -111,66 +102,12 @@ pub fn stats() -> NcclStats {
         receives: RECEIVES.load(Ordering::Relaxed),
         receives_clean: RECEIVES_CLEAN.load(Ordering::Relaxed),
         receives_into_targets: RECEIVES_INTO_TARGETS.load(Ordering::Relaxed),
-        receives_from_spares: RECEIVES_FROM_SPARES.load(Ordering::Relaxed),
     }
 }
 
 /// How long a landing waits asking the GPU again before it polls every
 /// millisecond.
 const LANDING_SPIN: Duration = Duration::from_micros(50);
-
-/// The largest receive whose memory is made ahead for the next one from
-/// the same peer (NC-7): small passes, where an allocation is a share of
-/// the pass worth saving; a large spare would double what a group holds.
-pub const SPARE_MAX_BYTES: usize = 1 << 20;
-
-/// `RDT_NCCL_SPARE=0`: every receive allocates (a measurement knob).
-static SPARE: crate::switch::Switch = crate::switch::Switch::new("RDT_NCCL_SPARE", true);
-
-/// Memory made ahead for the next receive from one peer of one group
-/// (NC-7): fresh tensors of these dtypes and shapes, and whether they are
-/// clean (rdt's stream passed every use of their memory).
-struct Spare {
-    tensors: Vec<Tensor>,
-    clean: bool,
-}
-
-impl Spare {
-    /// Fresh tensors like `like` on local device `gpu`, if they are small
-    /// enough.
-    fn make(like: &[Tensor], gpu: usize) -> Option<Spare> {
-        let bytes = like
-            .iter()
-            .fold(0usize, |a, t| a.saturating_add(t.nbytes()));
-        if bytes > SPARE_MAX_BYTES || like.is_empty() {
-            return None;
-        }
-        let mut clean = true;
-        let tensors = like
-            .iter()
-            .map(|t| {
-                let (t, c) = Tensor::cuda_empty_for_other_stream(t.dtype(), t.shape(), gpu)?;
-                clean &= c;
-                Ok(t)
-            })
-            .collect::<Result<Vec<_>, crate::TensorError>>()
-            .ok()?;
-        Some(Spare { tensors, clean })
-    }
-
-    /// Do these tensors have `metas`' dtypes and shapes?
-    fn fits(&self, metas: &[crate::TensorMeta]) -> bool {
-        self.tensors.len() == metas.len()
-            && self
-                .tensors
-                .iter()
-                .zip(metas)
-                .all(|(t, m)| t.dtype() == m.dtype && t.shape() == &m.shape[..])
-    }
-}
-
-/// Spares by group and peer rank.
-type Spares = Arc<Mutex<HashMap<(u64, usize), Spare>>>;
 
 /// The `nccl` transport of one process.
 pub struct NcclTransport {
@@ -181,9 +118,6 @@ pub struct NcclTransport {
     /// The framework's transfer deadline: also the bound on a destroy's
     /// wait for what is in flight.
     deadline: Duration,
-    /// Memory made ahead for the next small receive per group and peer
-    /// (NC-7).
-    spares: Spares,
 }
 
 impl NcclTransport {
@@ -193,7 +127,6 @@ impl NcclTransport {
             comms: Mutex::new(HashMap::new()),
             landings: Mutex::new(HashMap::new()),
             deadline,
-            spares: Arc::default(),
         }
     }
 
@@ -344,7 +277,6 @@ impl TensorTransport for NcclTransport {
 
     fn destroy_group(&self, group: u64) -> BoxFuture<'_, Result<(), TransportError>> {
         Box::pin(async move {
-            self.spares.lock().retain(|&(g, _), _| g != group);
             let comm = self.comms.lock().remove(&group);
             match comm {
                 Some(c) => c.destroy(self.deadline).await.map_err(err),
@@ -354,7 +286,6 @@ impl TensorTransport for NcclTransport {
     }
 
     fn abort_group(&self, group: u64, reason: &str) {
-        self.spares.lock().retain(|&(g, _), _| g != group);
         // Kept in the map: a transfer that still looks it up fails with
         // the reason. A destroy removes it.
         if let Some(c) = self.comms.lock().get(&group).cloned() {
@@ -377,15 +308,7 @@ impl TensorTransport for NcclTransport {
             let done = enqueue(&comm, to, tensors, send, true, SEND, cx.xfer).await?;
             // The memory stays alive until the GPU read it (a free of the
             // object meanwhile does not recycle it).
-            keep_until_done(
-                comm,
-                done,
-                tensors.to_vec(),
-                to.clone(),
-                SEND,
-                cx.xfer,
-                None,
-            );
+            keep_until_done(comm, done, tensors.to_vec(), to.clone(), SEND, cx.xfer);
             Ok(())
         })
     }
@@ -420,21 +343,8 @@ impl TensorTransport for NcclTransport {
             // NC-6: targets may have work pending on rdt's stream, and so
             // may fresh memory that is not clean; then the receive waits
             // for rdt's stream.
-            // NC-7: memory made ahead for this peer, if it fits.
-            let group = cx.group.map_or(0, |g| g.id);
-            let spare = match (&cx.target, in_place) {
-                (Target::Tensors(_), true) => None,
-                _ if SPARE.on() => self
-                    .spares
-                    .lock()
-                    .remove(&(group, peer))
-                    .filter(|s| s.fits(&exported.metas)),
-                _ => None,
-            };
-            let from_spare = spare.is_some();
-            let (tensors, clean): (Vec<Tensor>, bool) = match (&cx.target, in_place, spare) {
-                (Target::Tensors(ts), true, _) => (ts.to_vec(), false),
-                (_, _, Some(s)) => (s.tensors, s.clean),
+            let (tensors, clean): (Vec<Tensor>, bool) = match (&cx.target, in_place) {
+                (Target::Tensors(ts), true) => (ts.to_vec(), false),
                 _ => {
                     let mut clean = true;
                     let ts = exported
@@ -463,29 +373,7 @@ impl TensorTransport for NcclTransport {
             for t in &tensors {
                 t.set_ready_event(done.clone());
             }
-            RECEIVES_FROM_SPARES.fetch_add(u64::from(from_spare), Ordering::Relaxed);
-            // NC-7: once these bytes landed, memory for the next receive
-            // from this peer (off this pass's path: the group's thread
-            // is idle until its next job then).
-            let next = (SPARE.on() && !in_place).then(|| {
-                let spares = self.spares.clone();
-                let ordinal = gpu.ordinal();
-                let key = (group, peer);
-                Box::new(move |received: &[Tensor]| {
-                    if let Some(s) = Spare::make(received, ordinal) {
-                        spares.lock().insert(key, s);
-                    }
-                }) as Then
-            });
-            let rx = keep_until_done(
-                comm,
-                done,
-                tensors.clone(),
-                from.clone(),
-                RECEIVE,
-                cx.xfer,
-                next,
-            );
+            let rx = keep_until_done(comm, done, tensors.clone(), from.clone(), RECEIVE, cx.xfer);
             let placed = match (&cx.target, in_place) {
                 (Target::Tensors(_), true) => Ok(tensors),
                 (target, _) => target.place(NAME, &exported.metas, tensors),
@@ -560,8 +448,6 @@ async fn enqueue(
 /// Keeps `kept` (the memory a transfer reads or writes) alive until the
 /// GPU passed `done`, on a task of the calling thread (the group's); the
 /// receiver hears how the transfer ended (a stream-ordered free, §6.4).
-/// `then` runs with `kept` after a transfer that ended well, once that
-/// is told.
 fn keep_until_done(
     comm: Arc<Communicator>,
     done: Arc<cuda::StreamEvent>,
@@ -569,7 +455,6 @@ fn keep_until_done(
     peer: Peer,
     side: Side,
     xfer: TransferId,
-    then: Option<Then>,
 ) -> oneshot::Receiver<Result<(), TransportError>> {
     let (tx, rx) = oneshot::channel();
     tokio::spawn(async move {
@@ -578,24 +463,11 @@ fn keep_until_done(
             .await
             .map_err(|e| TransportError::with_peer(NAME, &peer, e.0));
         cuda::timeline(side.0[3], xfer);
-        match then {
-            // Told first: what follows is off the transfer's path.
-            Some(then) if r.is_ok() => {
-                let _ = tx.send(r);
-                then(&kept);
-                drop(kept);
-            }
-            _ => {
-                drop(kept);
-                let _ = tx.send(r);
-            }
-        }
+        drop(kept);
+        let _ = tx.send(r);
     });
     rx
 }
-
-/// What runs once a transfer's bytes moved ([`keep_until_done`]).
-type Then = Box<dyn FnOnce(&[Tensor]) + Send>;
 
 /// Aborts `comm` from a thread of its own: `ncclCommAbort` may take a
 /// while and must not hold up the caller (the worker's control loop).
