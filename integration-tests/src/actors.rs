@@ -468,19 +468,6 @@ impl Consumer {
         rdt::receives_started_after_frames()
     }
 
-    /// Receives a call finished on this actor's thread (see
-    /// `rdt::receives_carried`).
-    async fn carried(&mut self) -> u64 {
-        rdt::receives_carried()
-    }
-
-    /// Sum of the tensor after blocking this actor's thread for `ms`
-    /// milliseconds (a method that never yields to its thread's tasks).
-    async fn sum_after_blocking(&mut self, t: Tensor, ms: u64) -> rdt::Result<f64> {
-        std::thread::sleep(std::time::Duration::from_millis(ms));
-        Ok(t.sum()?)
-    }
-
     /// Sum of the tensor, `ms` milliseconds after the call started (a
     /// long method holding its argument).
     async fn sum_after(&mut self, t: Tensor, ms: u64) -> rdt::Result<f64> {

@@ -18,19 +18,8 @@ const DL: u64 = 120;
 static DRIVER_COUNTERS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 async fn start() -> (Runtime, ProducerHandle, ConsumerHandle) {
-    start_on(Runtime::builder()).await
-}
-
-/// With no hot window, the actor's thread does not listen between calls,
-/// so small reads are started on the control loop, never carried (on a
-/// machine of 8 cores or more the default window is 5 ms).
-async fn start_unheld() -> (Runtime, ProducerHandle, ConsumerHandle) {
-    start_on(Runtime::builder().hot_window(Duration::ZERO)).await
-}
-
-async fn start_on(b: rdt::RuntimeBuilder) -> (Runtime, ProducerHandle, ConsumerHandle) {
     rdt_integration_tests::logs();
-    let rt = b.start().await.unwrap();
+    let rt = Runtime::start().await.unwrap();
     let p = rt.spawn::<Producer>(()).await.unwrap();
     let c = rt.spawn::<Consumer>(()).await.unwrap();
     (rt, p, c)
@@ -449,7 +438,7 @@ async fn the_agent_and_its_connection_are_reused_over_many_transfers() {
 #[tokio::test]
 async fn a_small_read_from_a_known_producer_starts_once_its_call_is_handed_on() {
     deadline(DL, async {
-        let (rt, p, c) = start_unheld().await;
+        let (rt, p, c) = start().await;
         let on_loop = || async { rt.get(c.started_after_frames().remote()).await.unwrap() };
         for i in 0..4 {
             let r = produced(&rt, &p, i as f32, 256).await;
@@ -474,51 +463,9 @@ async fn a_small_read_from_a_known_producer_starts_once_its_call_is_handed_on() 
 }
 
 #[tokio::test]
-async fn a_small_read_is_carried_to_its_call_and_acknowledged_by_it_or_by_the_loop() {
-    deadline(DL, async {
-        // An actor's thread listens for its next call within its hot
-        // window (none by default on a machine this small): a small read
-        // delivered meanwhile is carried to the call.
-        let (rt, p, c) = start_on(Runtime::builder().hot_window(Duration::from_millis(300))).await;
-        let carried = || async { rt.get(c.carried().remote()).await.unwrap() };
-        let on_loop = || async { rt.get(c.started_after_frames().remote()).await.unwrap() };
-        for i in 0..4 {
-            let r = produced(&rt, &p, i as f32, 256).await;
-            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64 * 256.0);
-        }
-        // The first read connected, in a task of its own; each of the next
-        // three was carried to its call, or started on the loop where the
-        // actor's thread had stopped listening.
-        let (n, l) = (carried().await, on_loop().await);
-        assert_eq!(n + l, 3, "carried {n}, on the loop {l}");
-        assert!(n >= 1, "no read was carried ({l} started on the loop)");
-        // The calls settled their receives (no `Received` was written).
-        tokio::time::timeout(Duration::from_secs(5), rt.transfers_settled())
-            .await
-            .expect("the carried receives were settled by their calls");
-        // A method that blocks its thread does not hold the acknowledgement
-        // of the receive it finished until the transfer's deadline: the
-        // control loop sends it once `ack_wait` passed.
-        let before = carried().await;
-        let r = produced(&rt, &p, 2.0, 256).await;
-        let call = c.sum_after_blocking(&r, 3000).remote();
-        tokio::time::timeout(Duration::from_secs(2), rt.transfers_settled())
-            .await
-            .expect("the held acknowledgement went while the call still ran");
-        assert_eq!(rt.transfers_in_flight(), 0);
-        assert_eq!(rt.get(call).await.unwrap(), 512.0);
-        assert_eq!(carried().await, before + 1, "the read was carried");
-        // The consumer reads on as before.
-        let r = produced(&rt, &p, 3.0, 256).await;
-        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 768.0);
-    })
-    .await;
-}
-
-#[tokio::test]
 async fn a_long_call_does_not_hold_its_arguments_acknowledgement() {
     deadline(DL, async {
-        let (rt, p, c) = start_unheld().await;
+        let (rt, p, c) = start().await;
         // The first read from the producer connects; the next starts on
         // the control loop, and is acknowledged while its call still runs
         // (holding it for the reply was tried: see the book's NIXL

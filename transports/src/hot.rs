@@ -146,32 +146,6 @@ pub fn polled_hot() -> bool {
     POLLED_HOT.with(|p| p.get()) && ASKS.on()
 }
 
-thread_local! {
-    /// Set while [`look_once`] runs on this thread.
-    static LOOK_ONCE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` (one poll of a future) asking the waits inside it to look
-/// once and return rather than spin ([`looking_once`]).
-///
-/// Why: a worker's control loop starts a small receive, posts its READ,
-/// and goes on to hand the call behind it to the actor's thread, which
-/// finishes the receive (a carried receive, in the framework's worker).
-/// A READ that spun for its end here would hold that hand-off back.
-pub fn look_once<R>(f: impl FnOnce() -> R) -> R {
-    let was = LOOK_ONCE.with(|l| l.replace(true));
-    let r = f();
-    LOOK_ONCE.with(|l| l.set(was));
-    r
-}
-
-/// Is this thread inside [`look_once`]? A wait that would spin for what it
-/// expects within microseconds yields at once instead (a `nixl` READ
-/// yields right after its post, without asking).
-pub fn looking_once() -> bool {
-    LOOK_ONCE.with(|l| l.get())
-}
-
 /// A future that is pending once, without waking anyone, then ready: for
 /// a future polled hot ([`polled_hot`]) to give the hot wait its turn.
 pub fn pending_once() -> impl Future<Output = ()> {

@@ -73,31 +73,20 @@ impl HandOff {
     pub(super) fn queued(&self) -> u64 {
         self.state.lock().queued
     }
-
-    /// Is a listener registered now (the actor's thread is awake, between
-    /// calls, for the hot window)?
-    pub(super) fn listening(&self) -> bool {
-        self.state.lock().listeners > 0 && CALL_HANDOFF.on()
-    }
 }
 
 /// The control loop's side: `call` to the actor, queued for its listener
-/// when one is registered (returns `true`), else through the mailbox.
-pub(super) fn hand_over<A: RdtActor>(
-    shared: &WorkerShared,
-    addr: &Addr<Host<A>>,
-    call: CallMsg,
-) -> bool {
+/// when one is registered, else through the mailbox.
+pub(super) fn hand_over<A: RdtActor>(shared: &WorkerShared, addr: &Addr<Host<A>>, call: CallMsg) {
     let mut s = shared.handoff.state.lock();
     s.arrived += 1;
     if s.listeners > 0 && CALL_HANDOFF.on() {
         s.calls.push_back(call);
         s.queued += 1;
-        return true;
+        return;
     }
     drop(s);
     invoke(shared, addr, call);
-    false
 }
 
 /// The mailbox, or the call's failure if it refuses (HF-3).
@@ -113,12 +102,6 @@ fn invoke<A: RdtActor>(shared: &WorkerShared, addr: &Addr<Host<A>>, call: CallMs
         // WK-13: it ends here, having taken nothing.
         let Invoke(call) = e.into_inner();
         let refs: Vec<u64> = call.ref_args().collect();
-        // CR-1: its carried receives end on the control runtime.
-        for &r in &refs {
-            if let Some(job) = shared.carried.take(r) {
-                shared.control.spawn(job);
-            }
-        }
         let _ = shared.uses_end(&refs, &[]);
         let _ = shared.tx.send(&ToDriver::CallDone {
             call: id,

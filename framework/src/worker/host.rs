@@ -246,14 +246,6 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
 
 /// Unpacks inline arguments and waits for refs in the store.
 async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolved> {
-    // CR-1: the receives carried for this call end here, first (their
-    // READs were posted before the call was handed on); each stores its
-    // value, found in the store below.
-    for a in &args {
-        if let WireArg::Ref(id) = a {
-            shared.carried.finish_here(*id).await;
-        }
-    }
     let mut values = Vec::with_capacity(args.len());
     let mut refs = Vec::new();
     for a in args {
@@ -318,17 +310,6 @@ async fn run_and_reply<A: RdtActor>(
     // WK-13: out of the store before the `CallDone` that names them (a
     // delivery the driver sends again after reading it must find the
     // slot free); dropped after it.
-    // CR-2: a call past its arguments settles the receives it finished
-    // (XF-5) with its `CallDone`; one that is not acknowledges them first.
-    for (object, xfer) in shared.carried.acks.take_for(&refs) {
-        if !resolved {
-            let _ = shared.tx.send(&ToDriver::Received {
-                object,
-                xfer,
-                result: Ok(()),
-            });
-        }
-    }
     let released = shared.uses_end(&refs, if resolved { &release } else { &[] });
     let released_ids: Vec<u64> = released.iter().map(|(id, _)| *id).collect();
     // HO-6: it ran (a call of this actor to itself, or any other).

@@ -73,7 +73,6 @@ use tracing::Instrument;
 
 use crate::actor::{Actor as RdtActor, ACTOR_TYPES};
 
-mod carried;
 mod client;
 mod handoff;
 mod host;
@@ -544,9 +543,6 @@ pub(crate) struct WorkerShared {
     started_after_frames: std::sync::atomic::AtomicU64,
     /// Receives a call acknowledged with its `CallDone` (WK-9).
     acks_by_calls: std::sync::atomic::AtomicU64,
-    /// Receives the control loop started for the call that takes their
-    /// object to finish (`carried.rs`).
-    carried: carried::Carried,
     /// How long a receive leaves its acknowledgement to a call that took
     /// it on, after the landing (`ack_wait`).
     ack_wait: Duration,
@@ -1066,18 +1062,6 @@ pub fn receives_started_after_frames() -> u64 {
         .unwrap_or(0)
 }
 
-/// Inside an actor: how many receives a call finished on the actor's
-/// thread, the control loop having posted their READ before it handed the
-/// call on (a carried receive: a small `nixl` read while the actor's
-/// thread listened; see the book's Internals). Tests use it to prove
-/// which path a receive took; outside an actor it is 0.
-pub fn receives_carried() -> u64 {
-    WORKER
-        .get()
-        .map(|w| w.carried.finished_by_calls())
-        .unwrap_or(0)
-}
-
 /// Inside an actor: how many calls reached its thread through the
 /// hand-off queue, found listening after an earlier call (no wake-up
 /// paid by the control loop; `handoff.rs`). Tests use it to prove the
@@ -1257,7 +1241,6 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             in_place: Default::default(),
             started_after_frames: Default::default(),
             acks_by_calls: Default::default(),
-            carried: Default::default(),
             ack_wait: ack_wait(Duration::from_millis(order.transfer_timeout_ms)),
             control: handle.clone(),
             readers: Mutex::new(HashMap::new()),
@@ -1381,12 +1364,9 @@ async fn control_loop<A: RdtActor>(
     // start after at most this many frames.
     const MOST_FRAMES_AHEAD: usize = 16;
     let mut after_frames_in_hand: Vec<Job> = Vec::new();
-    // Carried receives (CR-1) no call handed to a listener claimed yet:
-    // the loop runs them as tasks once the frames in hand are handled.
-    let mut carried_unclaimed: Vec<u64> = Vec::new();
     let mut frames_ahead = 0;
     loop {
-        if !after_frames_in_hand.is_empty() || !carried_unclaimed.is_empty() {
+        if !after_frames_in_hand.is_empty() {
             frames_ahead += 1;
             if frames_ahead > MOST_FRAMES_AHEAD || !rx.has_whole_frame() {
                 frames_ahead = 0;
@@ -1397,29 +1377,14 @@ async fn control_loop<A: RdtActor>(
                 for job in after_frames_in_hand.drain(..) {
                     run_now_or_spawn(job);
                 }
-                for object in carried_unclaimed.drain(..) {
-                    if let Some(job) = shared.carried.take(object) {
-                        shared
-                            .started_after_frames
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        tokio::spawn(job);
-                    }
-                }
             }
         }
         // Hot (rdt_transport::hot): the next message of a pass often comes
         // within the window; waking this thread after it slept costs more.
-        // recv is cancel-safe: a frame in progress stays buffered.
-        let next = hot(async {
-            tokio::select! {
-                biased;
-                () = shared.carried.acks.due() => None,
-                m = rx.recv::<ToWorker>() => Some(m),
-            }
-        });
         let next = match heartbeat {
-            None => next.await,
-            Some(hb) => match tokio::time::timeout(hb, next).await {
+            None => hot(rx.recv::<ToWorker>()).await,
+            // recv is cancel-safe: a frame in progress stays buffered.
+            Some(hb) => match tokio::time::timeout(hb, hot(rx.recv::<ToWorker>())).await {
                 Ok(m) => m,
                 Err(_) => {
                     return Err(Error::Protocol(format!(
@@ -1427,18 +1392,6 @@ async fn control_loop<A: RdtActor>(
                     )))
                 }
             },
-        };
-        let Some(next) = next else {
-            // CR-2: a call runs on with the receive it finished; its
-            // acknowledgement goes now, well before the transfer deadline.
-            for (object, xfer) in shared.carried.acks.take_due() {
-                let _ = tx.send(&ToDriver::Received {
-                    object,
-                    xfer,
-                    result: Ok(()),
-                });
-            }
-            continue;
         };
         let msg = match next {
             Ok(Some(m)) => m,
@@ -1460,32 +1413,17 @@ async fn control_loop<A: RdtActor>(
                 if straight {
                     shared.peer.open_call(result);
                 }
-                let claims: Vec<u64> = if carried_unclaimed.is_empty() {
-                    Vec::new()
-                } else {
-                    call.ref_args()
-                        .filter(|r| carried_unclaimed.contains(r))
-                        .collect()
-                };
                 // To the actor's thread: queued for it while it listens
                 // after a call (no wake-up to pay here, before a READ
                 // the call waits for), else through its mailbox.
-                if handoff::hand_over(&shared, &addr, call) {
-                    // CR-1: the listener's call finishes them.
-                    carried_unclaimed.retain(|o| !claims.contains(o));
-                }
+                handoff::hand_over(&shared, &addr, call);
             }
             ToWorker::Deliver { object, value } => {
                 if let Ok(d) = &value {
                     rdt_transport::cuda::timeline("deliver received", d.xfer);
                 }
                 if let Some(job) = on_deliver(&shared, object, value) {
-                    let listening = shared.handoff.listening();
-                    match shared.carried.start(object, job, listening) {
-                        carried::Start::NotCarried(job) => after_frames_in_hand.push(job),
-                        carried::Start::Carried => carried_unclaimed.push(object),
-                        carried::Start::Ended => {}
-                    }
+                    after_frames_in_hand.push(job);
                 }
             }
             ToWorker::DeliverTo { object, xfer, to } => peer::order(&shared, object, xfer, to),
@@ -1835,13 +1773,7 @@ fn on_deliver(
                 // nixl reads only, with the `CallDone` written ahead of the
                 // held acknowledgement (`6e37ce6`, `6874524`): a 4 KiB pass
                 // took 53.8-59.7 µs against 53.2-54.0 µs sent now,
-                // alternating in one run. A receive a call finished on
-                // the actor's thread holds it for that call (CR-2): the
-                // write would sit before the method there.
-                if ack.is_ok() && carried::finishing_for_a_call() {
-                    shared.carried.acks.hold(object, xfer, shared.ack_wait);
-                    return;
-                }
+                // alternating in one run.
                 let _ = shared.tx.send(&ToDriver::Received {
                     object,
                     xfer,

@@ -1296,18 +1296,11 @@ impl NixlTransport {
             .find(|d| d.mem == Mem::Vram)
             .map(|d| d.dev as usize);
         let vram_remote = h.regions.iter().any(|r| r.mem == Mem::Vram);
-        let bind = || {
-            if let Some(o) = vram_local.or(vram_remote.then_some(0)) {
-                if let Ok(g) = crate::cuda::gpu(o) {
-                    let _ = g.bind();
-                }
+        if let Some(o) = vram_local.or(vram_remote.then_some(0)) {
+            if let Ok(g) = crate::cuda::gpu(o) {
+                let _ = g.bind();
             }
-        };
-        bind();
-        // The thread that asks NIXL may change between asks (a receive the
-        // control loop started, finished on the actor's thread): each
-        // asking thread binds that context too.
-        let mut bound_on = std::thread::current().id();
+        }
         let started = std::time::Instant::now();
         let mut posted = Posted {
             agent: &agent,
@@ -1343,18 +1336,7 @@ impl NixlTransport {
         let spin = read_spin().min(window);
         let posted_at = std::time::Instant::now();
         let mut yielded = false;
-        if crate::hot::looking_once() {
-            // Started for a call that finishes it (the framework's carried
-            // receive): the thread that takes the call asks NIXL, while
-            // this one hands the call on.
-            tokio::task::yield_now().await;
-            yielded = true;
-        }
         loop {
-            if yielded && std::thread::current().id() != bound_on {
-                bind();
-                bound_on = std::thread::current().id();
-            }
             posted.settle().map_err(|e| reading(e.0))?;
             bump(&COUNTERS.read_asks, 1);
             if yielded {
