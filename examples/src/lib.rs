@@ -158,8 +158,10 @@ pub fn median(v: &mut [f64]) -> f64 {
 /// `--ab`'s rounds: `warm` untimed, then `n` timed, each a tiny call
 /// (`ping`), then a pass (`pass`) with `knobs` on and one with them off,
 /// in turns first; the knobs are set in this process and, by `set`, in
-/// the workers before each pass. Prints the medians on one line, with
-/// each arm's excess over `raw` + the tiny call.
+/// the workers before each pass, and each arm's passes are followed by
+/// tiny calls of its own (a knob may change what a call costs too).
+/// Prints the medians on one line, with each arm's excess over `raw` +
+/// that arm's tiny call.
 ///
 /// With `--ab-block K` (K > 1), each of those is K back to back, the
 /// first untimed, as the full benchmark times them: what one pass leaves
@@ -191,6 +193,7 @@ where
     // In blocks, the first of each block is not timed.
     let timed = |k: usize| block == 1 || k > 0;
     let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut tiny_on, mut tiny_off) = (Vec::new(), Vec::new());
     for i in 0..n + warm {
         let mut calls = Vec::new();
         for k in 0..block {
@@ -222,22 +225,37 @@ where
                     }
                 }
             }
+            for k in 0..block {
+                let t0 = std::time::Instant::now();
+                ping((i * block + k) as u64).await?;
+                let took = us_since(t0);
+                if i >= warm && timed(k) {
+                    if arm {
+                        tiny_on.push(took)
+                    } else {
+                        tiny_off.push(took)
+                    }
+                }
+            }
         }
         if i >= warm {
             tiny.extend(calls);
         }
     }
     let (tiny, on, off) = (median(&mut tiny), median(&mut on), median(&mut off));
+    let (tiny_on, tiny_off) = (median(&mut tiny_on), median(&mut tiny_off));
     let blocks = if block > 1 {
         format!(" in blocks of {block}")
     } else {
         String::new()
     };
     println!(
-        "ab {what} {}: {n} rounds{blocks}; tiny call {tiny:.1} us, raw {raw:.1} us; on {on:.1} us ({:.1} over raw + call), off {off:.1} us ({:.1} over)",
+        "ab {what} {}: {n} rounds{blocks}; tiny call {tiny:.1} us, raw {raw:.1} us; on {on:.1} us ({:.1} over raw + call), off {off:.1} us ({:.1} over); each arm's own tiny call: on {tiny_on:.1} us ({:.1} over), off {tiny_off:.1} us ({:.1} over)",
         knobs.join(","),
         on - raw - tiny,
-        off - raw - tiny
+        off - raw - tiny,
+        on - raw - tiny_on,
+        off - raw - tiny_off
     );
     Ok(())
 }

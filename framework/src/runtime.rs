@@ -319,9 +319,9 @@ impl std::ops::DerefMut for StateGuard<'_> {
 
 impl Drop for StateGuard<'_> {
     fn drop(&mut self) {
-        let wake = |getters: Vec<oneshot::Sender<()>>| {
+        let wake = |getters: Vec<crate::owner::Woken>| {
             for g in getters {
-                let _ = g.send(());
+                g.wake();
             }
         };
         let mut woken = (self.guard.as_mut())
@@ -1230,6 +1230,13 @@ impl Runtime {
         self.inner.orders_first.load(Ordering::Relaxed)
     }
 
+    /// How many of the driver's `get`s were handed their value as the
+    /// call's reply stored it, and went on without waiting for the rest of
+    /// the reply's handling (OW-14). For tests and benchmarks.
+    pub fn gets_handed_values(&self) -> u64 {
+        self.inner.lock().table.handed_values
+    }
+
     /// How many argument copies callees dropped themselves when their
     /// call ended (OW-12: no `Free` from the driver), and how many of
     /// those a call submitted meanwhile needed, so that they were
@@ -1585,28 +1592,27 @@ impl Inner {
     }
 
     async fn wait_value(&self, id: u64) -> Result<WireValue> {
-        loop {
-            let rx = {
-                let mut st = self.lock();
-                let Some(e) = st.table.objects.get_mut(&id) else {
-                    return Err(Error::Freed { object: id });
-                };
-                match &e.state {
-                    ObjState::Ready(v) => return Ok(v.clone()),
-                    ObjState::Failed(err) => return Err(err.clone()),
-                    ObjState::Pending => {
-                        let (tx, rx) = oneshot::channel();
-                        e.getters.push(tx);
-                        rx
-                    }
-                }
+        let rx = {
+            let mut st = self.lock();
+            let Some(e) = st.table.objects.get_mut(&id) else {
+                return Err(Error::Freed { object: id });
             };
-            // A dropped sender means the runtime went away. Hot
-            // (rdt_transport::hot): a value that arrives within the window
-            // is seen at once, not after this thread is woken.
-            hot(rx).await.map_err(|_| Error::Shutdown)?;
-            rdt_transport::cuda::timeline("driver getter woke", id);
-        }
+            match &e.state {
+                ObjState::Ready(v) => return Ok(v.clone()),
+                ObjState::Failed(err) => return Err(err.clone()),
+                ObjState::Pending => {
+                    let (tx, rx) = oneshot::channel();
+                    e.getters.push(crate::owner::Getter::Value(tx));
+                    rx
+                }
+            }
+        };
+        // Handed the value (OW-14). A dropped sender means the runtime went
+        // away. Hot (rdt_transport::hot): a value that arrives within the
+        // window is seen at once, not after this thread is woken.
+        let settled = hot(rx).await.map_err(|_| Error::Shutdown)?;
+        rdt_transport::cuda::timeline("driver getter woke", id);
+        settled
     }
 
     pub(crate) fn submit(
@@ -2160,7 +2166,7 @@ impl Inner {
                 None => {
                     let (tx, rx) = oneshot::channel();
                     if let Some(e) = st.table.objects.get_mut(&object) {
-                        e.getters.push(tx);
+                        e.getters.push(crate::owner::Getter::Signal(tx));
                     }
                     let me = self.me.clone();
                     self.tokio.spawn(async move {

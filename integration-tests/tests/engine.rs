@@ -33,6 +33,35 @@ async fn ow_6_put_checks_the_frame_it_travels_in() {
     .await;
 }
 
+/// OW-14: a driver `get` waiting for a call's result is handed the value,
+/// or the error, as the reply stores it, and goes on without the driver's
+/// lock; every value and error arrives as before.
+#[tokio::test]
+async fn ow_14_a_get_is_handed_its_value_as_the_reply_stores_it() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let t = rt.put(&Tensor::full(2u8, &[1000])).unwrap();
+        let before = rt.gets_handed_values();
+        for _ in 0..5 {
+            assert_eq!(rt.get(c.sum(&t).remote()).await.unwrap(), 2000.0);
+        }
+        let e = rt.get(p.fail("on purpose").remote()).await.unwrap_err();
+        assert!(e.to_string().contains("on purpose"), "{e}");
+        // Each get came before its reply, and was handed what it got.
+        assert_eq!(rt.gets_handed_values() - before, 6);
+        // A value ready before its get is read from the table, as before.
+        let r = c.seen().remote();
+        rt.wait(&r).await.unwrap();
+        let handed = rt.gets_handed_values();
+        assert_eq!(rt.get(&r).await.unwrap(), 5);
+        assert_eq!(rt.gets_handed_values(), handed);
+    })
+    .await;
+}
+
 /// WK-6: a `Free` has taken effect before the next call on the worker
 /// starts, also when the freed value is large enough to be dropped beside
 /// the control loop (it was dropped while the next call ran, so that call
