@@ -682,12 +682,15 @@ impl OwnerTable {
                 // on; woken now, it runs while this thread settles the
                 // call's transfers and releases its arguments below.
                 // One that looks the value up waits for the unlock.
+                // Cloned only for those waiting: most replies have none.
+                let getters = std::mem::take(&mut e.getters);
                 let settled = match &e.state {
+                    _ if getters.is_empty() => Err(Error::Shutdown),
                     ObjState::Ready(v) => Ok(v.clone()),
                     ObjState::Failed(err) => Err(err.clone()),
                     ObjState::Pending => unreachable!("set above"),
                 };
-                for g in std::mem::take(&mut e.getters) {
+                for g in getters {
                     match g {
                         Getter::Value(tx) if HAND_VALUES.on() => {
                             self.handed_values += 1;
