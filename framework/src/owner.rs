@@ -115,19 +115,25 @@ pub(crate) enum Getter {
     Value(oneshot::Sender<Result<WireValue, Error>>),
 }
 
-/// A getter to wake once the driver's lock is released, with what the
-/// object settled to.
-pub(crate) struct Woken(Getter, Result<WireValue, Error>);
+/// A getter to wake once the driver's lock is released; one handed the
+/// value holds what the object settled to.
+pub(crate) enum Woken {
+    Signal(oneshot::Sender<()>),
+    Value(
+        oneshot::Sender<Result<WireValue, Error>>,
+        Result<WireValue, Error>,
+    ),
+}
 
 impl Woken {
     /// Wakes it (a getter that went away is no one's concern).
     pub(crate) fn wake(self) {
-        match self.0 {
-            Getter::Signal(tx) => {
+        match self {
+            Woken::Signal(tx) => {
                 let _ = tx.send(());
             }
-            Getter::Value(tx) => {
-                let _ = tx.send(self.1);
+            Woken::Value(tx, settled) => {
+                let _ = tx.send(settled);
             }
         }
     }
@@ -683,20 +689,19 @@ impl OwnerTable {
                 // call's transfers and releases its arguments below.
                 // One that looks the value up waits for the unlock.
                 // Cloned only for those waiting: most replies have none.
-                let getters = std::mem::take(&mut e.getters);
-                let settled = match &e.state {
-                    _ if getters.is_empty() => Err(Error::Shutdown),
+                let settled = || match &e.state {
                     ObjState::Ready(v) => Ok(v.clone()),
                     ObjState::Failed(err) => Err(err.clone()),
                     ObjState::Pending => unreachable!("set above"),
                 };
-                for g in getters {
+                for g in std::mem::take(&mut e.getters) {
                     match g {
                         Getter::Value(tx) if HAND_VALUES.on() => {
                             self.handed_values += 1;
-                            let _ = tx.send(settled.clone());
+                            let _ = tx.send(settled());
                         }
-                        g => self.woken.push(Woken(g, settled.clone())),
+                        Getter::Value(tx) => self.woken.push(Woken::Value(tx, settled())),
+                        Getter::Signal(tx) => self.woken.push(Woken::Signal(tx)),
                     }
                 }
                 let nested = e.nested.clone();
