@@ -213,16 +213,17 @@ where
                 rdt::data::switch::set(knob, arm);
             }
             set(arm).await?;
+            let (passes, calls) = if arm {
+                (&mut on, &mut tiny_on)
+            } else {
+                (&mut off, &mut tiny_off)
+            };
             for k in 0..block {
                 let t0 = std::time::Instant::now();
                 pass().await?;
                 let took = us_since(t0);
                 if i >= warm && timed(k) {
-                    if arm {
-                        on.push(took)
-                    } else {
-                        off.push(took)
-                    }
+                    passes.push(took);
                 }
             }
             for k in 0..block {
@@ -230,11 +231,7 @@ where
                 ping((i * block + k) as u64).await?;
                 let took = us_since(t0);
                 if i >= warm && timed(k) {
-                    if arm {
-                        tiny_on.push(took)
-                    } else {
-                        tiny_off.push(took)
-                    }
+                    calls.push(took);
                 }
             }
         }
