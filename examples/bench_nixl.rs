@@ -161,7 +161,10 @@ impl NixlSink {
         rdt::data::cuda::timeline("touch start", 0);
         t.cuda_ready().await?;
         rdt::data::cuda::timeline("touch ready", 0);
-        Ok(t.nbytes())
+        let n = t.nbytes();
+        drop(t);
+        rdt::data::cuda::timeline("touch dropped", 0);
+        Ok(n)
     }
 
     /// All of them.

@@ -1150,7 +1150,9 @@ impl Sender {
     /// can turn it into an error for the call or object concerned instead
     /// of leaving the other end waiting.
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
-        self.send_frame(encode(msg)?)
+        let frame = encode(msg)?;
+        rdt_transport::cuda::timeline("frame encoded", frame.len() as u64);
+        self.send_frame(frame)
     }
 
     /// [`send`](Self::send) of a frame already encoded.

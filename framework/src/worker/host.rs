@@ -179,6 +179,7 @@ impl<A: RdtActor> Host<A> {
             exclusive,
         )
         .instrument(span);
+        rdt_transport::cuda::timeline("call spawning", 0);
         ctx.spawn(run.into_actor(self).map(move |(), this, ctx| {
             this.running.total -= 1;
             this.running.per_group[group] -= 1;
@@ -222,6 +223,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
         // Fast path: every argument is here (inline, or in the store).
         let mut resolving = resolve(self.shared.clone(), msg.args).boxed_local();
         let args = (&mut resolving).now_or_never();
+        rdt_transport::cuda::timeline("call arguments asked", msg.call);
         let waited = args.is_none();
         self.queue.push_back(Queued {
             seq,
@@ -234,6 +236,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
             // HO-1: awaited off the queue; the call takes its turn once
             // every argument is here.
             ctx.spawn(resolving.into_actor(self).map(move |args, this, ctx| {
+                rdt_transport::cuda::timeline("call arguments here", seq);
                 if let Some(q) = this.queue.iter_mut().find(|q| q.seq == seq) {
                     q.args = Some(args);
                 }
@@ -293,6 +296,7 @@ async fn run_and_reply<A: RdtActor>(
     let refs = std::mem::take(&mut q.msg.refs);
     let release = std::mem::take(&mut q.msg.release);
     let t0 = std::time::Instant::now();
+    rdt_transport::cuda::timeline("call running", call);
     // Invariant 6 of the worker: the frees before this call took effect.
     shared.drops.settled().await;
     rdt_transport::cuda::timeline("call start", call);
@@ -312,6 +316,7 @@ async fn run_and_reply<A: RdtActor>(
     // slot free); dropped after it.
     let released = shared.uses_end(&refs, if resolved { &release } else { &[] });
     let released_ids: Vec<u64> = released.iter().map(|(id, _)| *id).collect();
+    rdt_transport::cuda::timeline("call uses ended", call);
     // HO-6: it ran (a call of this actor to itself, or any other).
     shared.self_calls.lock().remove(&result_id);
     let sent = std::time::Instant::now();
@@ -323,6 +328,7 @@ async fn run_and_reply<A: RdtActor>(
     // Straight to the consumers the driver named first (OW-9): their
     // receive starts while the reply is on its way.
     let delivered = super::peer::deliver_result(&shared, result_id, &result);
+    rdt_transport::cuda::timeline("call delivered", call);
     rdt_transport::cuda::timeline("call reply ready", call);
     if let Err(e) = shared.tx.send(&ToDriver::CallDone {
         call,

@@ -1374,6 +1374,7 @@ async fn control_loop<A: RdtActor>(
                     after_frames_in_hand.len() as u64,
                     std::sync::atomic::Ordering::Relaxed,
                 );
+                rdt_transport::cuda::timeline("frames in hand handled", 0);
                 for job in after_frames_in_hand.drain(..) {
                     run_now_or_spawn(job);
                 }
@@ -1417,6 +1418,7 @@ async fn control_loop<A: RdtActor>(
                 // after a call (no wake-up to pay here, before a READ
                 // the call waits for), else through its mailbox.
                 handoff::hand_over(&shared, &addr, call);
+                rdt_transport::cuda::timeline("call handed over", result);
             }
             ToWorker::Deliver { object, value } => {
                 if let Ok(d) = &value {
@@ -1590,10 +1592,12 @@ fn on_deliver(
         }
         return None;
     }
+    rdt_transport::cuda::timeline("deliver transport found", xfer);
     // WK-4: the receive runs until done, failed or aborted by the driver;
     // its end is acknowledged exactly once (XF-5).
     let abort = shared.register_transfer(xfer);
     shared.receiving.lock().insert(object, false);
+    rdt_transport::cuda::timeline("deliver transfer registered", xfer);
     let worker = shared.clone();
     let from = d.from.take().unwrap_or_else(|| Peer {
         actor: 0,
@@ -1622,6 +1626,7 @@ fn on_deliver(
             .get()
             .map_or(ReceiveStart::Task, |e| transport.1.receive_start(e)),
     };
+    rdt_transport::cuda::timeline("deliver start chosen", xfer);
     let job = Box::pin(
         async move {
             rdt_transport::cuda::timeline("receive job start", xfer);
@@ -1790,6 +1795,7 @@ fn on_deliver(
         }
         .instrument(span),
     );
+    rdt_transport::cuda::timeline("deliver job made", xfer);
     match start {
         ReceiveStart::Now => run_now_or_spawn(job),
         ReceiveStart::AfterFramesInHand => return Some(job),

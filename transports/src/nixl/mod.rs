@@ -1301,6 +1301,7 @@ impl NixlTransport {
                 let _ = g.bind();
             }
         }
+        crate::cuda::timeline("nixl bound", cx.xfer);
         let started = std::time::Instant::now();
         let mut posted = Posted {
             agent: &agent,
@@ -2102,9 +2103,11 @@ impl NixlTransport {
             if !clean {
                 not_clean.push(o);
             }
+            crate::cuda::timeline("nixl lane allocated", 0);
             let reg = self
                 .slab_registration(agent, &r.slab)
                 .map_err(|e| err(e.0))?;
+            crate::cuda::timeline("nixl lane registration found", 0);
             let range = Arc::new(r);
             let range_len = crate::cuda::DeviceBuffer::len(&*range);
             let whole = Tensor::from_device_buffer(
@@ -2152,6 +2155,7 @@ impl NixlTransport {
             lanes: lanes.into_iter().map(|l| l.whole).collect(),
             host: host.map(|(_, whole)| whole),
         };
+        crate::cuda::timeline("nixl lanes and host ready", 0);
         let out = if plan.at.len() >= PLAN_MIN_TENSORS {
             TensorList::lazy(Arc::new(views))
         } else {
@@ -2161,6 +2165,7 @@ impl NixlTransport {
                     .collect::<Vec<_>>(),
             )
         };
+        crate::cuda::timeline("nixl views made", 0);
         let lists = plan
             .lists
             .iter()
