@@ -509,6 +509,14 @@ pub trait TensorTransport: Send + Sync + 'static {
         None
     }
 
+    /// Consumer: a receive of this transport ended and its acknowledgement
+    /// went out, while the call that takes the value may be running on
+    /// the actor's thread. A transport may get ready for its next receive
+    /// here (`nixl` makes the destination of a small read it expects
+    /// again, NX-11). Called on the thread that ran the receive; must not
+    /// block for long. The default does nothing.
+    fn after_receive(&self) {}
+
     /// Where the worker starts the receive of `exported` (see
     /// [`ReceiveStart`]). Asked once per receive not in a group, with its
     /// decoded metadata and handles: it must be cheap. The default:

@@ -1784,6 +1784,7 @@ fn on_deliver(
                     xfer,
                     result: ack,
                 });
+                transport.1.after_receive();
             };
             if landed_already {
                 acknowledge.await;

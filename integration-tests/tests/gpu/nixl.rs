@@ -41,6 +41,39 @@ async fn check_iota(rt: &Runtime, p: &GpuProducerHandle, c: &GpuConsumerHandle) 
     at
 }
 
+gpu_test!(
+    nixl_a_small_read_again_finds_its_destination_made_ahead,
+    async {
+        require_gpu();
+        let (rt, p, c) = setup_on(&[0], &[0]).await;
+        // One object of 4 KiB passed again and again, its values changed
+        // in place between passes: the same read plan each time.
+        let n = 1024;
+        let r = p.make_kept(0.0, n).transport(NIXL).remote();
+        rt.wait(&r).await.unwrap();
+        let s0 = rt.get(c.nixl_stats().remote()).await.unwrap();
+        for k in 1..=6u32 {
+            rt.get(p.fill_kept(0, k as f32).remote()).await.unwrap();
+            // Read back: the fill has landed before the next READ.
+            assert_eq!(rt.get(p.read_kept(0).remote()).await.unwrap(), k as f32);
+            let (sum, _) = rt.get(c.sum(&r).remote()).await.unwrap();
+            assert_eq!(sum, f64::from(k) * n as f64, "pass {k} read its bytes");
+        }
+        let s1 = rt.get(c.nixl_stats().remote()).await.unwrap();
+        // NX-11: after each receive the next destination was made ahead,
+        // and every pass after the first posted its READ into one.
+        assert!(
+            s1.dests_made_ahead - s0.dests_made_ahead >= 5,
+            "{s0:?} -> {s1:?}"
+        );
+        assert!(
+            s1.dests_taken_ready - s0.dests_taken_ready >= 5,
+            "{s0:?} -> {s1:?}"
+        );
+        assert_eq!(s1.reads_posted - s0.reads_posted, 6);
+    }
+);
+
 gpu_test!(nixl_same_gpu, async {
     require_gpu();
     let (rt, p, c) = setup_on(&[0], &[0]).await;

@@ -186,6 +186,12 @@ pub struct NixlStats {
     pub lists_made_by_reader: u64,
     /// ... or, with no reader waiting, by the receive itself.
     pub lists_premade: u64,
+    /// Destinations of small device reads made ahead, after a receive of
+    /// the same plan (NX-11) ...
+    pub dests_made_ahead: u64,
+    /// ... and the receives that found one ready (no allocation, views or
+    /// descriptor lists before their post).
+    pub dests_taken_ready: u64,
 }
 
 #[derive(Default)]
@@ -213,6 +219,8 @@ struct Counters {
     target_lists_reused: AtomicU64,
     lists_made_by_reader: AtomicU64,
     lists_premade: AtomicU64,
+    dests_made_ahead: AtomicU64,
+    dests_taken_ready: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -256,6 +264,8 @@ pub fn stats() -> NixlStats {
         target_lists_reused: c.target_lists_reused.load(Ordering::Relaxed),
         lists_made_by_reader: c.lists_made_by_reader.load(Ordering::Relaxed),
         lists_premade: c.lists_premade.load(Ordering::Relaxed),
+        dests_made_ahead: c.dests_made_ahead.load(Ordering::Relaxed),
+        dests_taken_ready: c.dests_taken_ready.load(Ordering::Relaxed),
     }
 }
 
@@ -835,6 +845,12 @@ pub struct NixlTransport {
     small_plans: crate::recent::Recent<Arc<ReadPlan>>,
     /// Plans of recent receives into target tensors (NX-8).
     target_plans: crate::recent::Recent<Arc<TargetPlan>>,
+    /// Destinations made ahead for small device reads (NX-11), at most
+    /// one per plan and [`SMALL_PLANS_KEPT`] in all.
+    ready: Mutex<Vec<ReadyDest>>,
+    /// Plans whose next destination is to be made ahead, at the next
+    /// [`TensorTransport::after_receive`].
+    wanted: Mutex<Vec<Arc<ReadPlan>>>,
 }
 
 /// What an export keeps alive.
@@ -934,6 +950,8 @@ impl NixlTransport {
             plans: crate::recent::Recent::new(PLANS_KEPT),
             small_plans: crate::recent::Recent::new(SMALL_PLANS_KEPT),
             target_plans: crate::recent::Recent::new(PLANS_KEPT),
+            ready: Default::default(),
+            wanted: Default::default(),
         }
     }
 
@@ -1245,8 +1263,14 @@ impl NixlTransport {
                 std::mem::take(&mut target_keep),
                 Vec::new(),
             ),
-            Into::Fresh(plan) => self.take_planned(&agent, plan, from)?,
+            Into::Fresh(plan) => match self.take_ready(plan) {
+                Some(r) => (r.out, r.lists, r.keep, r.not_clean),
+                None => self.take_planned(&agent, plan, &err)?,
+            },
         };
+        if let Into::Fresh(plan) = &into {
+            self.want_ready(plan);
+        }
         crate::cuda::timeline("nixl destinations ready", cx.xfer);
         // The tensors of a large object are made while the bytes move
         // (`TensorList::premake`). A thread waiting to use them (WK-8)
@@ -2073,7 +2097,7 @@ impl NixlTransport {
         &self,
         agent: &Arc<Agent>,
         plan: &Arc<ReadPlan>,
-        from: &Peer,
+        err: &dyn Fn(String) -> TransportError,
     ) -> Result<
         (
             TensorList,
@@ -2083,7 +2107,6 @@ impl NixlTransport {
         ),
         TransportError,
     > {
-        let err = |m: String| TransportError::with_peer(NAME, from, m);
         let mut keep = Vec::new();
         // Each GPU's range and registration are found once, not per
         // tensor; each tensor is a view of it (a reference count, not an
@@ -2192,6 +2215,104 @@ impl NixlTransport {
             })
             .collect();
         Ok((out, lists, keep, not_clean))
+    }
+}
+
+/// The largest object whose next destination is made ahead (NX-11).
+const READY_MAX_BYTES: usize = 64 << 10;
+
+/// `RDT_NIXL_READY_DEST=0` makes every destination at its receive, as
+/// before NX-11 (a measurement knob).
+static READY_DEST: crate::switch::Switch = crate::switch::Switch::new("RDT_NIXL_READY_DEST", true);
+
+/// A small read's destination made ahead of its receive (NX-11): what
+/// [`NixlTransport::take_planned`] returns for its plan.
+struct ReadyDest {
+    plan: Arc<ReadPlan>,
+    out: TensorList,
+    lists: Vec<(Vec<Desc>, Vec<Desc>)>,
+    keep: Vec<Kept>,
+    not_clean: Vec<usize>,
+}
+
+impl ReadPlan {
+    /// Is its next destination made ahead (NX-11)? Small objects in
+    /// device memory only: their set-up is a large share of their pass,
+    /// and what is made ahead stays small (host regions are left to their
+    /// pools, whose bytes in use are accounted).
+    fn made_ahead(&self) -> bool {
+        self.host_len == 0
+            && !self.lanes.is_empty()
+            && self.nbytes <= READY_MAX_BYTES
+            && self.at.len() < PLAN_MIN_TENSORS
+            && READY_DEST.on()
+    }
+}
+
+impl NixlTransport {
+    /// The destination made ahead for `plan`, if there is one (NX-11).
+    fn take_ready(&self, plan: &Arc<ReadPlan>) -> Option<ReadyDest> {
+        if !READY_DEST.on() {
+            return None;
+        }
+        let mut ready = self.ready.lock();
+        let at = ready.iter().position(|r| Arc::ptr_eq(&r.plan, plan))?;
+        bump(&COUNTERS.dests_taken_ready, 1);
+        Some(ready.swap_remove(at))
+    }
+
+    /// Notes that `plan`'s next destination is to be made ahead.
+    fn want_ready(&self, plan: &Arc<ReadPlan>) {
+        if !plan.made_ahead() {
+            return;
+        }
+        let mut wanted = self.wanted.lock();
+        if !wanted.iter().any(|p| Arc::ptr_eq(p, plan)) {
+            wanted.push(plan.clone());
+        }
+    }
+
+    /// Makes the destinations wanted (NX-11): the memory, its
+    /// registration, the tensors and the descriptor lists of the next
+    /// receive of each plan, so that it posts its READ without them.
+    fn make_ready(&self) {
+        let wanted = std::mem::take(&mut *self.wanted.lock());
+        if wanted.is_empty() {
+            return;
+        }
+        let Ok(agent) = self.agent() else { return };
+        let err = |m: String| TransportError::new(NAME, m);
+        for plan in wanted {
+            if self
+                .ready
+                .lock()
+                .iter()
+                .any(|r| Arc::ptr_eq(&r.plan, &plan))
+            {
+                continue;
+            }
+            // A failure here is not the receive's: it makes its own.
+            let Ok((out, lists, keep, not_clean)) = self.take_planned(&agent, &plan, &err) else {
+                continue;
+            };
+            bump(&COUNTERS.dests_made_ahead, 1);
+            crate::cuda::timeline("nixl destination made ahead", 0);
+            let made = ReadyDest {
+                plan,
+                out,
+                lists,
+                keep,
+                not_clean,
+            };
+            let mut ready = self.ready.lock();
+            if ready.iter().any(|r| Arc::ptr_eq(&r.plan, &made.plan)) {
+                continue;
+            }
+            if ready.len() >= SMALL_PLANS_KEPT {
+                ready.remove(0);
+            }
+            ready.push(made);
+        }
     }
 }
 
@@ -2571,8 +2692,16 @@ impl TensorTransport for NixlTransport {
         Box::pin(async { Ok(()) })
     }
 
+    fn after_receive(&self) {
+        self.make_ready();
+    }
+
     fn peer_gone(&self, actor: u64) {
+        // Their plans read its memory: the destinations made for them go.
         let prefix = format!("rdt-a{actor}-");
+        self.ready
+            .lock()
+            .retain(|r| !r.plan.h.agent.starts_with(&prefix));
         let Some(Ok(agent)) = STARTED_AGENT.get() else {
             return;
         };
