@@ -11,23 +11,10 @@
 //!
 //! Workers therefore keep up to [`TRIM_ABOVE`] of freed heap per arena, and
 //! map only allocations of [`MAP_ABOVE`] or more on their own (a large CPU
-//! tensor still goes back to the kernel when freed).
-//!
-//! Workers also keep no *fastbins* (glibc's `M_MXFAST`, 0). Small chunks
-//! freed beyond what a thread's cache holds wait in fastbins, and every
-//! request of 1 KiB or more first consolidates all of them
-//! (`malloc_consolidate`). A small `nixl` pass makes two such requests on
-//! the consumer's path (the receive's task, 1 432 bytes, and the call's
-//! argument wait), behind some fifty small frees: on the dev VM the
-//! receive task's box took 1.6 µs with fastbins and 0.7 µs without (1.5 µs
-//! on a 2×H200 host with them), whose timelines first showed it. The
-//! thread caches (`tcache`, up to 1 KiB) serve small chunks as before.
-//! `RDT_WORKER_FASTBINS=1` keeps them (a measurement knob, which a
-//! benchmark may flip while the worker runs).
-//!
-//! `RDT_HEAP_DEFAULTS=1` keeps glibc's behaviour; so does a
-//! `GLIBC_TUNABLES` that sets one of these (the user's choice wins). The
-//! driver's process is the user's, and rdt leaves its heap alone.
+//! tensor still goes back to the kernel when freed). `RDT_HEAP_DEFAULTS=1`
+//! keeps glibc's behaviour; so does a `GLIBC_TUNABLES` that sets either
+//! threshold (the user's choice wins). The driver's process is the user's,
+//! and rdt leaves its heap alone.
 
 /// Allocations at least this large are mapped on their own.
 pub(crate) const MAP_ABOVE: usize = 32 << 20;
@@ -40,35 +27,11 @@ pub(crate) fn tune_worker_heap() {
         return;
     }
     let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
-    if !tunables.contains("mxfast") {
-        // Read once: the read applies it (`apply_fastbins`).
-        let _ = FASTBINS.on();
-    }
     if tunables.contains("mmap_threshold") || tunables.contains("trim_threshold") {
         return;
     }
     set_thresholds();
 }
-
-/// Whether workers keep glibc's fastbins (`RDT_WORKER_FASTBINS=1`).
-static FASTBINS: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::applied_by("RDT_WORKER_FASTBINS", false, apply_fastbins);
-
-/// glibc's default `M_MXFAST` on 64-bit targets (`64 * sizeof(size_t) / 4`).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-const DEFAULT_MXFAST: libc::c_int = 128;
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn apply_fastbins(on: bool) {
-    // SAFETY: mallopt only sets an allocator parameter (glibc consolidates
-    // the fastbins it has when it changes).
-    unsafe {
-        libc::mallopt(libc::M_MXFAST, if on { DEFAULT_MXFAST } else { 0 });
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn apply_fastbins(_on: bool) {}
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn set_thresholds() {

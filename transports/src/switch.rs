@@ -16,9 +16,6 @@ pub struct Switch {
     on_by_default: bool,
     /// `UNREAD`, `OFF` or `ON`.
     value: AtomicU8,
-    /// Applies the value where rdt's code does not look it up (a C
-    /// library's setting): at the first read, and at each [`set`] after.
-    apply: Option<fn(bool)>,
 }
 
 const UNREAD: u8 = 0;
@@ -37,19 +34,6 @@ impl Switch {
             env,
             on_by_default,
             value: AtomicU8::new(UNREAD),
-            apply: None,
-        }
-    }
-
-    /// A switch whose value `apply` puts into effect: once at its first
-    /// read ([`on`](Self::on)), and again at each [`set`] after it. `apply`
-    /// runs under the switches' lock: it must not read a switch.
-    pub const fn applied_by(env: &'static str, on_by_default: bool, apply: fn(bool)) -> Self {
-        Switch {
-            env,
-            on_by_default,
-            value: AtomicU8::new(UNREAD),
-            apply: Some(apply),
         }
     }
 
@@ -85,9 +69,6 @@ impl Switch {
             });
         self.value
             .store(if on { ON } else { OFF }, Ordering::Relaxed);
-        if let Some(apply) = self.apply {
-            apply(on);
-        }
         read.push(self);
         on
     }
@@ -102,9 +83,6 @@ pub fn set(env: &str, on: bool) {
     PRESET.lock().push((env.to_string(), on));
     for s in read.iter().filter(|s| s.env == env) {
         s.value.store(if on { ON } else { OFF }, Ordering::Relaxed);
-        if let Some(apply) = s.apply {
-            apply(on);
-        }
     }
 }
 
@@ -148,21 +126,5 @@ mod tests {
         assert!(READ_BEFORE.on());
         set("RDT_SWITCH_TEST_SET_UNREAD", false);
         assert!(!NOT_YET.on(), "a value set before the first read wins");
-    }
-
-    #[test]
-    fn an_applied_switch_applies_its_first_read_and_each_set_after() {
-        static APPLIED: Mutex<Vec<bool>> = Mutex::new(Vec::new());
-        fn apply(on: bool) {
-            APPLIED.lock().push(on);
-        }
-        static S: Switch = Switch::applied_by("RDT_SWITCH_TEST_APPLIED", true, apply);
-        set("RDT_SWITCH_TEST_APPLIED_OTHER", false);
-        assert!(APPLIED.lock().is_empty(), "nothing before its first read");
-        assert!(S.on());
-        assert!(S.on());
-        set("RDT_SWITCH_TEST_APPLIED", false);
-        set("RDT_SWITCH_TEST_APPLIED", true);
-        assert_eq!(*APPLIED.lock(), [true, false, true]);
     }
 }
