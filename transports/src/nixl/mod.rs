@@ -77,18 +77,17 @@
 //!   clean memory where the allocator has some and otherwise waits the
 //!   same way (`cuda::alloc`, invariant 5). An idle stream costs one query.
 //! - **NX-11 (a small read's next destination made ahead):** after a
-//!   receive into fresh device memory of at most [`READY_MAX_BYTES`]
-//!   (fewer than [`PLAN_MIN_TENSORS`] tensors, no host part) was
-//!   acknowledged, the transport makes the next destination of the same
-//!   plan (`TensorTransport::after_receive`, on the thread that ran the
-//!   receive, while the call that took the value runs): its memory, the
-//!   tensors over it and the descriptor lists. The next receive of that
-//!   plan takes it and only posts. A destination belongs to one plan,
-//!   is taken by one receive (under the transport's lock), holds its
-//!   memory until then (at most [`SMALL_PLANS_KEPT`] of them, the oldest
-//!   dropped first, and those of a dead producer's plans at
+//!   receive into fresh device memory of at most 64 KiB (fewer than 64
+//!   tensors, no host part) was acknowledged, the transport makes the
+//!   next destination of the same plan (`TensorTransport::after_receive`,
+//!   on the thread that ran the receive, while the call that took the
+//!   value runs): its memory, the tensors over it and the descriptor
+//!   lists. The next receive of that plan takes it and only posts. A
+//!   destination belongs to one plan, is taken by one receive (under the
+//!   transport's lock), holds its memory until then (at most 8 of them,
+//!   the oldest dropped first, and those of a dead producer's plans at
 //!   `peer_gone`), and keeps NX-9: memory that was not clean when it was
-//!   taken makes its receive wait for rdt's stream, as a fresh one does.
+//!   made makes its receive wait for rdt's stream, as a fresh one does.
 //!   `RDT_NIXL_READY_DEST=0` turns it off.
 
 mod agent;
@@ -2272,7 +2271,7 @@ impl NixlTransport {
         let mut ready = self.ready.lock();
         let at = ready.iter().position(|r| Arc::ptr_eq(&r.plan, plan))?;
         bump(&COUNTERS.dests_taken_ready, 1);
-        Some(ready.swap_remove(at))
+        Some(ready.remove(at))
     }
 
     /// Notes that `plan`'s next destination is to be made ahead.
