@@ -2274,13 +2274,18 @@ impl NixlTransport {
         Some(ready.remove(at))
     }
 
-    /// Notes that `plan`'s next destination is to be made ahead.
+    /// Notes that `plan`'s next destination is to be made ahead. A
+    /// process whose receives are not followed by `after_receive` (the
+    /// driver's reads) keeps the last few wanted, not all.
     fn want_ready(&self, plan: &Arc<ReadPlan>) {
         if !plan.made_ahead() {
             return;
         }
         let mut wanted = self.wanted.lock();
         if !wanted.iter().any(|p| Arc::ptr_eq(p, plan)) {
+            if wanted.len() >= SMALL_PLANS_KEPT {
+                wanted.remove(0);
+            }
             wanted.push(plan.clone());
         }
     }
