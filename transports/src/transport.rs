@@ -509,9 +509,10 @@ pub trait TensorTransport: Send + Sync + 'static {
         None
     }
 
-    /// Consumer: a receive of this transport ended and its acknowledgement
-    /// went out, while the call that takes the value may be running on
-    /// the actor's thread. A transport may get ready for its next receive
+    /// Consumer: a receive of this transport ended and its own task sent
+    /// its acknowledgement (a stream-ordered receive that a call
+    /// acknowledged, WK-9, is not followed by this), while the call that
+    /// takes the value may be running on the actor's thread. A transport may get ready for its next receive
     /// here (`nixl` makes the destination of a small read it expects
     /// again, NX-11). Called on the thread that ran the receive; must not
     /// block for long. The default does nothing.
