@@ -1269,15 +1269,20 @@ impl NixlTransport {
         };
         self.load_remote(&agent, h).map_err(|e| reading(e.0))?;
         crate::cuda::timeline("nixl remote loaded", cx.xfer);
-        let (out, lists, keep, not_clean) = match &into {
-            Into::Targets(ts, plan) => (
-                TensorList::shared(Arc::clone(ts)),
-                plan.lists.clone(),
-                std::mem::take(&mut target_keep),
-                Vec::new(),
-            ),
+        let Destination {
+            out,
+            lists,
+            keep,
+            not_clean,
+        } = match &into {
+            Into::Targets(ts, plan) => Destination {
+                out: TensorList::shared(Arc::clone(ts)),
+                lists: plan.lists.clone(),
+                keep: std::mem::take(&mut target_keep),
+                not_clean: Vec::new(),
+            },
             Into::Fresh(plan) => match self.take_ready(plan) {
-                Some(r) => (r.out, r.lists, r.keep, r.not_clean),
+                Some(dest) => dest,
                 None => self.take_planned(&agent, plan, &err)?,
             },
         };
@@ -2103,23 +2108,14 @@ impl NixlTransport {
     ///
     /// The tensors of a kept plan (a large object) come back as a lazy list
     /// ([`PlannedViews`]): each view is made when a call's decode wants it.
-    /// Also returns the GPUs whose range is not clean (`cuda::alloc`,
+    /// Also says which GPUs' ranges are not clean (`cuda::alloc`,
     /// invariant 5): the read waits for rdt's stream there first.
-    #[allow(clippy::type_complexity)]
     fn take_planned(
         &self,
         agent: &Arc<Agent>,
         plan: &Arc<ReadPlan>,
         err: &dyn Fn(String) -> TransportError,
-    ) -> Result<
-        (
-            TensorList,
-            Vec<(Vec<Desc>, Vec<Desc>)>,
-            Vec<Kept>,
-            Vec<usize>,
-        ),
-        TransportError,
-    > {
+    ) -> Result<Destination, TransportError> {
         let mut keep = Vec::new();
         // Each GPU's range and registration are found once, not per
         // tensor; each tensor is a view of it (a reference count, not an
@@ -2227,7 +2223,12 @@ impl NixlTransport {
                 (local, remote.clone())
             })
             .collect();
-        Ok((out, lists, keep, not_clean))
+        Ok(Destination {
+            out,
+            lists,
+            keep,
+            not_clean,
+        })
     }
 }
 
@@ -2238,14 +2239,21 @@ const READY_MAX_BYTES: usize = 64 << 10;
 /// before NX-11 (a measurement knob).
 static READY_DEST: crate::switch::Switch = crate::switch::Switch::new("RDT_NIXL_READY_DEST", true);
 
-/// A small read's destination made ahead of its receive (NX-11): what
-/// [`NixlTransport::take_planned`] returns for its plan.
-struct ReadyDest {
-    plan: Arc<ReadPlan>,
+/// Where a READ lands: the tensors it fills, its (local, remote)
+/// descriptor lists, what keeps that memory registered and alive, and the
+/// GPUs whose memory was not clean (NX-9).
+struct Destination {
     out: TensorList,
     lists: Vec<(Vec<Desc>, Vec<Desc>)>,
     keep: Vec<Kept>,
     not_clean: Vec<usize>,
+}
+
+/// A small read's destination made ahead of its receive (NX-11), for its
+/// plan.
+struct ReadyDest {
+    plan: Arc<ReadPlan>,
+    dest: Destination,
 }
 
 impl ReadPlan {
@@ -2264,14 +2272,14 @@ impl ReadPlan {
 
 impl NixlTransport {
     /// The destination made ahead for `plan`, if there is one (NX-11).
-    fn take_ready(&self, plan: &Arc<ReadPlan>) -> Option<ReadyDest> {
+    fn take_ready(&self, plan: &Arc<ReadPlan>) -> Option<Destination> {
         if !READY_DEST.on() {
             return None;
         }
         let mut ready = self.ready.lock();
         let at = ready.iter().position(|r| Arc::ptr_eq(&r.plan, plan))?;
         bump(&COUNTERS.dests_taken_ready, 1);
-        Some(ready.remove(at))
+        Some(ready.remove(at).dest)
     }
 
     /// Notes that `plan`'s next destination is to be made ahead. A
@@ -2310,18 +2318,12 @@ impl NixlTransport {
                 continue;
             }
             // A failure here is not the receive's: it makes its own.
-            let Ok((out, lists, keep, not_clean)) = self.take_planned(&agent, &plan, &err) else {
+            let Ok(dest) = self.take_planned(&agent, &plan, &err) else {
                 continue;
             };
             bump(&COUNTERS.dests_made_ahead, 1);
             crate::cuda::timeline("nixl destination made ahead", 0);
-            let made = ReadyDest {
-                plan,
-                out,
-                lists,
-                keep,
-                not_clean,
-            };
+            let made = ReadyDest { plan, dest };
             let mut ready = self.ready.lock();
             if ready.iter().any(|r| Arc::ptr_eq(&r.plan, &made.plan)) {
                 continue;
