@@ -146,6 +146,17 @@ pub(crate) enum ObjState {
     Failed(Error),
 }
 
+impl ObjState {
+    /// What it settled to: its value or its error; `None` while pending.
+    pub(crate) fn settled(&self) -> Option<Result<WireValue, Error>> {
+        match self {
+            ObjState::Pending => None,
+            ObjState::Ready(v) => Some(Ok(v.clone())),
+            ObjState::Failed(err) => Some(Err(err.clone())),
+        }
+    }
+}
+
 /// A consumer's copy of an object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Copy {
@@ -689,11 +700,7 @@ impl OwnerTable {
                 // call's transfers and releases its arguments below.
                 // One that looks the value up waits for the unlock.
                 // Cloned only for those waiting: most replies have none.
-                let settled = || match &e.state {
-                    ObjState::Ready(v) => Ok(v.clone()),
-                    ObjState::Failed(err) => Err(err.clone()),
-                    ObjState::Pending => unreachable!("set above"),
-                };
+                let settled = || e.state.settled().expect("set above");
                 for g in std::mem::take(&mut e.getters) {
                     match g {
                         Getter::Value(tx) if HAND_VALUES.on() => {

@@ -1597,15 +1597,12 @@ impl Inner {
             let Some(e) = st.table.objects.get_mut(&id) else {
                 return Err(Error::Freed { object: id });
             };
-            match &e.state {
-                ObjState::Ready(v) => return Ok(v.clone()),
-                ObjState::Failed(err) => return Err(err.clone()),
-                ObjState::Pending => {
-                    let (tx, rx) = oneshot::channel();
-                    e.getters.push(crate::owner::Getter::Value(tx));
-                    rx
-                }
+            if let Some(settled) = e.state.settled() {
+                return settled;
             }
+            let (tx, rx) = oneshot::channel();
+            e.getters.push(crate::owner::Getter::Value(tx));
+            rx
         };
         // Handed the value (OW-14). A dropped sender means the runtime went
         // away. Hot (rdt_transport::hot): a value that arrives within the
