@@ -328,7 +328,6 @@ async fn run_and_reply<A: RdtActor>(
     // Straight to the consumers the driver named first (OW-9): their
     // receive starts while the reply is on its way.
     let delivered = super::peer::deliver_result(&shared, result_id, &result);
-    rdt_transport::cuda::timeline("call delivered", call);
     rdt_transport::cuda::timeline("call reply ready", call);
     if let Err(e) = shared.tx.send(&ToDriver::CallDone {
         call,
