@@ -832,6 +832,7 @@ async fn overlap(
     let mut on_by_window = Vec::new();
     for window in [2usize, 3] {
         let s0 = rt.get(recv.nccl_stats().remote()).await?;
+        let held0 = rt.sends_held();
         let mut on = Vec::new();
         for i in 0..iters + 1 {
             let t0 = Instant::now();
@@ -851,9 +852,10 @@ async fn overlap(
         }
         let s1 = rt.get(recv.nccl_stats().remote()).await?;
         println!(
-            "  overlap on, {window} calls in flight: {} of {} receives into clean memory (did not wait for the receiver's compute)",
+            "  overlap on, {window} calls in flight: {} of {} receives into clean memory (did not wait for the receiver's compute); {} sends held behind the transfer ahead (OW-15)",
             s1.receives_clean - s0.receives_clean,
-            s1.receives - s0.receives
+            s1.receives - s0.receives,
+            rt.sends_held() - held0
         );
         on_by_window.push((window, on));
     }

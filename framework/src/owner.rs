@@ -85,6 +85,22 @@
 //!   ([`Getter::Signal`]) are woken after the unlock, as before.
 //!   `RDT_HAND_VALUES=0` wakes every getter after the unlock (a
 //!   measurement knob).
+//! - **OW-15 (large sends to one consumer, one at a time):** a two-sided
+//!   transfer of at least `RuntimeBuilder::large_transfer_bytes` (128 MiB) whose
+//!   consumer already has such a transfer in flight is delivered at once
+//!   (the consumer posts its receive) but its producer's `SendTo` is held
+//!   here, in order, until the transfers ahead of it for that consumer
+//!   ended (acknowledged, failed or aborted). Bytes into one GPU share its
+//!   links, and senders on one GPU share it in time slices: started
+//!   together, two such transfers landed one after the other in whichever
+//!   order their senders happened to start (2×H200, session 43), so the
+//!   call queued first often waited for both. Held, the first call's bytes
+//!   land first, at full speed. Such a delivery asks its consumer to
+//!   acknowledge at landing even when a call took the value
+//!   ([`Delivery::ack_at_landing`]), so the next send goes without waiting
+//!   for that call's end. A held transfer's deadline runs from its
+//!   delivery; its producer never hears of it if it is aborted while held.
+//!   `RDT_LARGE_SENDS_IN_ORDER=0` turns it off.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
 //!   go out (a delivery that waited for a pending object too): no transfer
@@ -106,6 +122,34 @@ pub(crate) type ActorId = u64;
 /// `RDT_HAND_VALUES=0` wakes getters after the unlock, as before OW-14.
 static HAND_VALUES: rdt_transport::switch::Switch =
     rdt_transport::switch::Switch::new("RDT_HAND_VALUES", true);
+
+/// `RDT_LARGE_SENDS_IN_ORDER=0` sends every two-sided transfer at once
+/// (OW-15 off).
+static LARGE_SENDS_IN_ORDER: rdt_transport::switch::Switch =
+    rdt_transport::switch::Switch::new("RDT_LARGE_SENDS_IN_ORDER", true);
+
+/// The size from which two-sided transfers to one consumer go one at a
+/// time (OW-15) unless the runtime was built with another: 128 MiB, about
+/// 0.35 ms over NVLink at 370 GB/s, so that the round trip that releases
+/// the next send (tens of µs) costs it at most about a tenth.
+pub(crate) const DEFAULT_LARGE_TRANSFER_BYTES: usize = 128 << 20;
+
+/// OW-15's size, [`DEFAULT_LARGE_TRANSFER_BYTES`] unless set.
+pub(crate) struct LargeTransferBytes(pub usize);
+
+impl Default for LargeTransferBytes {
+    fn default() -> Self {
+        LargeTransferBytes(DEFAULT_LARGE_TRANSFER_BYTES)
+    }
+}
+
+/// A producer's `SendTo` held until the large transfers ahead of it for
+/// the same consumer ended (OW-15).
+struct HeldSend {
+    xfer: u64,
+    producer: ActorId,
+    order: ToWorker,
+}
 
 /// Someone waiting for a pending object to become ready or fail.
 pub(crate) enum Getter {
@@ -285,6 +329,8 @@ pub(crate) struct InFlight {
     pub consumer: ActorId,
     pub transport: Transport,
     pub two_sided: bool,
+    /// Two-sided and at least `large_transfer_bytes` (OW-15).
+    pub large: bool,
 }
 
 /// What the owner table asks of the driver's collective groups (OW-8).
@@ -381,6 +427,13 @@ pub(crate) struct OwnerTable {
     next_xfer: u64,
     /// Straight orders (OW-9) whose producer has not answered yet.
     straight_orders: usize,
+    /// OW-15: per consumer, the `SendTo`s held behind its large transfer
+    /// in flight, oldest first.
+    held_sends: HashMap<ActorId, std::collections::VecDeque<HeldSend>>,
+    /// Sends held by OW-15 (for tests and benchmarks).
+    pub sends_held: u64,
+    /// OW-15's size (`RuntimeBuilder::large_transfer_bytes`).
+    pub large_transfer_bytes: LargeTransferBytes,
     /// Getters of values that became ready or failed, to be woken once
     /// the driver's lock is released (`StateGuard`'s drop): woken under
     /// the lock, a getter that looks the value up found it held and
@@ -488,11 +541,64 @@ impl OwnerTable {
         )
     }
 
-    /// Takes `xfer` out of the transfers in flight, noting that it ended.
-    fn end_transfer(&mut self, xfer: u64) -> Option<InFlight> {
+    /// Takes `xfer` out of the transfers in flight, noting that it ended;
+    /// the end of a large one sends the next held send to its consumer
+    /// (OW-15).
+    fn end_transfer(&mut self, xfer: u64, actors: &Actors) -> Option<InFlight> {
         let t = self.transfers.remove(&xfer)?;
         self.ended.push(xfer);
+        if t.large {
+            self.send_next_held(t.consumer, actors);
+        }
         Some(t)
+    }
+
+    /// OW-15: unless a large transfer to `consumer` is still in flight with
+    /// its send gone out, sends the oldest held send of a transfer still in
+    /// flight (one aborted while held is dropped). A send that cannot go
+    /// fails its transfer as in `start_direct` (OW-6); its end then sends
+    /// the next.
+    fn send_next_held(&mut self, consumer: ActorId, actors: &Actors) {
+        let Some(queue) = self.held_sends.get_mut(&consumer) else {
+            return;
+        };
+        let held: Vec<u64> = queue.iter().map(|h| h.xfer).collect();
+        let sending = self
+            .transfers
+            .iter()
+            .any(|(x, t)| t.large && t.consumer == consumer && !held.contains(x));
+        if sending {
+            return;
+        }
+        while let Some(h) = queue.pop_front() {
+            let Some(t) = self.transfers.get(&h.xfer) else {
+                continue;
+            };
+            rdt_transport::cuda::timeline("driver held send released", h.xfer);
+            if let Err(err) = send(actors, h.producer, &h.order) {
+                send_small(
+                    actors,
+                    consumer,
+                    &ToWorker::AbortTransfer {
+                        object: t.object,
+                        xfer: h.xfer,
+                        error: err,
+                    },
+                );
+            }
+            break;
+        }
+        if queue.is_empty() {
+            self.held_sends.remove(&consumer);
+        }
+    }
+
+    /// Whether `xfer`'s send is held (OW-15): its producer has not heard
+    /// of it.
+    fn send_is_held(&self, consumer: ActorId, xfer: u64) -> bool {
+        self.held_sends
+            .get(&consumer)
+            .is_some_and(|q| q.iter().any(|h| h.xfer == xfer))
     }
 
     /// The transfer `xfer`, if it is still in flight.
@@ -594,6 +700,7 @@ impl OwnerTable {
                 consumer,
                 transport: e.transport,
                 two_sided: false,
+                large: false,
             },
         );
         true
@@ -640,6 +747,7 @@ impl OwnerTable {
                         from: None,
                         xfer: 0,
                         group: None,
+                        ack_at_landing: false,
                     }),
                 };
                 if let Err(err) = send(actors, consumer, &msg) {
@@ -649,9 +757,41 @@ impl OwnerTable {
                 e.sent_elsewhere = true;
                 self.next_xfer += 1;
                 let xfer = self.next_xfer;
+                // OW-15: behind a large transfer to the same consumer, a
+                // large one's send waits.
+                let large = sided == Sidedness::TwoSided
+                    && value.exported.nbytes() >= self.large_transfer_bytes.0
+                    && LARGE_SENDS_IN_ORDER.on();
+                let behind = large
+                    && self
+                        .transfers
+                        .values()
+                        .any(|t| t.large && t.consumer == consumer);
                 let e = self.objects.get_mut(&id).expect("looked up above");
-                self.transfers
-                    .extend(start_direct(e, id, xfer, consumer, value, actors, groups));
+                let mut held = None;
+                let started = start_direct(
+                    e,
+                    id,
+                    xfer,
+                    consumer,
+                    value,
+                    actors,
+                    groups,
+                    (large, behind),
+                    &mut held,
+                );
+                if let Some((producer, order)) = held {
+                    self.sends_held += 1;
+                    self.held_sends
+                        .entry(consumer)
+                        .or_default()
+                        .push_back(HeldSend {
+                            xfer,
+                            producer,
+                            order,
+                        });
+                }
+                self.transfers.extend(started);
                 if self.transfers.contains_key(&xfer) {
                     self.started.push(xfer);
                 }
@@ -733,7 +873,7 @@ impl OwnerTable {
                         self.ended.push(xfer);
                         continue;
                     }
-                    self.end_transfer(xfer);
+                    self.end_transfer(xfer, actors);
                     let e = self.objects.get_mut(&result).expect("looked up above");
                     if e.copies.get(&c) == Some(&Copy::Receiving(xfer)) {
                         e.copies.remove(&c);
@@ -760,7 +900,7 @@ impl OwnerTable {
                     .get(&a)
                     .and_then(|e| e.copies.get(&consumer).copied());
                 if let Some(Copy::Receiving(xfer)) = copy {
-                    if let Some(t) = self.end_transfer(xfer) {
+                    if let Some(t) = self.end_transfer(xfer, actors) {
                         self.settle(&t, actors);
                     }
                 }
@@ -784,7 +924,7 @@ impl OwnerTable {
                 .and_then(|e| e.copies.remove(&consumer));
             if let Some(Copy::Receiving(xfer)) = copy {
                 // Received (the call ran with it): settled with it.
-                self.end_transfer(xfer);
+                self.end_transfer(xfer, actors);
             }
             self.released_by_callees += u64::from(copy.is_some());
         }
@@ -851,7 +991,7 @@ impl OwnerTable {
             tracing::warn!("actor {from} acknowledged transfer {xfer}, which is not its own");
             return None;
         }
-        let t = self.end_transfer(xfer).expect("looked up above");
+        let t = self.end_transfer(xfer, actors).expect("looked up above");
         if result.is_err() && self.deliver_again(&t, actors, groups) {
             return Some(t);
         }
@@ -911,14 +1051,19 @@ impl OwnerTable {
     /// to stop, and the copy is settled now, without waiting for an ack
     /// that may never come.
     pub fn abort(&mut self, xfer: u64, error: Error, actors: &Actors) -> Option<InFlight> {
-        let t = self.end_transfer(xfer)?;
+        // A producer whose send is still held never heard of it (OW-15).
+        let held = self
+            .transfers
+            .get(&xfer)
+            .is_some_and(|t| self.send_is_held(t.consumer, xfer));
+        let t = self.end_transfer(xfer, actors)?;
         let msg = ToWorker::AbortTransfer {
             object: t.object,
             xfer,
             error,
         };
         send_small(actors, t.consumer, &msg);
-        if let (true, Some(p)) = (t.two_sided, t.producer) {
+        if let (true, Some(p), false) = (t.two_sided, t.producer, held) {
             send_small(actors, p, &msg);
         }
         self.settle(&t, actors);
@@ -1043,6 +1188,10 @@ fn release_copy(e: &mut Entry, id: u64, consumer: ActorId, actors: &Actors) {
 /// (the delivery first, then the send order for two-sided transports),
 /// recording the copy. Returns the transfer to track, or `None` when it
 /// could not start (the consumer then got the error instead: OW-6).
+/// `large`: (the transfer is large, OW-15; another large one to the
+/// consumer is in flight): then the producer's order is left in `held`
+/// instead of sent.
+#[allow(clippy::too_many_arguments)]
 fn start_direct(
     e: &mut Entry,
     id: u64,
@@ -1051,6 +1200,8 @@ fn start_direct(
     value: WireValue,
     actors: &Actors,
     groups: &dyn GroupLookup,
+    (large, behind): (bool, bool),
+    held: &mut Option<(ActorId, ToWorker)>,
 ) -> Option<(u64, InFlight)> {
     let sided = e.sidedness();
     let producer = e
@@ -1104,6 +1255,7 @@ fn start_direct(
                 my_rank: crank,
                 peer_rank: prank,
             }),
+            ack_at_landing: large,
         }),
     };
     let sent = send(actors, consumer, &msg);
@@ -1124,7 +1276,9 @@ fn start_direct(
                     peer_rank: crank,
                 }),
             };
-            if let Err(err) = send(actors, p, &order) {
+            if behind {
+                *held = Some((p, order));
+            } else if let Err(err) = send(actors, p, &order) {
                 // OW-6: the receive delivered above stops with the error
                 // (its failed acknowledgement finds no transfer: none is
                 // tracked), and the consumer holds the error.
@@ -1159,6 +1313,7 @@ fn start_direct(
             consumer,
             transport: e.transport,
             two_sided,
+            large,
         },
     ))
 }

@@ -421,6 +421,10 @@ pub struct Delivery {
     pub xfer: u64,
     /// The collective group the transfer runs in (two-sided transports).
     pub group: Option<GroupRef>,
+    /// Acknowledge once the bytes landed, even when a call took the value
+    /// before (WK-9 leaves that to its `CallDone`): the driver holds the
+    /// next large send to this consumer until then (OW-15).
+    pub ack_at_landing: bool,
 }
 
 /// What a worker is to host, and the settings it runs with.
@@ -2507,6 +2511,7 @@ mod tests {
                 from: None,
                 xfer: 0,
                 group: None,
+                ack_at_landing: false,
             }),
         }
     }

@@ -60,6 +60,7 @@ pub struct RuntimeBuilder {
     hot_window: Option<Duration>,
     peer_delivery: bool,
     straight_large_values: Option<bool>,
+    large_transfer_bytes: usize,
 }
 
 /// Default control frame limit (8 GiB).
@@ -79,6 +80,10 @@ impl Default for RuntimeBuilder {
             hot_window: None,
             peer_delivery: std::env::var("RDT_PEER_DELIVERY").map_or(true, |v| v.trim() != "0"),
             straight_large_values: None,
+            large_transfer_bytes: std::env::var("RDT_LARGE_TRANSFER_BYTES")
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(crate::owner::DEFAULT_LARGE_TRANSFER_BYTES),
         }
     }
 }
@@ -179,6 +184,19 @@ impl RuntimeBuilder {
         self
     }
 
+    /// The size from which two-sided transfers (`nccl`, `tcp`) to one
+    /// consumer land one at a time, in the order they were delivered: the
+    /// driver holds a producer's send while a transfer of that size to
+    /// the same consumer is in flight (bytes into one device share its
+    /// links, so started together the call queued first would wait for
+    /// both). Default 128 MiB (`RDT_LARGE_TRANSFER_BYTES` overrides the
+    /// default); `usize::MAX` turns it off. See the book's Internals,
+    /// "OW-15".
+    pub fn large_transfer_bytes(mut self, n: usize) -> Self {
+        self.large_transfer_bytes = n;
+        self
+    }
+
     /// Starts the runtime: a private directory (mode 0700) with the control
     /// socket, and a fresh secret. Must be called inside a tokio runtime.
     pub async fn start(self) -> Result<Runtime> {
@@ -204,6 +222,9 @@ impl RuntimeBuilder {
             Some((cert, key)) => Some(protocol::tls_acceptor(cert, key)?),
             None => None,
         };
+        let mut state = State::default();
+        state.table.large_transfer_bytes =
+            crate::owner::LargeTransferBytes(self.large_transfer_bytes);
         let inner = Arc::new_cyclic(|me| Inner {
             me: me.clone(),
             tokio: tokio::runtime::Handle::current(),
@@ -211,7 +232,7 @@ impl RuntimeBuilder {
             secret: protocol::new_secret(),
             _dir: dir,
             sock,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(state),
             next: AtomicU64::new(1),
             id_spaces: AtomicU64::new(1),
             control_addr,
@@ -895,6 +916,7 @@ impl Runtime {
                 from: None,
                 xfer: 0,
                 group: None,
+                ack_at_landing: false,
             }),
         };
         let size = rdt_transport::wire::to_frame(&probe)
@@ -1235,6 +1257,14 @@ impl Runtime {
     /// the reply's handling (OW-14). For tests and benchmarks.
     pub fn gets_handed_values(&self) -> u64 {
         self.inner.lock().table.handed_values
+    }
+
+    /// How many sends of large two-sided transfers (128 MiB or more, or
+    /// `RDT_LARGE_TRANSFER_BYTES`) waited in the driver for the large
+    /// transfers to the same consumer ahead of them to end, so that
+    /// they land one at a time, in order. For tests and benchmarks.
+    pub fn sends_held(&self) -> u64 {
+        self.inner.lock().table.sends_held
     }
 
     /// How many argument copies callees dropped themselves when their

@@ -303,6 +303,97 @@ async fn a_two_sided_transfers_orders_go_out_before_its_call() {
     .await;
 }
 
+/// Two producers in two groups with one consumer, and a runtime whose
+/// large transfers start at 1 MiB (OW-15).
+async fn two_producers_one_consumer(
+    large: usize,
+) -> (Runtime, ProducerHandle, ProducerHandle, ConsumerHandle) {
+    rdt_integration_tests::logs();
+    let rt = Runtime::builder()
+        .large_transfer_bytes(large)
+        .start()
+        .await
+        .unwrap();
+    let p1 = rt.spawn::<Producer>(()).await.unwrap();
+    let p2 = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    for p in [p1.id(), p2.id()] {
+        rt.create_collective_group(&[p, c.id()], Transport::Tcp)
+            .await
+            .unwrap();
+    }
+    (rt, p1, p2, c)
+}
+
+/// OW-15: of two large two-sided transfers to one consumer, the second's
+/// send waits in the driver for the first to land; both values arrive
+/// whole, and transfers under the size are not held.
+#[tokio::test]
+async fn ow_15_large_sends_to_one_consumer_go_one_at_a_time() {
+    deadline(60, async {
+        let (rt, p1, p2, c) = two_producers_one_consumer(1 << 20).await;
+        let n = 1 << 20; // 4 MiB of f32 each
+        let (r1, r2) = (p1.make_tcp(1.0, n).remote(), p2.make_tcp(2.0, n).remote());
+        rt.wait(&r1).await.unwrap();
+        rt.wait(&r2).await.unwrap();
+        for round in 1..=3u64 {
+            let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
+            assert_eq!(rt.get(&a).await.unwrap(), n as f64);
+            assert_eq!(rt.get(&b).await.unwrap(), 2.0 * n as f64);
+            assert_eq!(
+                rt.sends_held(),
+                round,
+                "the second send of each round waits"
+            );
+        }
+        assert_eq!(rt.transfers_in_flight(), 0);
+        // Under the size, both go at once.
+        let (s1, s2) = (
+            p1.make_tcp(1.0, 1024).remote(),
+            p2.make_tcp(2.0, 1024).remote(),
+        );
+        let (a, b) = (c.sum(&s1).remote(), c.sum(&s2).remote());
+        assert_eq!(rt.get(&a).await.unwrap(), 1024.0);
+        assert_eq!(rt.get(&b).await.unwrap(), 2048.0);
+        assert_eq!(rt.sends_held(), 3);
+        // Off: nothing held.
+        let (rt, p1, p2, c) = two_producers_one_consumer(usize::MAX).await;
+        let (r1, r2) = (p1.make_tcp(1.0, n).remote(), p2.make_tcp(2.0, n).remote());
+        let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
+        assert_eq!(rt.get(&a).await.unwrap(), n as f64);
+        assert_eq!(rt.get(&b).await.unwrap(), 2.0 * n as f64);
+        assert_eq!(rt.sends_held(), 0);
+    })
+    .await;
+}
+
+/// OW-15: the producer of the transfer ahead dies mid-transfer; the held
+/// send then goes, and its value arrives whole (nothing waits for a
+/// transfer that will never end).
+#[tokio::test]
+async fn ow_15_a_held_send_goes_when_the_transfer_ahead_dies() {
+    deadline(60, async {
+        let (rt, p1, p2, c) = two_producers_one_consumer(1 << 20).await;
+        let n = 16 << 20; // 64 MiB of f32 each
+        let (r1, r2) = (p1.make_tcp(1.0, n).remote(), p2.make_tcp(2.0, n).remote());
+        rt.wait(&r1).await.unwrap();
+        rt.wait(&r2).await.unwrap();
+        let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
+        p1.kill();
+        let e = rt.get(&a).await.unwrap_err();
+        assert!(
+            e.to_string().contains(p1.name()) || matches!(e, Error::ActorDied { .. }),
+            "{e}"
+        );
+        assert_eq!(rt.get(&b).await.unwrap(), 2.0 * n as f64);
+        assert_eq!(rt.sends_held(), 1);
+        assert_eq!(rt.transfers_in_flight(), 0);
+        // The consumer goes on.
+        assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 2.0 * n as f64);
+    })
+    .await;
+}
+
 /// XF-2: a group reaches its members: each joined, with its rank, before
 /// `create_collective_group` returned, and left before
 /// `destroy_collective_group` returned.

@@ -1615,6 +1615,7 @@ fn on_deliver(
         side = "receive",
     );
     let group = d.group;
+    let ack_at_landing = d.ack_at_landing;
     // Asked only where the head is here already (a large one may still be
     // arriving, cut-through); decoded here, the job finds it decoded.
     let start = match group {
@@ -1745,6 +1746,16 @@ fn on_deliver(
                             // transfer deadline (a failed landing is the
                             // call's to report, with `Dependency`).
                             if landed.is_err() || l.call_ended() || !ACK_BOUND.on() {
+                                return;
+                            }
+                            if ack_at_landing {
+                                // OW-15: the driver holds the consumer's
+                                // next large send until this lands.
+                                let _ = shared.tx.send(&ToDriver::Received {
+                                    object,
+                                    xfer,
+                                    result: landed.and(ack),
+                                });
                                 return;
                             }
                             let bounded = {

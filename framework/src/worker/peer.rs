@@ -300,6 +300,7 @@ pub(super) fn deliver_result(
                 from: Some(from.clone()),
                 xfer: o.xfer,
                 group: None,
+                ack_at_landing: false,
             }),
         };
         // Tests lose the delivery on its way (the link says it was sent):
