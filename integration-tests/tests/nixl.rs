@@ -153,34 +153,6 @@ async fn a_waiting_call_makes_a_large_objects_tensors_on_its_own_thread() {
     .await;
 }
 
-/// WK-8 with a helper: a waiting call and the receive make a list of
-/// thousands of tensors together, the call the first half and the
-/// receive the second once its READ is posted; every tensor is the right
-/// one, in order (`sum_many` checks each).
-#[tokio::test]
-async fn a_waiting_call_and_its_receive_make_a_large_list_together() {
-    deadline(DL, async {
-        let (rt, p, c) = start().await;
-        let (n, numel) = (rdt::data::tensor_list::HELPED_PREMAKE_MIN * 2, 4usize);
-        let passes = 5u64;
-        let c0 = of_consumer(&rt, &c).await;
-        for _ in 0..passes {
-            let r = p.make_many(n, numel).transport(Transport::Nixl).remote();
-            let total = rt.get(c.sum_many(&r).remote()).await.unwrap();
-            assert_eq!(total, numel as f64 * (n * (n - 1) / 2) as f64);
-        }
-        let c1 = of_consumer(&rt, &c).await;
-        let by_reader = c1.lists_made_by_reader - c0.lists_made_by_reader;
-        let helped = c1.lists_helped - c0.lists_helped;
-        assert!(
-            by_reader >= 1,
-            "the waiting call made the tensors in {by_reader} of {passes} passes"
-        );
-        assert_eq!(helped, by_reader, "every list a call made was helped");
-    })
-    .await;
-}
-
 /// A weight sync: the same parameters, written in place between steps,
 /// passed in a new object each step. The first receive makes a read plan
 /// and the later ones find it (NX-7: the handles name no object), each

@@ -24,15 +24,6 @@
 //! the bytes landed (20–30 ns each on the GPU hosts), and nobody clones
 //! them.
 //!
-//! Making 10 000 views takes about as long as their READ (130 µs against
-//! 125 µs from the offer on the 2×H200 host, session 43), so a receive
-//! that offered its list to a reader helps: it marks the list's second
-//! half as the helper's ([`TensorList::premake_with_helper`]) before the
-//! offer, and makes that half itself once its READ is posted
-//! ([`TensorList::premake_rest`]), while the reader makes the first. The
-//! reader then adds the helper's half to its own, or makes it itself if no
-//! helper took it on, and the whole list is ready long before the bytes.
-//!
 //! # Invariants
 //! 1. Index `i` is the same tensor however it is reached: made on demand,
 //!    premade, or from the kept slice, it has the same dtype, shape,
@@ -42,13 +33,7 @@
 //!    make tensors.
 //! 3. Premade tensors go to one reader at most (the first of the whole
 //!    list); every other reader makes or clones its own, as without them.
-//! 4. Each tensor is made ahead at most once: the helper's half is made
-//!    by the helper or by the first reader, never both (whoever takes the
-//!    `rest` slot while it is open makes it; a reader that finds the
-//!    helper making it waits for it).
 
-use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::Tensor;
@@ -67,13 +52,7 @@ pub trait MakeTensors: Send + Sync {
     /// All of them, in order: what [`make`](Self::make) gives for each
     /// index (a maker may do it in one pass over its layout).
     fn make_all(&self) -> Vec<Tensor> {
-        let mut v = Vec::with_capacity(self.len());
-        self.make_into(0..self.len(), &mut v);
-        v
-    }
-    /// Those of `range` (within `len()`), in order, pushed onto `out`.
-    fn make_into(&self, range: Range<usize>, out: &mut Vec<Tensor>) {
-        out.extend(range.map(|i| self.make(i)));
+        (0..self.len()).map(|i| self.make(i)).collect()
     }
     /// The bytes of all tensors.
     fn nbytes(&self) -> usize;
@@ -97,75 +76,18 @@ pub struct TensorList {
 #[derive(Clone)]
 struct Lazy {
     maker: Arc<dyn MakeTensors>,
-    premade: Arc<Premade>,
-}
-
-/// The tensors made ahead (see the module's documentation).
-struct Premade {
-    /// Where the helper's half starts; `usize::MAX` while no helper was
-    /// announced ([`TensorList::premake_with_helper`]).
-    split: AtomicUsize,
-    /// What [`TensorList::premake`] made: the first part, with the rest
-    /// added before it is put here, so every tensor.
-    all: parking_lot::Mutex<Option<Vec<Tensor>>>,
-    /// The helper's half. Locked while the helper makes it, so that a
-    /// reader that wants it waits instead of making it again (invariant 4).
-    rest: parking_lot::Mutex<Rest>,
-}
-
-/// The helper's half of a list made ahead.
-enum Rest {
-    /// Nobody took it on yet.
-    Open,
-    /// The helper made it.
-    Made(Vec<Tensor>),
-    /// A reader took it (made it, or the helper's); the helper makes none.
-    Closed,
-}
-
-impl Default for Premade {
-    fn default() -> Self {
-        Premade {
-            split: AtomicUsize::new(usize::MAX),
-            all: parking_lot::Mutex::new(None),
-            rest: parking_lot::Mutex::new(Rest::Open),
-        }
-    }
+    premade: Arc<parking_lot::Mutex<Option<Vec<Tensor>>>>,
 }
 
 impl Lazy {
     /// All the tensors: those made ahead, the first time, else made now.
     fn whole(&self) -> Vec<Tensor> {
-        if let Some(all) = self.premade.all.lock().take() {
-            return all;
-        }
-        let n = self.maker.len();
-        let split = self.premade.split.load(Ordering::Acquire).min(n);
-        let mut v = Vec::with_capacity(n);
-        self.maker.make_into(0..split, &mut v);
-        self.add_rest(split, &mut v);
-        v
-    }
-
-    /// Adds the tensors from `split` on to `v` (which holds those before
-    /// it): the helper's if it made them, else made here (invariant 4).
-    fn add_rest(&self, split: usize, v: &mut Vec<Tensor>) {
-        let n = self.maker.len();
-        if split >= n {
-            return;
-        }
-        // Waits for a helper that is making them.
-        let mut rest = self.premade.rest.lock();
-        match std::mem::replace(&mut *rest, Rest::Closed) {
-            Rest::Made(r) => v.extend(r),
-            Rest::Open | Rest::Closed => self.maker.make_into(split..n, v),
-        }
+        self.premade
+            .lock()
+            .take()
+            .unwrap_or_else(|| self.maker.make_all())
     }
 }
-
-/// The fewest tensors for which a receive helps make its list
-/// ([`TensorList::premake_with_helper`]): about 25 µs of views.
-pub const HELPED_PREMAKE_MIN: usize = 2048;
 
 impl TensorList {
     /// A lazy list: each tensor is made by `maker` when it is wanted.
@@ -270,58 +192,15 @@ impl TensorList {
     /// Makes a lazy list's tensors now and keeps them for the first reader
     /// of the whole list ([`to_vec`](Self::to_vec), or
     /// [`as_slice`](Self::as_slice), which keeps them); nothing for other
-    /// lists, or if they were made ahead already. With a helper announced
-    /// ([`premake_with_helper`](Self::premake_with_helper)) it makes the
-    /// first half, then adds the helper's (waiting for it if the helper is
-    /// making it), or makes that too if no helper took it on.
+    /// lists, or if they were made ahead already.
     pub fn premake(&self) {
         let Some(l) = &self.lazy else { return };
         if self.made.get().is_some() {
             return;
         }
-        let mut all = l.premade.all.lock();
-        if all.is_some() {
-            return;
-        }
-        let n = l.maker.len();
-        let split = l.premade.split.load(Ordering::Acquire).min(n);
-        let mut v = Vec::with_capacity(n);
-        l.maker.make_into(0..split, &mut v);
-        l.add_rest(split, &mut v);
-        *all = Some(v);
-    }
-
-    /// Announces a helper for a lazy list of at least
-    /// [`HELPED_PREMAKE_MIN`] tensors: from now on [`premake`](Self::premake)
-    /// leaves the second half to [`premake_rest`](Self::premake_rest).
-    /// Call it before anyone premakes (before the list is offered to its
-    /// reader). Returns whether a helper is now expected.
-    pub fn premake_with_helper(&self) -> bool {
-        let Some(l) = &self.lazy else { return false };
-        let n = l.maker.len();
-        if self.made.get().is_some() || n < HELPED_PREMAKE_MIN {
-            return false;
-        }
-        l.premade.split.store(n / 2, Ordering::Release);
-        true
-    }
-
-    /// The helper's part of [`premake`](Self::premake): makes the second
-    /// half of a list announced with
-    /// [`premake_with_helper`](Self::premake_with_helper), unless a reader
-    /// took it on already (invariant 4).
-    pub fn premake_rest(&self) {
-        let Some(l) = &self.lazy else { return };
-        let n = l.maker.len();
-        let split = l.premade.split.load(Ordering::Acquire);
-        if self.made.get().is_some() || split >= n {
-            return;
-        }
-        let mut rest = l.premade.rest.lock();
-        if matches!(*rest, Rest::Open) {
-            let mut v = Vec::with_capacity(n - split);
-            l.maker.make_into(split..n, &mut v);
-            *rest = Rest::Made(v);
+        let mut premade = l.premade.lock();
+        if premade.is_none() {
+            *premade = Some(l.maker.make_all());
         }
     }
 
@@ -496,85 +375,6 @@ pub(crate) mod tests {
         assert_eq!(plain.to_vec().len(), 100);
         assert_eq!(views.made.load(Ordering::Relaxed), 300);
         assert!(kept.to_vec()[99].shares_storage(&flat));
-    }
-
-    /// A list of `n` views, its maker, and the flat tensor under them.
-    fn list_of_views(n: usize) -> (TensorList, Arc<Views>, Tensor) {
-        let flat = Tensor::from_slice(&(0..n).map(|i| i as f32).collect::<Vec<_>>(), &[n]).unwrap();
-        let views = Arc::new(Views::of(flat.clone(), n));
-        (TensorList::lazy(views.clone()), views, flat)
-    }
-
-    /// Every tensor of `ts` is view `i` of `flat`, in order.
-    fn assert_in_order(ts: &[Tensor], flat: &Tensor) {
-        for (i, t) in ts.iter().enumerate() {
-            assert!(t.shares_storage(flat));
-            assert_eq!(t.byte_offset(), 4 * i, "tensor {i}");
-        }
-    }
-
-    #[test]
-    fn a_helped_list_is_made_by_reader_and_helper_in_parallel_once() {
-        let n = HELPED_PREMAKE_MIN * 4;
-        for round in 0..20 {
-            let (list, views, flat) = list_of_views(n);
-            assert!(list.premake_with_helper());
-            // The reader and the helper at once, in either order.
-            let helper = {
-                let list = list.clone();
-                std::thread::spawn(move || list.premake_rest())
-            };
-            if round % 2 == 0 {
-                list.premake();
-                helper.join().unwrap();
-            } else {
-                helper.join().unwrap();
-                list.premake();
-            }
-            // Invariant 4: each tensor made once, by one of them.
-            assert_eq!(views.made.load(Ordering::Relaxed), n, "round {round}");
-            let all = list.to_vec();
-            assert_eq!(all.len(), n);
-            assert_in_order(&all, &flat);
-            assert_eq!(views.made.load(Ordering::Relaxed), n, "taken, not made");
-        }
-    }
-
-    #[test]
-    fn a_helped_list_whose_helper_never_comes_is_made_whole_by_its_reader() {
-        let n = HELPED_PREMAKE_MIN;
-        let (list, views, flat) = list_of_views(n);
-        assert!(list.premake_with_helper());
-        list.premake();
-        assert_eq!(views.made.load(Ordering::Relaxed), n);
-        // The helper, late, makes nothing.
-        list.premake_rest();
-        assert_eq!(views.made.load(Ordering::Relaxed), n);
-        assert_in_order(&list.to_vec(), &flat);
-        // A reader that takes the list before anyone premade it uses the
-        // half the helper made.
-        let (list, views, flat) = list_of_views(n);
-        assert!(list.premake_with_helper());
-        list.premake_rest();
-        assert_eq!(views.made.load(Ordering::Relaxed), n / 2);
-        let all = list.as_slice();
-        assert_eq!(views.made.load(Ordering::Relaxed), n);
-        assert_in_order(all, &flat);
-        // A second reader makes its own (invariant 3).
-        let again = list.clone().to_vec();
-        assert_in_order(&again, &flat);
-    }
-
-    #[test]
-    fn small_lists_and_lists_already_made_get_no_helper() {
-        let (small, _, _) = list_of_views(HELPED_PREMAKE_MIN - 1);
-        assert!(!small.premake_with_helper());
-        let (list, views, _) = list_of_views(HELPED_PREMAKE_MIN);
-        let _ = list.as_slice();
-        assert!(!list.premake_with_helper());
-        list.premake_rest();
-        assert_eq!(views.made.load(Ordering::Relaxed), HELPED_PREMAKE_MIN);
-        assert!(!TensorList::from(vec![Tensor::zeros(DType::U8, &[1])]).premake_with_helper());
     }
 
     #[test]

@@ -199,9 +199,6 @@ pub struct NixlStats {
     pub lists_made_by_reader: u64,
     /// ... or, with no reader waiting, by the receive itself.
     pub lists_premade: u64,
-    /// Of those made by their reader, the large ones whose second half
-    /// the receive made meanwhile, once its READ was posted.
-    pub lists_helped: u64,
     /// Destinations of small device reads made ahead, after a receive of
     /// the same plan (NX-11) ...
     pub dests_made_ahead: u64,
@@ -235,7 +232,6 @@ struct Counters {
     target_lists_reused: AtomicU64,
     lists_made_by_reader: AtomicU64,
     lists_premade: AtomicU64,
-    lists_helped: AtomicU64,
     dests_made_ahead: AtomicU64,
     dests_taken_ready: AtomicU64,
 }
@@ -281,7 +277,6 @@ pub fn stats() -> NixlStats {
         target_lists_reused: c.target_lists_reused.load(Ordering::Relaxed),
         lists_made_by_reader: c.lists_made_by_reader.load(Ordering::Relaxed),
         lists_premade: c.lists_premade.load(Ordering::Relaxed),
-        lists_helped: c.lists_helped.load(Ordering::Relaxed),
         dests_made_ahead: c.dests_made_ahead.load(Ordering::Relaxed),
         dests_taken_ready: c.dests_taken_ready.load(Ordering::Relaxed),
     }
@@ -1300,11 +1295,6 @@ impl NixlTransport {
         // gets the list now, before the post (tens of µs for a large READ
         // across GPUs), so that it makes them meanwhile too; with none,
         // this thread makes them once the READ is posted.
-        //
-        // A large list is made by both: the reader the first half, this
-        // thread the second once its READ is posted (making 10 000 views
-        // took as long as their READ, so the call waited for them).
-        let helped = out.is_lazy() && HELPED_PREMAKE.on() && out.premake_with_helper();
         let offered = out.is_lazy() && cx.first_reader.as_ref().is_some_and(|r| r.offer(&out));
         if offered {
             bump(&COUNTERS.lists_made_by_reader, 1);
@@ -1380,10 +1370,6 @@ impl NixlTransport {
             out.premake();
             bump(&COUNTERS.lists_premade, 1);
             crate::cuda::timeline("nixl views premade", cx.xfer);
-        } else if offered && helped {
-            out.premake_rest();
-            bump(&COUNTERS.lists_helped, 1);
-            crate::cuda::timeline("nixl views helped", cx.xfer);
         }
         // Small reads end within microseconds of their post: ask for them
         // here, within the hot window (yielding to the executor between
@@ -2253,11 +2239,6 @@ const READY_MAX_BYTES: usize = 64 << 10;
 /// before NX-11 (a measurement knob).
 static READY_DEST: crate::switch::Switch = crate::switch::Switch::new("RDT_NIXL_READY_DEST", true);
 
-/// `RDT_NIXL_HELPED_PREMAKE=0`: a reader offered a large list makes all of
-/// it, as before the receive helped with the second half.
-static HELPED_PREMAKE: crate::switch::Switch =
-    crate::switch::Switch::new("RDT_NIXL_HELPED_PREMAKE", true);
-
 /// Where a READ lands: the tensors it fills, its (local, remote)
 /// descriptor lists, what keeps that memory registered and alive, and the
 /// GPUs whose memory was not clean (NX-9).
@@ -2384,14 +2365,14 @@ impl MakeTensors for PlannedViews {
         self.view(self.plan.at[i], self.plan.kind_of[i])
     }
 
-    fn make_into(&self, range: std::ops::Range<usize>, out: &mut Vec<Tensor>) {
+    fn make_all(&self) -> Vec<Tensor> {
         // One pass over the two compact columns, in order.
-        out.extend(
-            self.plan.at[range.clone()]
-                .iter()
-                .zip(&self.plan.kind_of[range])
-                .map(|(&at, &kind)| self.view(at, kind)),
-        );
+        self.plan
+            .at
+            .iter()
+            .zip(&self.plan.kind_of)
+            .map(|(&at, &kind)| self.view(at, kind))
+            .collect()
     }
 
     fn nbytes(&self) -> usize {
