@@ -99,7 +99,10 @@
 //!   acknowledge at landing even when a call took the value
 //!   ([`Delivery::ack_at_landing`]), so the next send goes without waiting
 //!   for that call's end. A held transfer's deadline runs from its
-//!   delivery; its producer never hears of it if it is aborted while held.
+//!   delivery; its producer never hears of it if it is aborted while held,
+//!   and none is sent to a consumer that died. A group being destroyed
+//!   has its held sends sent first (`send_held_in_group`), so that the
+//!   receives posted for them end and the members can leave.
 //!   `RDT_LARGE_SENDS_IN_ORDER=0` turns it off.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
@@ -559,6 +562,11 @@ impl OwnerTable {
     /// fails its transfer as in `start_direct` (OW-6); its end then sends
     /// the next.
     fn send_next_held(&mut self, consumer: ActorId, actors: &Actors) {
+        if actors.get(&consumer).is_none_or(|a| a.dead.is_some()) {
+            // Its transfers are being aborted: none of them is sent.
+            self.held_sends.remove(&consumer);
+            return;
+        }
         let Some(queue) = self.held_sends.get_mut(&consumer) else {
             return;
         };
@@ -591,6 +599,38 @@ impl OwnerTable {
         if queue.is_empty() {
             self.held_sends.remove(&consumer);
         }
+    }
+
+    /// OW-15: the held sends of transfers in `group`, which is being
+    /// destroyed, go now. The members are told to leave it next, so each
+    /// send reaches its producer ahead of that and the receive already
+    /// posted for it ends, instead of holding the group's queue until the
+    /// transfer's deadline.
+    pub fn send_held_in_group(&mut self, group: u64, actors: &Actors) {
+        let transfers = &self.transfers;
+        for (&consumer, queue) in self.held_sends.iter_mut() {
+            queue.retain(|h| {
+                let in_group = matches!(
+                    &h.order,
+                    ToWorker::SendTo { group: Some(g), .. } if g.id == group
+                );
+                if let (true, Some(t)) = (in_group, transfers.get(&h.xfer)) {
+                    if let Err(err) = send(actors, h.producer, &h.order) {
+                        send_small(
+                            actors,
+                            consumer,
+                            &ToWorker::AbortTransfer {
+                                object: t.object,
+                                xfer: h.xfer,
+                                error: err,
+                            },
+                        );
+                    }
+                }
+                !in_group
+            });
+        }
+        self.held_sends.retain(|_, q| !q.is_empty());
     }
 
     /// Whether `xfer`'s send is held (OW-15): its producer has not heard

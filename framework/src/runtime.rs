@@ -1207,6 +1207,8 @@ impl Runtime {
                 .copied()
                 .filter(|a| st.actors.get(a).is_some_and(|i| i.dead.is_none()))
                 .collect();
+            // OW-15: sends held in the group go ahead of the leave order.
+            st.table.send_held_in_group(group.0, &st.actors);
             for a in &live {
                 send_to(&st.actors, *a, &ToWorker::DestroyGroup { group: group.0 });
             }

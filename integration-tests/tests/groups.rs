@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use rdt::prelude::*;
+use rdt::GroupId;
 use rdt_integration_tests::actors::*;
 use rdt_integration_tests::deadline;
 
@@ -308,6 +309,20 @@ async fn a_two_sided_transfers_orders_go_out_before_its_call() {
 async fn two_producers_one_consumer(
     large: usize,
 ) -> (Runtime, ProducerHandle, ProducerHandle, ConsumerHandle) {
+    let (rt, p1, p2, c, _) = two_producers_one_consumer_in(large).await;
+    (rt, p1, p2, c)
+}
+
+/// [`two_producers_one_consumer`], with the two groups.
+async fn two_producers_one_consumer_in(
+    large: usize,
+) -> (
+    Runtime,
+    ProducerHandle,
+    ProducerHandle,
+    ConsumerHandle,
+    Vec<GroupId>,
+) {
     rdt_integration_tests::logs();
     let rt = Runtime::builder()
         .large_transfer_bytes(large)
@@ -317,12 +332,15 @@ async fn two_producers_one_consumer(
     let p1 = rt.spawn::<Producer>(()).await.unwrap();
     let p2 = rt.spawn::<Producer>(()).await.unwrap();
     let c = rt.spawn::<Consumer>(()).await.unwrap();
+    let mut groups = Vec::new();
     for p in [p1.id(), p2.id()] {
-        rt.create_collective_group(&[p, c.id()], Transport::Tcp)
-            .await
-            .unwrap();
+        groups.push(
+            rt.create_collective_group(&[p, c.id()], Transport::Tcp)
+                .await
+                .unwrap(),
+        );
     }
-    (rt, p1, p2, c)
+    (rt, p1, p2, c, groups)
 }
 
 /// OW-15: of two large two-sided transfers to one consumer, the second's
@@ -390,6 +408,28 @@ async fn ow_15_a_held_send_goes_when_the_transfer_ahead_dies() {
         assert_eq!(rt.transfers_in_flight(), 0);
         // The consumer goes on.
         assert_eq!(rt.get(c.sum(&r2).remote()).await.unwrap(), 2.0 * n as f64);
+    })
+    .await;
+}
+
+/// OW-15: a group destroyed while a send in it is held: the held send goes
+/// ahead of the members' leave order, so the call behind it gets its value
+/// and the destroy returns (the receive posted for it does not wait for a
+/// send that would come after the group is gone).
+#[tokio::test]
+async fn ow_15_destroying_a_group_sends_what_was_held_in_it() {
+    deadline(60, async {
+        let (rt, p1, p2, c, groups) = two_producers_one_consumer_in(1 << 20).await;
+        let (big, n) = (32 << 20, 1 << 20); // 128 MiB ahead, 4 MiB held
+        let (r1, r2) = (p1.make_tcp(1.0, big).remote(), p2.make_tcp(2.0, n).remote());
+        rt.wait(&r1).await.unwrap();
+        rt.wait(&r2).await.unwrap();
+        let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
+        rt.destroy_collective_group(groups[1]).await.unwrap();
+        assert_eq!(rt.sends_held(), 1, "the second send was held");
+        assert_eq!(rt.get(&b).await.unwrap(), 2.0 * n as f64);
+        assert_eq!(rt.get(&a).await.unwrap(), big as f64);
+        assert_eq!(rt.transfers_in_flight(), 0);
     })
     .await;
 }
