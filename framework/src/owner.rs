@@ -101,8 +101,8 @@
 //!   for that call's end. A held transfer's deadline runs from its
 //!   delivery; its producer never hears of it if it is aborted while held,
 //!   and none is sent to a consumer that died. A group being destroyed
-//!   has its held sends sent first (`send_held_in_group`), so that the
-//!   receives posted for them end and the members can leave.
+//!   has its held sends sent first (`send_held_in_group`), so that their
+//!   transfers end as they would have without the hold.
 //!   `RDT_LARGE_SENDS_IN_ORDER=0` turns it off.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
@@ -603,9 +603,9 @@ impl OwnerTable {
 
     /// OW-15: the held sends of transfers in `group`, which is being
     /// destroyed, go now. The members are told to leave it next, so each
-    /// send reaches its producer ahead of that and the receive already
-    /// posted for it ends, instead of holding the group's queue until the
-    /// transfer's deadline.
+    /// send reaches its producer ahead of that and its transfer ends as
+    /// it would have without the hold (sent after the leave order, the
+    /// send would find no group and its call would fail).
     pub fn send_held_in_group(&mut self, group: u64, actors: &Actors) {
         let transfers = &self.transfers;
         for (&consumer, queue) in self.held_sends.iter_mut() {
