@@ -1031,11 +1031,13 @@ impl OwnerTable {
             tracing::warn!("actor {from} acknowledged transfer {xfer}, which is not its own");
             return None;
         }
+        // A producer whose send is still held never heard of it (OW-15).
+        let held = self.send_is_held(from, xfer);
         let t = self.end_transfer(xfer, actors).expect("looked up above");
         if result.is_err() && self.deliver_again(&t, actors, groups) {
             return Some(t);
         }
-        if let (Err(e), true, Some(p)) = (result, t.two_sided, t.producer) {
+        if let (Err(e), true, Some(p), false) = (result, t.two_sided, t.producer, held) {
             // The producer may still be sending into a receive that gave up.
             send_small(
                 actors,
