@@ -87,10 +87,11 @@
 //!   measurement knob).
 //! - **OW-15 (large sends to one consumer, one at a time):** a two-sided
 //!   transfer of at least `RuntimeBuilder::large_transfer_bytes` (128 MiB) whose
-//!   consumer already has such a transfer in flight is delivered at once
+//!   consumer already has such a transfer in flight for another call (the
+//!   transfers one call needs go together) is delivered at once
 //!   (the consumer posts its receive) but its producer's `SendTo` is held
-//!   here, in order, until the transfers ahead of it for that consumer
-//!   ended (acknowledged, failed or aborted). Bytes into one GPU share its
+//!   here, in order, until the transfers ahead of it for that consumer's
+//!   other calls ended (acknowledged, failed or aborted). Bytes into one GPU share its
 //!   links, and senders on one GPU share it in time slices: started
 //!   together, two such transfers landed one after the other in whichever
 //!   order their senders happened to start (2×H200, session 43), so the
@@ -150,6 +151,8 @@ impl Default for LargeTransferBytes {
 /// the same consumer ended (OW-15).
 struct HeldSend {
     xfer: u64,
+    /// The call that needs it (see [`InFlight::call`]).
+    call: Option<u64>,
     producer: ActorId,
     order: ToWorker,
 }
@@ -228,7 +231,9 @@ pub(crate) struct Entry {
     needs: HashMap<ActorId, usize>,
     /// Consumers that hold or are receiving a copy.
     copies: HashMap<ActorId, Copy>,
-    waiting: Vec<ActorId>,
+    /// Consumers waiting for it to be ready, with the call that needs it
+    /// (`None`: not known), in order (OW-4).
+    waiting: Vec<(ActorId, Option<u64>)>,
     /// Consumers its producer was asked to deliver to itself, with their
     /// transfers (OW-9), while it is pending.
     straight: Vec<(ActorId, u64)>,
@@ -334,6 +339,8 @@ pub(crate) struct InFlight {
     pub two_sided: bool,
     /// Two-sided and at least `large_transfer_bytes` (OW-15).
     pub large: bool,
+    /// The call it was delivered for, where known (OW-15).
+    pub call: Option<u64>,
 }
 
 /// What the owner table asks of the driver's collective groups (OW-8).
@@ -556,9 +563,10 @@ impl OwnerTable {
         Some(t)
     }
 
-    /// OW-15: unless a large transfer to `consumer` is still in flight with
-    /// its send gone out, sends the oldest held send of a transfer still in
-    /// flight (one aborted while held is dropped). A send that cannot go
+    /// OW-15: sends the held sends of `consumer`, oldest first, as long as
+    /// no large transfer to it for another call is in flight with its send
+    /// gone out: the next call's sends go together once the last one ahead
+    /// ended. One aborted while held is dropped. A send that cannot go
     /// fails its transfer as in `start_direct` (OW-6); its end then sends
     /// the next.
     fn send_next_held(&mut self, consumer: ActorId, actors: &Actors) {
@@ -567,21 +575,24 @@ impl OwnerTable {
             self.held_sends.remove(&consumer);
             return;
         }
+        let transfers = &self.transfers;
         let Some(queue) = self.held_sends.get_mut(&consumer) else {
             return;
         };
-        let held: Vec<u64> = queue.iter().map(|h| h.xfer).collect();
-        let sending = self
-            .transfers
-            .iter()
-            .any(|(x, t)| t.large && t.consumer == consumer && !held.contains(x));
-        if sending {
-            return;
-        }
-        while let Some(h) = queue.pop_front() {
-            let Some(t) = self.transfers.get(&h.xfer) else {
+        while let Some(h) = queue.front() {
+            let Some(t) = transfers.get(&h.xfer) else {
+                queue.pop_front();
                 continue;
             };
+            let ahead = transfers.iter().any(|(x, o)| {
+                o.large
+                    && o.consumer == consumer
+                    && o.call != h.call
+                    && !queue.iter().any(|q| q.xfer == *x)
+            });
+            if ahead {
+                break;
+            }
             rdt_transport::cuda::timeline("driver held send released", h.xfer);
             if let Err(err) = send(actors, h.producer, &h.order) {
                 send_small(
@@ -594,7 +605,7 @@ impl OwnerTable {
                     },
                 );
             }
-            break;
+            queue.pop_front();
         }
         if queue.is_empty() {
             self.held_sends.remove(&consumer);
@@ -659,8 +670,17 @@ impl OwnerTable {
         self.transfers.len() + self.straight_orders
     }
 
-    /// A submitted call to `consumer` takes object `id`.
-    pub fn need(&mut self, id: u64, consumer: ActorId, actors: &Actors, groups: &dyn GroupLookup) {
+    /// A submitted call to `consumer` takes object `id`; `call` is that
+    /// call, where the caller knows it (OW-15 orders large transfers of
+    /// different calls, not those of one call).
+    pub fn need(
+        &mut self,
+        id: u64,
+        consumer: ActorId,
+        call: Option<u64>,
+        actors: &Actors,
+        groups: &dyn GroupLookup,
+    ) {
         let Some(e) = self.objects.get_mut(&id) else {
             // Cannot happen while the caller holds a ref; be loud if it does.
             tracing::error!("a call needs object {id}, which the owner table no longer has");
@@ -671,10 +691,10 @@ impl OwnerTable {
         if matches!(e.state, ObjState::Pending) {
             if !self.order_straight(id, consumer, actors) {
                 let e = self.objects.get_mut(&id).expect("looked up above");
-                e.waiting.push(consumer);
+                e.waiting.push((consumer, call));
             }
         } else {
-            self.deliver(id, consumer, actors, groups);
+            self.deliver(id, consumer, call, actors, groups);
         }
     }
 
@@ -741,12 +761,20 @@ impl OwnerTable {
                 transport: e.transport,
                 two_sided: false,
                 large: false,
+                call: None,
             },
         );
         true
     }
 
-    fn deliver(&mut self, id: u64, consumer: ActorId, actors: &Actors, groups: &dyn GroupLookup) {
+    fn deliver(
+        &mut self,
+        id: u64,
+        consumer: ActorId,
+        call: Option<u64>,
+        actors: &Actors,
+        groups: &dyn GroupLookup,
+    ) {
         let Some(e) = self.objects.get_mut(&id) else {
             return;
         };
@@ -797,8 +825,9 @@ impl OwnerTable {
                 e.sent_elsewhere = true;
                 self.next_xfer += 1;
                 let xfer = self.next_xfer;
-                // OW-15: behind a large transfer to the same consumer, a
-                // large one's send waits.
+                // OW-15: behind a large transfer to the same consumer for
+                // another call, a large one's send waits (those of one call
+                // are all needed at once: they go together).
                 let large = sided == Sidedness::TwoSided
                     && value.exported.nbytes() >= self.large_transfer_bytes.0
                     && LARGE_SENDS_IN_ORDER.on();
@@ -806,7 +835,7 @@ impl OwnerTable {
                     && self
                         .transfers
                         .values()
-                        .any(|t| t.large && t.consumer == consumer);
+                        .any(|t| t.large && t.consumer == consumer && t.call != call);
                 let e = self.objects.get_mut(&id).expect("looked up above");
                 let mut held = None;
                 let started = start_direct(
@@ -817,7 +846,7 @@ impl OwnerTable {
                     value,
                     actors,
                     groups,
-                    (large, behind),
+                    (large, behind, call),
                     &mut held,
                 );
                 if let Some((producer, order)) = held {
@@ -827,6 +856,7 @@ impl OwnerTable {
                         .or_default()
                         .push_back(HeldSend {
                             xfer,
+                            call,
                             producer,
                             order,
                         });
@@ -919,11 +949,11 @@ impl OwnerTable {
                         e.copies.remove(&c);
                     }
                     if e.needs.contains_key(&c) {
-                        self.deliver(result, c, actors, groups);
+                        self.deliver(result, c, None, actors, groups);
                     }
                 }
-                for c in waiting {
-                    self.deliver(result, c, actors, groups);
+                for (c, call) in waiting {
+                    self.deliver(result, c, call, actors, groups);
                 }
             }
         }
@@ -983,11 +1013,11 @@ impl OwnerTable {
             if matches!(e.state, ObjState::Pending) {
                 // Received straight from its producer, whose reply has
                 // not come: delivered with the waiting ones (OW-4).
-                if !e.waiting.contains(&consumer) {
-                    e.waiting.push(consumer);
+                if !e.waiting.iter().any(|(c, _)| *c == consumer) {
+                    e.waiting.push((consumer, None));
                 }
             } else {
-                self.deliver(a, consumer, actors, groups);
+                self.deliver(a, consumer, None, actors, groups);
             }
         }
         self.maybe_free(result, actors);
@@ -1066,7 +1096,7 @@ impl OwnerTable {
         }
         e.copies.remove(&t.consumer);
         if e.needs.contains_key(&t.consumer) {
-            self.deliver(t.object, t.consumer, actors, groups);
+            self.deliver(t.object, t.consumer, None, actors, groups);
         } else {
             self.maybe_free(t.object, actors);
         }
@@ -1230,9 +1260,9 @@ fn release_copy(e: &mut Entry, id: u64, consumer: ActorId, actors: &Actors) {
 /// (the delivery first, then the send order for two-sided transports),
 /// recording the copy. Returns the transfer to track, or `None` when it
 /// could not start (the consumer then got the error instead: OW-6).
-/// `large`: (the transfer is large, OW-15; another large one to the
-/// consumer is in flight): then the producer's order is left in `held`
-/// instead of sent.
+/// `large`: (the transfer is large, OW-15; a large one to the consumer
+/// for another call is in flight: then the producer's order is left in
+/// `held` instead of sent; the call it is for).
 #[allow(clippy::too_many_arguments)]
 fn start_direct(
     e: &mut Entry,
@@ -1242,7 +1272,7 @@ fn start_direct(
     value: WireValue,
     actors: &Actors,
     groups: &dyn GroupLookup,
-    (large, behind): (bool, bool),
+    (large, behind, call): (bool, bool, Option<u64>),
     held: &mut Option<(ActorId, ToWorker)>,
 ) -> Option<(u64, InFlight)> {
     let sided = e.sidedness();
@@ -1356,6 +1386,7 @@ fn start_direct(
             transport: e.transport,
             two_sided,
             large,
+            call,
         },
     ))
 }

@@ -185,11 +185,12 @@ impl RuntimeBuilder {
     }
 
     /// The size from which two-sided transfers (`nccl`, `tcp`) to one
-    /// consumer land one at a time, in the order they were delivered: the
-    /// driver holds a producer's send while a transfer of that size to
-    /// the same consumer is in flight (bytes into one device share its
-    /// links, so started together the call queued first would wait for
-    /// both). Default 128 MiB (`RDT_LARGE_TRANSFER_BYTES` overrides the
+    /// consumer for different calls land one call at a time, in the order
+    /// they were delivered: the driver holds a producer's send while a
+    /// transfer of that size to the same consumer for another call is in
+    /// flight (bytes into one device share its links, so started together
+    /// the call queued first would wait for both). Those one call needs
+    /// go together. Default 128 MiB (`RDT_LARGE_TRANSFER_BYTES` overrides the
     /// default); `usize::MAX` turns it off. See the book's Internals,
     /// "OW-15".
     pub fn large_transfer_bytes(mut self, n: usize) -> Self {
@@ -1750,7 +1751,7 @@ impl Inner {
                 groups: &st.groups,
                 actors: &st.actors,
             };
-            st.table.need(a, actor, &st.actors, &groups);
+            st.table.need(a, actor, Some(call), &st.actors, &groups);
         }
         // OW-12: the callee drops these copies itself when the call ends
         // (no `Free` on the next call's path).
@@ -2175,7 +2176,7 @@ impl Inner {
                     groups: &st.groups,
                     actors: &st.actors,
                 };
-                st.table.need(object, actor, &st.actors, &groups);
+                st.table.need(object, actor, None, &st.actors, &groups);
                 self.sync_transfers(st);
             }
             ToDriver::GetDone { object } => {

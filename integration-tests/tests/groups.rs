@@ -343,9 +343,10 @@ async fn two_producers_one_consumer_in(
     (rt, p1, p2, c, groups)
 }
 
-/// OW-15: of two large two-sided transfers to one consumer, the second's
-/// send waits in the driver for the first to land; both values arrive
-/// whole, and transfers under the size are not held.
+/// OW-15: of two large two-sided transfers to one consumer for two
+/// calls, the second's send waits in the driver for the first to land;
+/// both values arrive whole. Transfers one call needs together, and those
+/// under the size, are not held.
 #[tokio::test]
 async fn ow_15_large_sends_to_one_consumer_go_one_at_a_time() {
     deadline(60, async {
@@ -365,6 +366,10 @@ async fn ow_15_large_sends_to_one_consumer_go_one_at_a_time() {
             );
         }
         assert_eq!(rt.transfers_in_flight(), 0);
+        // Both needed by one call: they go together.
+        let (s, same) = rt.get(c.sum2(&r1, &r2).remote()).await.unwrap();
+        assert_eq!((s, same), (3.0 * n as f64, false));
+        assert_eq!(rt.sends_held(), 3, "one call's transfers are not held");
         // Under the size, both go at once.
         let (s1, s2) = (
             p1.make_tcp(1.0, 1024).remote(),
