@@ -594,17 +594,7 @@ impl OwnerTable {
                 break;
             }
             rdt_transport::cuda::timeline("driver held send released", h.xfer);
-            if let Err(err) = send(actors, h.producer, &h.order) {
-                send_small(
-                    actors,
-                    consumer,
-                    &ToWorker::AbortTransfer {
-                        object: t.object,
-                        xfer: h.xfer,
-                        error: err,
-                    },
-                );
-            }
+            send_or_abort(actors, h.producer, &h.order, consumer, t.object, h.xfer);
             queue.pop_front();
         }
         if queue.is_empty() {
@@ -626,17 +616,7 @@ impl OwnerTable {
                     ToWorker::SendTo { group: Some(g), .. } if g.id == group
                 );
                 if let (true, Some(t)) = (in_group, transfers.get(&h.xfer)) {
-                    if let Err(err) = send(actors, h.producer, &h.order) {
-                        send_small(
-                            actors,
-                            consumer,
-                            &ToWorker::AbortTransfer {
-                                object: t.object,
-                                xfer: h.xfer,
-                                error: err,
-                            },
-                        );
-                    }
+                    send_or_abort(actors, h.producer, &h.order, consumer, t.object, h.xfer);
                 }
                 !in_group
             });
@@ -1350,19 +1330,9 @@ fn start_direct(
             };
             if behind {
                 *held = Some((p, order));
-            } else if let Err(err) = send(actors, p, &order) {
-                // OW-6: the receive delivered above stops with the error
-                // (its failed acknowledgement finds no transfer: none is
-                // tracked), and the consumer holds the error.
-                send_small(
-                    actors,
-                    consumer,
-                    &ToWorker::AbortTransfer {
-                        object: id,
-                        xfer,
-                        error: err,
-                    },
-                );
+            } else if !send_or_abort(actors, p, &order, consumer, id, xfer) {
+                // OW-6: its failed acknowledgement finds no transfer (none
+                // is tracked), and the consumer holds the error.
                 return None;
             }
         }
@@ -1389,6 +1359,34 @@ fn start_direct(
             call,
         },
     ))
+}
+
+/// Sends a two-sided transfer's `order` to its `producer`; if it cannot go,
+/// the receive of `object` the consumer was delivered stops with the error
+/// instead (OW-6). Returns whether it went.
+fn send_or_abort(
+    actors: &Actors,
+    producer: ActorId,
+    order: &ToWorker,
+    consumer: ActorId,
+    object: u64,
+    xfer: u64,
+) -> bool {
+    match send(actors, producer, order) {
+        Ok(()) => true,
+        Err(error) => {
+            send_small(
+                actors,
+                consumer,
+                &ToWorker::AbortTransfer {
+                    object,
+                    xfer,
+                    error,
+                },
+            );
+            false
+        }
+    }
 }
 
 fn e_bytes(e: &Entry) -> usize {
