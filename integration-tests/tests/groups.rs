@@ -304,17 +304,10 @@ async fn a_two_sided_transfers_orders_go_out_before_its_call() {
     .await;
 }
 
-/// Two producers in two groups with one consumer, and a runtime whose
-/// large transfers start at 1 MiB (OW-15).
+/// Two producers in two `tcp` groups with one consumer (the groups in
+/// that order), on a runtime whose large transfers start at `large`
+/// bytes (OW-15).
 async fn two_producers_one_consumer(
-    large: usize,
-) -> (Runtime, ProducerHandle, ProducerHandle, ConsumerHandle) {
-    let (rt, p1, p2, c, _) = two_producers_one_consumer_in(large).await;
-    (rt, p1, p2, c)
-}
-
-/// [`two_producers_one_consumer`], with the two groups.
-async fn two_producers_one_consumer_in(
     large: usize,
 ) -> (
     Runtime,
@@ -343,6 +336,19 @@ async fn two_producers_one_consumer_in(
     (rt, p1, p2, c, groups)
 }
 
+/// `n1` f32s of 1.0 from `p1` and `n2` of 2.0 from `p2` over `tcp`, both
+/// made before the calls that take them are submitted.
+async fn made_on_both(
+    rt: &Runtime,
+    (p1, p2): (&ProducerHandle, &ProducerHandle),
+    (n1, n2): (usize, usize),
+) -> (ObjectRef<Tensor>, ObjectRef<Tensor>) {
+    let (r1, r2) = (p1.make_tcp(1.0, n1).remote(), p2.make_tcp(2.0, n2).remote());
+    rt.wait(&r1).await.unwrap();
+    rt.wait(&r2).await.unwrap();
+    (r1, r2)
+}
+
 /// OW-15: of two large two-sided transfers to one consumer for two
 /// calls, the second's send waits in the driver for the first to land;
 /// both values arrive whole. Transfers one call needs together, and those
@@ -350,11 +356,9 @@ async fn two_producers_one_consumer_in(
 #[tokio::test]
 async fn ow_15_large_sends_to_one_consumer_go_one_at_a_time() {
     deadline(60, async {
-        let (rt, p1, p2, c) = two_producers_one_consumer(1 << 20).await;
+        let (rt, p1, p2, c, _) = two_producers_one_consumer(1 << 20).await;
         let n = 1 << 20; // 4 MiB of f32 each
-        let (r1, r2) = (p1.make_tcp(1.0, n).remote(), p2.make_tcp(2.0, n).remote());
-        rt.wait(&r1).await.unwrap();
-        rt.wait(&r2).await.unwrap();
+        let (r1, r2) = made_on_both(&rt, (&p1, &p2), (n, n)).await;
         for round in 1..=3u64 {
             let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
             assert_eq!(rt.get(&a).await.unwrap(), n as f64);
@@ -380,8 +384,8 @@ async fn ow_15_large_sends_to_one_consumer_go_one_at_a_time() {
         assert_eq!(rt.get(&b).await.unwrap(), 2048.0);
         assert_eq!(rt.sends_held(), 3);
         // Off: nothing held.
-        let (rt, p1, p2, c) = two_producers_one_consumer(usize::MAX).await;
-        let (r1, r2) = (p1.make_tcp(1.0, n).remote(), p2.make_tcp(2.0, n).remote());
+        let (rt, p1, p2, c, _) = two_producers_one_consumer(usize::MAX).await;
+        let (r1, r2) = made_on_both(&rt, (&p1, &p2), (n, n)).await;
         let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
         assert_eq!(rt.get(&a).await.unwrap(), n as f64);
         assert_eq!(rt.get(&b).await.unwrap(), 2.0 * n as f64);
@@ -396,11 +400,9 @@ async fn ow_15_large_sends_to_one_consumer_go_one_at_a_time() {
 #[tokio::test]
 async fn ow_15_a_held_send_goes_when_the_transfer_ahead_dies() {
     deadline(60, async {
-        let (rt, p1, p2, c) = two_producers_one_consumer(1 << 20).await;
+        let (rt, p1, p2, c, _) = two_producers_one_consumer(1 << 20).await;
         let n = 16 << 20; // 64 MiB of f32 each
-        let (r1, r2) = (p1.make_tcp(1.0, n).remote(), p2.make_tcp(2.0, n).remote());
-        rt.wait(&r1).await.unwrap();
-        rt.wait(&r2).await.unwrap();
+        let (r1, r2) = made_on_both(&rt, (&p1, &p2), (n, n)).await;
         let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
         p1.kill();
         let e = rt.get(&a).await.unwrap_err();
@@ -424,11 +426,9 @@ async fn ow_15_a_held_send_goes_when_the_transfer_ahead_dies() {
 #[tokio::test]
 async fn ow_15_destroying_a_group_sends_what_was_held_in_it() {
     deadline(60, async {
-        let (rt, p1, p2, c, groups) = two_producers_one_consumer_in(1 << 20).await;
+        let (rt, p1, p2, c, groups) = two_producers_one_consumer(1 << 20).await;
         let (big, n) = (32 << 20, 1 << 20); // 128 MiB ahead, 4 MiB held
-        let (r1, r2) = (p1.make_tcp(1.0, big).remote(), p2.make_tcp(2.0, n).remote());
-        rt.wait(&r1).await.unwrap();
-        rt.wait(&r2).await.unwrap();
+        let (r1, r2) = made_on_both(&rt, (&p1, &p2), (big, n)).await;
         let (a, b) = (c.sum(&r1).remote(), c.sum(&r2).remote());
         rt.destroy_collective_group(groups[1]).await.unwrap();
         assert_eq!(rt.sends_held(), 1, "the second send was held");
