@@ -584,15 +584,30 @@ async fn rdt_passes(
         let r = p.tensor(b).transport(Transport::Nixl).remote();
         rt.wait(&r).await?;
         if first {
+            let s0 = rt.get(c.nixl_stats().remote()).await?;
             let t0 = Instant::now();
             rt.get(c.touch(&r).remote()).await?;
+            let first_us = us_since(t0);
+            let s1 = rt.get(c.nixl_stats().remote()).await?;
+            // Where the first pass went: the consumer's agent (made in the
+            // background since the worker started, waited for here), and
+            // the producer's connection and registrations loaded.
+            println!(
+                "   first pass {label}: {:.1} ms; the consumer waited {:.1} ms for its agent \
+                 (made in {:.1} ms), loaded {} remote metadata blobs in {:.1} ms",
+                first_us / 1e3,
+                (s1.agent_wait_nanos - s0.agent_wait_nanos) as f64 / 1e6,
+                s1.agent_make_nanos as f64 / 1e6,
+                s1.remote_loads - s0.remote_loads,
+                (s1.remote_load_nanos - s0.remote_load_nanos) as f64 / 1e6,
+            );
             rows.push(row(
                 cx,
                 &format!("pass_first_{label}"),
                 "nixl",
                 Kind::Latency,
                 b,
-                vec![us_since(t0)],
+                vec![first_us],
             ));
             first = false;
         }

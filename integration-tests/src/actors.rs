@@ -462,6 +462,11 @@ impl Consumer {
         rdt::data::nixl::stats()
     }
 
+    /// This worker's environment variable `name`.
+    async fn env_var(&mut self, name: String) -> Option<String> {
+        std::env::var(name).ok()
+    }
+
     /// Receives this worker's control loop started after the frames in
     /// hand (see `rdt::receives_started_after_frames`).
     async fn started_after_frames(&mut self) -> u64 {

@@ -76,6 +76,40 @@ async fn producer_served(rt: &Runtime, p: &ProducerHandle, n: u64) {
     .await;
 }
 
+/// Workers make their agents with UCX's memory hooks off
+/// (`rdt::data::nixl::prepare_process`): the setting the driver's process
+/// has (rdt's default, `no`, unless the environment chose), and the first
+/// read's agent, connection and metadata are counted and timed.
+#[tokio::test]
+async fn a_workers_agent_starts_with_ucx_memory_hooks_off() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let here = std::env::var("UCX_MEM_EVENTS").ok();
+        assert!(
+            here.is_some(),
+            "rdt's start-up gave this process UCX_MEM_EVENTS"
+        );
+        let there = rt.get(c.env_var("UCX_MEM_EVENTS").remote()).await.unwrap();
+        assert_eq!(there, here, "the worker has the same UCX setting");
+        let before = of_consumer(&rt, &c).await;
+        let r = produced(&rt, &p, 2.0, 256).await;
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 512.0);
+        let after = of_consumer(&rt, &c).await;
+        assert_eq!(
+            after.reads_posted - before.reads_posted,
+            1,
+            "read over NIXL"
+        );
+        assert!(after.agent_make_nanos > 0, "the consumer made its agent");
+        assert!(
+            after.remote_loads >= 2 && after.remote_load_nanos > 0,
+            "the producer's connection and registration were loaded, timed: {after:?}"
+        );
+        rt.shutdown().await;
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn ten_thousand_tensors_are_one_registration_and_one_descriptor() {
     deadline(DL, async {

@@ -105,7 +105,15 @@ pub(crate) mod env {
 /// returns at once otherwise. Call it first thing in `main`
 /// (`#[rdt::main]` does).
 pub fn init() {
+    prepare_process();
     boot_if_worker();
+}
+
+/// Settings every rdt process takes before it has threads (driver and
+/// workers alike): `rdt_transport::nixl::prepare_process`.
+fn prepare_process() {
+    #[cfg(feature = "nixl")]
+    rdt_transport::nixl::prepare_process();
 }
 
 /// How a worker reaches its driver.
@@ -130,6 +138,7 @@ pub static RDT_MAIN: [u8];
 /// binaries) it does Rust's start-up work by hand (WK-1) and boots.
 #[doc(hidden)]
 pub fn boot_before_main() {
+    prepare_process();
     if !RDT_MAIN.is_empty() || !is_worker() {
         return;
     }

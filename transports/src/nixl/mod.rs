@@ -205,6 +205,17 @@ pub struct NixlStats {
     /// ... and the receives that found one ready (no allocation, views or
     /// descriptor lists before their post).
     pub dests_taken_ready: u64,
+    /// Nanoseconds that making this process's agent took (0 before it is
+    /// made): UCX's start, the backend, the connection metadata.
+    pub agent_make_nanos: u64,
+    /// Nanoseconds transfers of this process spent waiting for its agent
+    /// to be made (a first transfer soon after the worker started, while
+    /// the agent is still being made in the background, or one that makes
+    /// it).
+    pub agent_wait_nanos: u64,
+    /// Nanoseconds spent loading remote metadata (`remote_loads`): peers'
+    /// connections and registrations, once per agent and generation.
+    pub remote_load_nanos: u64,
 }
 
 #[derive(Default)]
@@ -234,6 +245,9 @@ struct Counters {
     lists_premade: AtomicU64,
     dests_made_ahead: AtomicU64,
     dests_taken_ready: AtomicU64,
+    agent_make_nanos: AtomicU64,
+    agent_wait_nanos: AtomicU64,
+    remote_load_nanos: AtomicU64,
 }
 
 static COUNTERS: std::sync::LazyLock<Counters> = std::sync::LazyLock::new(Counters::default);
@@ -279,6 +293,9 @@ pub fn stats() -> NixlStats {
         lists_premade: c.lists_premade.load(Ordering::Relaxed),
         dests_made_ahead: c.dests_made_ahead.load(Ordering::Relaxed),
         dests_taken_ready: c.dests_taken_ready.load(Ordering::Relaxed),
+        agent_make_nanos: c.agent_make_nanos.load(Ordering::Relaxed),
+        agent_wait_nanos: c.agent_wait_nanos.load(Ordering::Relaxed),
+        remote_load_nanos: c.remote_load_nanos.load(Ordering::Relaxed),
     }
 }
 
@@ -307,6 +324,44 @@ fn read_spin() -> std::time::Duration {
     READ_SPIN.get(|| DEFAULT_READ_SPIN)
 }
 
+/// UCX's setting for its memory hooks, and what rdt sets it to.
+const UCX_MEM_EVENTS: (&str, &str) = ("UCX_MEM_EVENTS", "no");
+
+/// Gives this process rdt's default for UCX's memory hooks
+/// (`UCX_MEM_EVENTS=no`) unless it set `UCX_MEM_EVENTS` itself; returns
+/// whether it did. rdt's start-up calls it (the pre-`main` hook of a
+/// binary with actors, and `rdt::init`), before the process has threads
+/// (`setenv` is not safe beside other threads) and before NIXL's
+/// libraries are loaded (UCX reads the setting then).
+///
+/// Why: with the hooks on, UCX patches the code of `mmap`, `munmap` and
+/// their kin (and CUDA's allocation calls) when an agent starts, and waits
+/// its grace period (`UCX_MEM_BISTRO_GRACE_DURATION`, 50 ms) after each
+/// patch: making an agent took 0.46 s on the 2-core dev VM, 0.06 s
+/// without (the book's NIXL chapter, "The first transfer"). The hooks tell
+/// UCX's registration cache that memory went away; rdt needs no such
+/// cache: it registers the memory it exposes or reads into itself, once
+/// per slab or region, and deregisters it before freeing it (NX-2), so
+/// nothing of UCX's can outlive the memory. Set `UCX_MEM_EVENTS=yes` to
+/// keep UCX's hooks.
+pub fn prepare_process() -> bool {
+    let (var, value) = UCX_MEM_EVENTS;
+    match ucx_default(std::env::var_os(var).as_deref()) {
+        Some(v) => {
+            debug_assert_eq!(v, value);
+            std::env::set_var(var, v);
+            true
+        }
+        None => false,
+    }
+}
+
+/// The value rdt gives `UCX_MEM_EVENTS` where it is `current`: none where
+/// the process set it (even to nothing).
+fn ucx_default(current: Option<&std::ffi::OsStr>) -> Option<&'static str> {
+    current.is_none().then_some(UCX_MEM_EVENTS.1)
+}
+
 /// Is NIXL usable in this process? The error says how to install it.
 pub fn available() -> Result<(), NixlError> {
     api::api().map(|_| ())
@@ -314,6 +369,14 @@ pub fn available() -> Result<(), NixlError> {
 
 /// The agent of this process, once made.
 static STARTED_AGENT: OnceLock<Result<Arc<Agent>, NixlError>> = OnceLock::new();
+
+/// Makes this process's agent, timed (`agent_make_nanos`).
+fn make_agent(name: &str) -> Result<Arc<Agent>, NixlError> {
+    let t0 = std::time::Instant::now();
+    let made = Agent::new(name).map(Arc::new);
+    bump(&COUNTERS.agent_make_nanos, t0.elapsed().as_nanos() as u64);
+    made
+}
 
 /// Counts the notices that arrived: each carries the number of reads its
 /// sender finished (PL-3), as 8 bytes little-endian; anything else counts
@@ -952,7 +1015,7 @@ impl NixlTransport {
             let _ = std::thread::Builder::new()
                 .name("rdt-nixl-start".into())
                 .spawn(move || {
-                    let _ = STARTED_AGENT.get_or_init(|| Agent::new(&name2).map(Arc::new));
+                    let _ = STARTED_AGENT.get_or_init(|| make_agent(&name2));
                 });
         }
         NixlTransport {
@@ -969,10 +1032,17 @@ impl NixlTransport {
     }
 
     fn agent(&self) -> Result<Arc<Agent>, TransportError> {
-        STARTED_AGENT
-            .get_or_init(|| Agent::new(&self.name).map(Arc::new))
-            .clone()
-            .map_err(|e| TransportError::new(NAME, e.0))
+        let made = match STARTED_AGENT.get() {
+            Some(made) => made,
+            None => {
+                // Made here, or by the background start still at it.
+                let t0 = std::time::Instant::now();
+                let made = STARTED_AGENT.get_or_init(|| make_agent(&self.name));
+                bump(&COUNTERS.agent_wait_nanos, t0.elapsed().as_nanos() as u64);
+                made
+            }
+        };
+        made.clone().map_err(|e| TransportError::new(NAME, e.0))
     }
 
     /// The registration of `slab`, made on first use (NX-3).
@@ -1027,9 +1097,16 @@ impl NixlTransport {
             bump(&COUNTERS.remote_forgets, 1);
             remotes.remove(&h.agent);
         }
+        // Timed, and counted once loaded (`remote_loads`).
+        let load = |md: &[u8]| {
+            let t0 = std::time::Instant::now();
+            let name = agent.load_remote(md);
+            bump(&COUNTERS.remote_load_nanos, t0.elapsed().as_nanos() as u64);
+            bump(&COUNTERS.remote_loads, u64::from(name.is_ok()));
+            name
+        };
         if !remotes.contains_key(&h.agent) {
-            let name = agent.load_remote(&h.conn)?;
-            bump(&COUNTERS.remote_loads, 1);
+            let name = load(&h.conn)?;
             if name != h.agent {
                 return Err(NixlError(format!(
                     "the handles name agent {} but carry the metadata of {name}",
@@ -1043,8 +1120,7 @@ impl NixlTransport {
             if r.loaded.contains_key(&n.generation) {
                 continue;
             }
-            agent.load_remote(&n.md)?;
-            bump(&COUNTERS.remote_loads, 1);
+            load(&n.md)?;
             r.loaded.insert(n.generation, (n.mem, n.dev, n.base, n.len));
         }
         Ok(())
@@ -2876,6 +2952,15 @@ mod tests {
             remote_reg: 1,
             local: desc(l, len),
             local_reg: 2,
+        }
+    }
+
+    #[test]
+    fn ucx_memory_hooks_are_off_unless_the_process_chose() {
+        use std::ffi::OsStr;
+        assert_eq!(ucx_default(None), Some("no"));
+        for chosen in ["yes", "no", "y", ""] {
+            assert_eq!(ucx_default(Some(OsStr::new(chosen))), None, "{chosen:?}");
         }
     }
 
