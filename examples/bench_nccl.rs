@@ -140,6 +140,24 @@ impl NcclSource {
 
 /// A cuBLAS handle bound to rdt's stream of this process's GPU.
 struct Blas(cudarc::cublas::sys::cublasHandle_t);
+
+/// SMs the receiver's multiplies leave free for the transfers' kernels
+/// (`RDT_BENCH_SMS_FOR_TRANSFERS`, default [`SMS_FOR_TRANSFERS`]).
+const SMS_FOR_TRANSFERS: u32 = 0;
+
+/// (SMs cuBLAS may use, SMs of the GPU). cuBLAS's GEMMs on Hopper keep
+/// every SM they start on until they end, so a receive kernel launched
+/// under one waits for its end whatever its stream's priority; leaving it
+/// SMs (`cublasSetSmCountTarget`) is how compute and communication overlap
+/// there. `T_c` is timed with the same handle.
+fn blas_sms(g: &rdt::data::cuda::Gpu) -> rdt::Result<(u32, u32)> {
+    let all = g.multiprocessors().map_err(cuda_err)?;
+    let free = std::env::var("RDT_BENCH_SMS_FOR_TRANSFERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SMS_FOR_TRANSFERS);
+    Ok((all.saturating_sub(free).max(1), all))
+}
 // SAFETY: a cuBLAS handle may be used from any thread, one at a time (the
 // actor runs one call at a time).
 unsafe impl Send for Blas {}
@@ -193,6 +211,11 @@ impl NcclSink {
     /// This process's nccl receive counters.
     async fn nccl_stats(&mut self) -> rdt::data::nccl::NcclStats {
         rdt::data::nccl::stats()
+    }
+
+    /// (SMs the multiplies may use, SMs of the GPU).
+    async fn blas_sms(&mut self) -> rdt::Result<(u32, u32)> {
+        blas_sms(&*rdt::data::cuda::gpu(0).map_err(cuda_err)?)
     }
 
     /// Starts CUDA and cuBLAS here and runs one multiply (untimed).
@@ -259,6 +282,13 @@ impl NcclSink {
             let h = blas::create_handle().map_err(cuda_err)?;
             // SAFETY: a live handle and rdt's stream of the bound context.
             unsafe { blas::set_stream(h, g.raw_stream() as *mut _) }.map_err(cuda_err)?;
+            let (used, all) = blas_sms(&g)?;
+            if used < all {
+                // SAFETY: a live handle; a count below the device's.
+                unsafe { bsys::cublasSetSmCountTarget(h, used as i32) }
+                    .result()
+                    .map_err(cuda_err)?;
+            }
             self.blas = Some(Blas(h));
             self.out = Some(Tensor::cuda_empty(DType::F16, &[N, N], 0)?);
         }
@@ -730,7 +760,7 @@ async fn main() -> rdt::Result<()> {
         );
     }
     println!(
-        "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %",
+        "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; cuBLAS on {} of {} SMs",
         overlap.t_x_ms,
         overlap.t_c_ms,
         overlap.off_ms,
@@ -738,7 +768,9 @@ async fn main() -> rdt::Result<()> {
         overlap.on_all_at_once_ms,
         overlap.ideal_ms,
         overlap.on_ms / overlap.ideal_ms,
-        100.0 * (overlap.off_ms / overlap.on_ms - 1.0)
+        100.0 * (overlap.off_ms / overlap.on_ms - 1.0),
+        overlap.blas_sms.0,
+        overlap.blas_sms.1
     );
 
     if let Some(path) = json {
@@ -759,6 +791,8 @@ struct Overlap {
     /// Window 3: the three calls at once.
     on_all_at_once_ms: f64,
     ideal_ms: f64,
+    /// SMs the multiplies could use, and the GPU's (`blas_sms`).
+    blas_sms: (u32, u32),
     iterations: usize,
     off_iterations_ms: Vec<f64>,
     on_iterations_ms: Vec<f64>,
@@ -779,6 +813,7 @@ async fn overlap(
 ) -> rdt::Result<Overlap> {
     let recv = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;
     rt.get(recv.warm().remote()).await?;
+    let blas_sms = rt.get(recv.blas_sms().remote()).await?;
     let mut senders = Vec::new();
     for _ in 0..3 {
         let s = rt.spawn::<NcclSource>(()).on_gpus([0]).await?;
@@ -868,6 +903,7 @@ async fn overlap(
         on_ms: med(on.clone()),
         on_all_at_once_ms: med(on_all.clone()),
         ideal_ms: t_x + 3.0 * t_x.max(t_c),
+        blas_sms,
         iterations: iters,
         off_iterations_ms: off,
         on_iterations_ms: on,
@@ -892,7 +928,7 @@ async fn overlap_only(quick: bool) -> rdt::Result<()> {
     let mut rows = Vec::new();
     let o = overlap(&rt, &cx, &mut rows, if quick { 2 } else { 5 }).await?;
     println!(
-        "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; on iterations {:?} ms",
+        "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; cuBLAS on {} of {} SMs; on iterations {:?} ms",
         o.t_x_ms,
         o.t_c_ms,
         o.off_ms,
@@ -901,6 +937,8 @@ async fn overlap_only(quick: bool) -> rdt::Result<()> {
         o.ideal_ms,
         o.on_ms / o.ideal_ms,
         100.0 * (o.off_ms / o.on_ms - 1.0),
+        o.blas_sms.0,
+        o.blas_sms.1,
         o.on_iterations_ms
             .iter()
             .map(|v| (v * 100.0).round() / 100.0)
