@@ -34,7 +34,9 @@
 //!   multiply, as Compiled Graphs schedules it); `on_all_at_once` submits
 //!   the three calls together (their transfers share the link). `T_x` = one transfer
 //!   alone (a pass of one matrix), `T_c` = one multiply alone (timed in
-//!   the receiver); ideal = T_x + 3·max(T_x, T_c).
+//!   the receiver); ideal = T_x + 3·max(T_x, T_c). The multiplies use
+//!   every SM; `RDT_BENCH_SMS_FOR_TRANSFERS=N` leaves N of them to the
+//!   transfers' kernels (`T_c` is then timed the same way).
 //!
 //! Rows use the harness schema (`suite` = `nccl`, `case`, `transport`,
 //! `device`, `bytes`, `iters`, `median_us`, `p90_us`, `kind`, `gbps`,
