@@ -9,7 +9,10 @@
 //!   for `same`; each sees only its own GPU, as rdt's workers do)
 //!   registers its own, loads the holder's metadata and times one READ per
 //!   iteration (post, then poll until done). The first READ of the pair
-//!   (connection set-up included) is its own row. `many10000` is one READ
+//!   (connection set-up included) is its own row (`first_read`), and so
+//!   is the same READ with the metadata loads before it
+//!   (`first_read_loaded`: the holder's connection and registration, as
+//!   an rdt first pass loads them). `many10000` is one READ
 //!   of 10 000 descriptors of 4 KiB (what Ray and vLLM post), `one40M` one
 //!   descriptor of 40 MiB.
 //! * `nixl`: rdt passes between actors: the producer (GPU 0) made the
@@ -286,9 +289,10 @@ struct RawPlan {
     pin: bool,
 }
 
-/// What the reader measured: (case, bytes, µs per READ) and the first
-/// READ of the pair.
-type RawResult = (Vec<(String, usize, Vec<f64>)>, f64);
+/// What the reader measured: (case, bytes, µs per READ), the first READ
+/// of the pair, and the metadata loads before it (the holder's connection
+/// and the first case's registrations), µs.
+type RawResult = (Vec<(String, usize, Vec<f64>)>, f64, f64);
 
 /// The raw reader (a child process): reads every case from the holder.
 fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
@@ -297,12 +301,19 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
     let warm = Tensor::cuda_zeros(DType::U8, &[4096], 0).map_err(|e| e.to_string())?;
     drop(warm);
     let agent = RawAgent::new(&format!("raw-reader-{}", std::process::id())).map_err(|e| e.0)?;
+    let t0 = Instant::now();
     let peer = agent.load_remote(&plan.conn).map_err(|e| e.0)?;
+    // Timed up to the first READ, as an rdt first pass loads them.
+    let mut loads = us_since(t0);
     let mut out = Vec::new();
     let mut first = f64::NAN;
     for c in &plan.cases {
+        let t0 = Instant::now();
         for md in &c.mds {
             agent.load_remote(md).map_err(|e| e.0)?;
+        }
+        if first.is_nan() {
+            loads += us_since(t0);
         }
         let total: usize = c.ranges.iter().map(|r| r.1).sum();
         let mem = if plan.host {
@@ -380,7 +391,7 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
         }
         drop(host_buf);
     }
-    Ok((out, first))
+    Ok((out, first, loads))
 }
 
 /// The raw holder (a child process, on the same GPU as rdt's producer and
@@ -540,19 +551,31 @@ async fn raw_baseline(
         // without a newline before this line.)
         .find_map(|l| l.find("RAW [").map(|i| &l[i + 4..]))
         .ok_or_else(|| err(format!("the raw NIXL reader said: {text}")))?;
-    let (cases, first): RawResult = serde_json::from_str(line).map_err(err)?;
+    let (cases, first, loads): RawResult = serde_json::from_str(line).map_err(err)?;
     // What UCX picked for the reads (UCX_PROTO_INFO's table headers).
     for l in text.lines().filter(|l| l.contains("memory read")) {
         println!("   raw {label} reader, UCX: {}", l.trim());
     }
-    let mut rows = vec![row(
-        cx,
-        &format!("first_read_{label}"),
-        "raw",
-        Kind::Latency,
-        4 << 10,
-        vec![first],
-    )];
+    let mut rows = vec![
+        row(
+            cx,
+            &format!("first_read_{label}"),
+            "raw",
+            Kind::Latency,
+            4 << 10,
+            vec![first],
+        ),
+        // With the metadata loads before it: what an rdt first pass does
+        // besides its call (and waiting for its agent, if still made).
+        row(
+            cx,
+            &format!("first_read_loaded_{label}"),
+            "raw",
+            Kind::Latency,
+            4 << 10,
+            vec![loads + first],
+        ),
+    ];
     for (case, bytes, us) in cases {
         rows.push(row(
             cx,
