@@ -343,6 +343,15 @@ pub(crate) struct InFlight {
     pub call: Option<u64>,
 }
 
+impl InFlight {
+    /// OW-15: does this transfer hold back a large send to `consumer`
+    /// for `call`? It does if it is large, to that consumer, and for
+    /// another call (the transfers one call needs go together).
+    fn holds_back(&self, consumer: ActorId, call: Option<u64>) -> bool {
+        self.large && self.consumer == consumer && self.call != call
+    }
+}
+
 /// What the owner table asks of the driver's collective groups (OW-8).
 pub(crate) trait GroupLookup {
     /// For a collective `transport`: the live group holding both ends, as
@@ -585,10 +594,7 @@ impl OwnerTable {
                 continue;
             };
             let ahead = transfers.iter().any(|(x, o)| {
-                o.large
-                    && o.consumer == consumer
-                    && o.call != h.call
-                    && !queue.iter().any(|q| q.xfer == *x)
+                o.holds_back(consumer, h.call) && !queue.iter().any(|q| q.xfer == *x)
             });
             if ahead {
                 break;
@@ -815,7 +821,7 @@ impl OwnerTable {
                     && self
                         .transfers
                         .values()
-                        .any(|t| t.large && t.consumer == consumer && t.call != call);
+                        .any(|t| t.holds_back(consumer, call));
                 let e = self.objects.get_mut(&id).expect("looked up above");
                 let mut held = None;
                 let started = start_direct(
