@@ -324,8 +324,10 @@ fn read_spin() -> std::time::Duration {
     READ_SPIN.get(|| DEFAULT_READ_SPIN)
 }
 
-/// UCX's setting for its memory hooks, and what rdt sets it to.
-const UCX_MEM_EVENTS: (&str, &str) = ("UCX_MEM_EVENTS", "no");
+/// UCX's setting for its memory hooks ...
+const UCX_MEM_EVENTS: &str = "UCX_MEM_EVENTS";
+/// ... and what rdt sets it to where the process did not.
+const UCX_MEM_EVENTS_DEFAULT: &str = "no";
 
 /// Gives this process rdt's default for UCX's memory hooks
 /// (`UCX_MEM_EVENTS=no`) unless it set `UCX_MEM_EVENTS` itself; returns
@@ -345,10 +347,9 @@ const UCX_MEM_EVENTS: (&str, &str) = ("UCX_MEM_EVENTS", "no");
 /// nothing of UCX's can outlive the memory. Set `UCX_MEM_EVENTS=yes` to
 /// keep UCX's hooks.
 pub fn prepare_process() -> bool {
-    let var = UCX_MEM_EVENTS.0;
-    match ucx_default(std::env::var_os(var).as_deref()) {
+    match ucx_default(std::env::var_os(UCX_MEM_EVENTS).as_deref()) {
         Some(v) => {
-            std::env::set_var(var, v);
+            std::env::set_var(UCX_MEM_EVENTS, v);
             true
         }
         None => false,
@@ -358,7 +359,7 @@ pub fn prepare_process() -> bool {
 /// The value rdt gives `UCX_MEM_EVENTS` where it is `current`: none where
 /// the process set it (even to nothing).
 fn ucx_default(current: Option<&std::ffi::OsStr>) -> Option<&'static str> {
-    current.is_none().then_some(UCX_MEM_EVENTS.1)
+    current.is_none().then_some(UCX_MEM_EVENTS_DEFAULT)
 }
 
 /// Is NIXL usable in this process? The error says how to install it.
