@@ -420,6 +420,184 @@ mod tests {
         }
     }
 
+    /// Not a test: what a few microseconds of control-plane-like work
+    /// (a frame of about 800 bytes encoded and decoded with postcard, a
+    /// map entry made and taken out, a few small allocations) costs on
+    /// this host right after what a hot wait does between its asks
+    /// (`cargo test --release -p rdt-transport -- --ignored
+    /// cold_after_syscall_timing --nocapture`): nothing, a pure spin, a
+    /// cheap system call, `epoll_wait` through a runtime's `yield_now`,
+    /// and `sched_yield`. On a guest whose kernel flushes the CPU's
+    /// predictors or TLB at every system call, the same work costs more
+    /// after one, and hot waits that ask through the I/O driver slow down
+    /// every step that follows them.
+    #[test]
+    #[ignore]
+    fn cold_after_syscall_timing() {
+        for f in std::fs::read_dir("/sys/devices/system/cpu/vulnerabilities")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let v = std::fs::read_to_string(f.path()).unwrap_or_default();
+            println!("{}: {}", f.file_name().to_string_lossy(), v.trim());
+        }
+        if let Ok(c) = std::fs::read_to_string("/proc/cmdline") {
+            println!("cmdline: {}", c.trim());
+        }
+        #[derive(serde::Serialize, serde::Deserialize)]
+        struct Frame {
+            name: String,
+            host: String,
+            endpoint: String,
+            ids: Vec<u64>,
+            #[serde(with = "serde_bytes")]
+            head: Vec<u8>,
+        }
+        let frame = Frame {
+            name: "producer#1".into(),
+            host: "gpu-host-0".into(),
+            endpoint: "/tmp/rdt-1234/peer.sock".into(),
+            ids: (0..16).collect(),
+            head: vec![7u8; 600],
+        };
+        let mut map: std::collections::HashMap<u64, String> = Default::default();
+        let mut work = |i: u64| {
+            let bytes = postcard::to_allocvec(&frame).unwrap();
+            let back: Frame = postcard::from_bytes(&bytes).unwrap();
+            map.insert(i, back.name);
+            std::hint::black_box(map.remove(&i));
+            std::hint::black_box(back.head.len() + back.ids.len());
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let n = 50_000u64;
+        let cases = [
+            "back to back",
+            "after a 5 us spin",
+            "after getppid",
+            "after yield_now (epoll_wait)",
+            "after sched_yield",
+        ];
+        for round in 0..2 {
+            for (case, what) in cases.iter().enumerate() {
+                let mut spent = Duration::ZERO;
+                rt.block_on(async {
+                    for i in 0..n {
+                        match case {
+                            1 => {
+                                let t = Instant::now();
+                                while t.elapsed() < Duration::from_micros(5) {
+                                    std::hint::spin_loop();
+                                }
+                            }
+                            2 => {
+                                // SAFETY: no arguments, no memory.
+                                std::hint::black_box(unsafe { libc::getppid() });
+                            }
+                            3 => tokio::task::yield_now().await,
+                            4 => {
+                                // SAFETY: no arguments, no memory.
+                                unsafe { libc::sched_yield() };
+                            }
+                            _ => {}
+                        }
+                        let t = Instant::now();
+                        work(i);
+                        spent += t.elapsed();
+                    }
+                });
+                println!(
+                    "round {round}: the work {what}: {:.3} us",
+                    spent.as_secs_f64() * 1e6 / n as f64
+                );
+            }
+        }
+    }
+
+    /// Not a test: the floor of a control-socket round trip on this host
+    /// (`cargo test --release -p rdt-transport -- --ignored
+    /// spinning_echo_timing --nocapture`): two threads echo a 64-byte
+    /// frame over a Unix socket pair, each spinning on a non-blocking
+    /// `recv` (no epoll, no sleep), then the same with each side's spin
+    /// yielding through a current-thread runtime with I/O between reads
+    /// (what rdt's hot waits do). Compare with `bench control`'s blocking
+    /// echo and tiny call.
+    #[test]
+    #[ignore]
+    fn spinning_echo_timing() {
+        use std::io::{Read, Write};
+        use std::os::unix::net::UnixStream;
+        fn read_frame(s: &mut UnixStream, buf: &mut [u8; 64], turn: &mut impl FnMut()) {
+            let mut got = 0;
+            while got < buf.len() {
+                match s.read(&mut buf[got..]) {
+                    Ok(0) => panic!("closed"),
+                    Ok(n) => got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => turn(),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        for through_runtime in [false, true, false, true] {
+            let (mut a, mut b) = UnixStream::pair().unwrap();
+            a.set_nonblocking(true).unwrap();
+            b.set_nonblocking(true).unwrap();
+            let rounds = 20_000;
+            let runtime = || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+            };
+            let echo = std::thread::spawn(move || {
+                let rt = runtime();
+                let mut buf = [0u8; 64];
+                let mut turn = || {
+                    if through_runtime {
+                        rt.block_on(tokio::task::yield_now());
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                };
+                for _ in 0..rounds {
+                    read_frame(&mut b, &mut buf, &mut turn);
+                    b.write_all(&buf).unwrap();
+                }
+            });
+            let rt = runtime();
+            let mut turn = || {
+                if through_runtime {
+                    rt.block_on(tokio::task::yield_now());
+                } else {
+                    std::hint::spin_loop();
+                }
+            };
+            let mut buf = [7u8; 64];
+            let mut us = Vec::with_capacity(rounds);
+            for _ in 0..rounds {
+                let t = Instant::now();
+                a.write_all(&buf).unwrap();
+                read_frame(&mut a, &mut buf, &mut turn);
+                us.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            echo.join().unwrap();
+            us.sort_by(f64::total_cmp);
+            println!(
+                "spinning echo, {}: median {:.2} us, p90 {:.2} us",
+                if through_runtime {
+                    "a runtime turn (epoll_wait) between reads"
+                } else {
+                    "pure spin between reads"
+                },
+                us[us.len() / 2],
+                us[us.len() * 9 / 10]
+            );
+        }
+    }
+
     /// Not a test: what writing a small frame (38 bytes, a `CallDone`)
     /// into a Unix socket costs the writer on this host, by what the
     /// reading side is doing (`cargo test --release -p rdt-transport --
