@@ -1265,6 +1265,7 @@ pub fn flush_deferred() {
     let Some(list) = DEFERRED.with(|d| d.borrow_mut().take()) else {
         return;
     };
+    rdt_transport::cuda::timeline("flush deferred", list.len() as u64);
     for s in list {
         s.flush();
     }
@@ -1278,6 +1279,7 @@ impl Sender {
     /// task is woken for the rest.
     fn flush(&self) {
         let q = self.inner.queue.lock();
+        rdt_transport::cuda::timeline("flush queue locked", q.chunks.len() as u64);
         if q.closed || q.chunks.is_empty() {
             return;
         }

@@ -358,8 +358,11 @@ impl Drop for StateGuard<'_> {
         // 4 µs of a 4 KiB pass in the 2×H200 timelines), then write what
         // was sent meanwhile (invariant 2: the frames are queued in order
         // already; a getter's own frames queue behind them).
+        rdt_transport::cuda::timeline("driver unlocking", woken.len() as u64);
         drop(self.guard.take());
+        rdt_transport::cuda::timeline("driver unlocked", 0);
         wake(woken);
+        rdt_transport::cuda::timeline("driver getters woken", 0);
         protocol::flush_deferred();
     }
 }
