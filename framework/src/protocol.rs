@@ -1196,7 +1196,8 @@ impl Sender {
         if frame.status {
             q.chunks.push_back(Chunk::Status(arriving));
         }
-        if was_empty && DEFERRED.with(|d| d.borrow().is_some()) {
+        let deferring = DEFERRED.with(|d| d.borrow().is_some());
+        if was_empty && deferring {
             // Under the driver's state lock: queued in order now, written
             // by `flush_deferred` once the lock is released.
             drop(q);
@@ -1211,6 +1212,13 @@ impl Sender {
         }
         if was_empty {
             self.write_queued(q);
+        } else if deferring && DEFER_FOLLOWING.on() && self.deferred_here() {
+            // Behind frames this thread's `flush_deferred` writes (a
+            // delivery, then its call, under the driver's lock): the
+            // flush takes this one too. Waking the writer task instead
+            // cost a system call on the call's path (the task slept) and
+            // raced the flush for the socket.
+            drop(q);
         } else {
             // The writer task has the earlier frames; it takes this one too.
             drop(q);
@@ -1218,7 +1226,22 @@ impl Sender {
         }
         Ok(())
     }
+
+    /// Whether this thread's deferred writes ([`defer_writes`]) list this
+    /// connection.
+    fn deferred_here(&self) -> bool {
+        DEFERRED.with(|d| {
+            d.borrow()
+                .as_ref()
+                .is_some_and(|l| l.iter().any(|s| Arc::ptr_eq(&s.inner, &self.inner)))
+        })
+    }
 }
+
+/// `RDT_DEFER_FOLLOWING=0` wakes a connection's writer task for a frame
+/// queued behind deferred ones, as before (a measurement knob).
+static DEFER_FOLLOWING: rdt_transport::switch::Switch =
+    rdt_transport::switch::Switch::new("RDT_DEFER_FOLLOWING", true);
 
 thread_local! {
     /// Senders with frames queued while this thread defers writes (see
@@ -2137,6 +2160,43 @@ mod tests {
             match rx.recv::<ToWorker>().await.unwrap() {
                 Some(ToWorker::Free { object }) => assert_eq!(object, 7),
                 other => panic!("{other:?}"),
+            }
+        })
+        .await
+        .expect("deadline");
+    }
+
+    /// Two frames on one connection while writes are deferred (a delivery
+    /// and its call, under the driver's lock): the second wakes no writer
+    /// task, so nothing is written before `flush_deferred`, which writes
+    /// both, in order. Before, the second woke the writer task, which
+    /// wrote them under the lock (and cost the sender a wake-up).
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_frame_behind_deferred_ones_waits_for_the_flush() {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            let (tx, mut rx) = connected(1 << 20);
+            defer_writes();
+            tx.send(&ToWorker::Free { object: 1 }).unwrap();
+            tx.send(&ToWorker::Free { object: 2 }).unwrap();
+            // Every task the sends woke runs during these yields (one
+            // thread): a woken writer would write both frames now.
+            for _ in 0..16 {
+                tokio::task::yield_now().await;
+            }
+            {
+                let mut recv = std::pin::pin!(rx.recv::<ToWorker>());
+                assert!(
+                    futures::poll!(recv.as_mut()).is_pending(),
+                    "nothing is written before the flush"
+                );
+            }
+            assert_eq!(tx.inner.queue.lock().chunks.len(), 2, "both still queued");
+            flush_deferred();
+            for want in [1, 2] {
+                match rx.recv::<ToWorker>().await.unwrap() {
+                    Some(ToWorker::Free { object }) => assert_eq!(object, want),
+                    other => panic!("{other:?}"),
+                }
             }
         })
         .await
