@@ -1250,6 +1250,27 @@ thread_local! {
     /// Senders whose writer task is to be woken for held frames once this
     /// thread's deferred writes are done (see [`Sender::arm_soon`]).
     static DEFERRED_SOON: std::cell::RefCell<Vec<Sender>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Tasks to notify once this thread's deferred writes are done (see
+    /// [`notify_after_flush`]).
+    static DEFERRED_NOTIFY: std::cell::RefCell<Vec<Arc<tokio::sync::Notify>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `RDT_NOTIFY_AFTER_FLUSH=0` notifies at once, under the driver's lock,
+/// as before (a measurement knob).
+static NOTIFY_AFTER_FLUSH: rdt_transport::switch::Switch =
+    rdt_transport::switch::Switch::new("RDT_NOTIFY_AFTER_FLUSH", true);
+
+/// Notifies `task` once this thread's deferred writes ([`defer_writes`])
+/// are written, or now if it defers none. The driver wakes a worker's
+/// reader this way when it submits a call: the reader slept, so the wake
+/// is a system call (2-3 µs on the GPU hosts), and the call's frames
+/// should not wait for it; the reply comes long after.
+pub fn notify_after_flush(task: &Arc<tokio::sync::Notify>) {
+    if NOTIFY_AFTER_FLUSH.on() && DEFERRED.with(|d| d.borrow().is_some()) {
+        DEFERRED_NOTIFY.with(|d| d.borrow_mut().push(task.clone()));
+    } else {
+        task.notify_one();
+    }
 }
 
 /// `RDT_DEFER_SOON=0` wakes a connection's writer for held frames at
@@ -1294,6 +1315,9 @@ pub fn flush_deferred() {
     }
     for s in DEFERRED_SOON.with(|d| std::mem::take(&mut *d.borrow_mut())) {
         s.inner.soon.notify_one();
+    }
+    for task in DEFERRED_NOTIFY.with(|d| std::mem::take(&mut *d.borrow_mut())) {
+        task.notify_one();
     }
 }
 
@@ -2198,6 +2222,32 @@ mod tests {
                     other => panic!("{other:?}"),
                 }
             }
+        })
+        .await
+        .expect("deadline");
+    }
+
+    /// A task notified with `notify_after_flush` while writes are
+    /// deferred hears it only once they are flushed; without deferred
+    /// writes, at once.
+    #[tokio::test]
+    async fn a_notify_after_flush_waits_for_the_flush() {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            let task = Arc::new(tokio::sync::Notify::new());
+            defer_writes();
+            notify_after_flush(&task);
+            {
+                let mut heard = std::pin::pin!(task.notified());
+                assert!(
+                    futures::poll!(heard.as_mut()).is_pending(),
+                    "not before the flush"
+                );
+                flush_deferred();
+                heard.await;
+            }
+            notify_after_flush(&task);
+            let mut heard = std::pin::pin!(task.notified());
+            assert!(futures::poll!(heard.as_mut()).is_ready(), "at once");
         })
         .await
         .expect("deadline");

@@ -1797,7 +1797,8 @@ impl Inner {
     fn send_call(&self, st: &mut State, staged: StagedCall) {
         let StagedCall { call, actor, msg } = staged;
         if let Some(reader) = st.readers.get(&actor) {
-            reader.notify_one();
+            // After the call's frames are written, not before.
+            protocol::notify_after_flush(reader);
         }
         if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
             if let Err(e) = conn.send(&msg) {
