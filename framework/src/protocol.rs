@@ -1129,11 +1129,7 @@ impl Sender {
     /// takes the held ones along anyway. Called once per arming
     /// (`soon_armed`), so a connection is listed once.
     fn arm_soon(&self) {
-        if DEFER_SOON.on() && DEFERRED.with(|d| d.borrow().is_some()) {
-            DEFERRED_SOON.with(|d| d.borrow_mut().push(self.clone()));
-        } else {
-            self.inner.soon.notify_one();
-        }
+        wake_after_flush(Wake::WriterSoon(self.clone()), &DEFER_SOON);
     }
 
     /// Whether `other` sends on the same connection.
@@ -1196,45 +1192,40 @@ impl Sender {
         if frame.status {
             q.chunks.push_back(Chunk::Status(arriving));
         }
-        let deferring = DEFERRED.with(|d| d.borrow().is_some());
-        if was_empty && deferring {
-            // Under the driver's state lock: queued in order now, written
-            // by `flush_deferred` once the lock is released.
-            drop(q);
-            DEFERRED.with(|d| {
-                if let Some(list) = d.borrow_mut().as_mut() {
-                    if !list.iter().any(|s| Arc::ptr_eq(&s.inner, &self.inner)) {
+        // Under the driver's state lock (`defer_writes`): whether this
+        // connection is listed for `flush_deferred` already.
+        let listed = DEFERRED.with(|d| {
+            d.borrow()
+                .as_ref()
+                .map(|l| l.iter().any(|s| s.same_connection(self)))
+        });
+        match listed {
+            // Behind frames the flush writes (a delivery, then its call):
+            // it takes this one too. Waking the writer task instead cost
+            // a system call on the call's path (the task slept) and raced
+            // the flush for the socket.
+            Some(true) if was_empty || DEFER_FOLLOWING.on() => return Ok(()),
+            // Queued in order now, written by the flush once the lock is
+            // released.
+            Some(false) if was_empty => {
+                drop(q);
+                DEFERRED.with(|d| {
+                    if let Some(list) = d.borrow_mut().as_mut() {
                         list.push(self.clone());
                     }
-                }
-            });
-            return Ok(());
+                });
+                return Ok(());
+            }
+            _ => {}
         }
         if was_empty {
             self.write_queued(q);
-        } else if deferring && DEFER_FOLLOWING.on() && self.deferred_here() {
-            // Behind frames this thread's `flush_deferred` writes (a
-            // delivery, then its call, under the driver's lock): the
-            // flush takes this one too. Waking the writer task instead
-            // cost a system call on the call's path (the task slept) and
-            // raced the flush for the socket.
-            drop(q);
         } else {
             // The writer task has the earlier frames; it takes this one too.
             drop(q);
             self.inner.wake.notify_one();
         }
         Ok(())
-    }
-
-    /// Whether this thread's deferred writes ([`defer_writes`]) list this
-    /// connection.
-    fn deferred_here(&self) -> bool {
-        DEFERRED.with(|d| {
-            d.borrow()
-                .as_ref()
-                .is_some_and(|l| l.iter().any(|s| Arc::ptr_eq(&s.inner, &self.inner)))
-        })
     }
 }
 
@@ -1247,12 +1238,36 @@ thread_local! {
     /// Senders with frames queued while this thread defers writes (see
     /// [`defer_writes`]).
     static DEFERRED: std::cell::RefCell<Option<Vec<Sender>>> = const { std::cell::RefCell::new(None) };
-    /// Senders whose writer task is to be woken for held frames once this
-    /// thread's deferred writes are done (see [`Sender::arm_soon`]).
-    static DEFERRED_SOON: std::cell::RefCell<Vec<Sender>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// Tasks to notify once this thread's deferred writes are done (see
-    /// [`notify_after_flush`]).
-    static DEFERRED_NOTIFY: std::cell::RefCell<Vec<Arc<tokio::sync::Notify>>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Wake-ups that wait for this thread's deferred writes (see
+    /// [`wake_after_flush`]).
+    static DEFERRED_WAKES: std::cell::RefCell<Vec<Wake>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A wake-up of another task that waits for [`flush_deferred`].
+enum Wake {
+    /// A connection's writer task, for its held frames ([`Sender::arm_soon`]).
+    WriterSoon(Sender),
+    /// A task of the caller's ([`notify_after_flush`]).
+    Task(Arc<tokio::sync::Notify>),
+}
+
+impl Wake {
+    fn now(self) {
+        match self {
+            Wake::WriterSoon(s) => s.inner.soon.notify_one(),
+            Wake::Task(t) => t.notify_one(),
+        }
+    }
+}
+
+/// Does `wake` once this thread's deferred writes ([`defer_writes`]) are
+/// written, if `knob` is on and the thread defers writes; else now.
+fn wake_after_flush(wake: Wake, knob: &'static rdt_transport::switch::Switch) {
+    if knob.on() && DEFERRED.with(|d| d.borrow().is_some()) {
+        DEFERRED_WAKES.with(|d| d.borrow_mut().push(wake));
+    } else {
+        wake.now();
+    }
 }
 
 /// `RDT_NOTIFY_AFTER_FLUSH=0` notifies at once, under the driver's lock,
@@ -1266,11 +1281,7 @@ static NOTIFY_AFTER_FLUSH: rdt_transport::switch::Switch =
 /// is a system call (2-3 µs on the GPU hosts), and the call's frames
 /// should not wait for it; the reply comes long after.
 pub fn notify_after_flush(task: &Arc<tokio::sync::Notify>) {
-    if NOTIFY_AFTER_FLUSH.on() && DEFERRED.with(|d| d.borrow().is_some()) {
-        DEFERRED_NOTIFY.with(|d| d.borrow_mut().push(task.clone()));
-    } else {
-        task.notify_one();
-    }
+    wake_after_flush(Wake::Task(task.clone()), &NOTIFY_AFTER_FLUSH);
 }
 
 /// `RDT_DEFER_SOON=0` wakes a connection's writer for held frames at
@@ -1298,7 +1309,7 @@ pub fn deferred_besides(conn: &Sender) -> bool {
     DEFERRED.with(|d| {
         d.borrow()
             .as_ref()
-            .is_some_and(|l| l.iter().any(|s| !Arc::ptr_eq(&s.inner, &conn.inner)))
+            .is_some_and(|l| l.iter().any(|s| !s.same_connection(conn)))
     })
 }
 
@@ -1313,11 +1324,8 @@ pub fn flush_deferred() {
     for s in list {
         s.flush();
     }
-    for s in DEFERRED_SOON.with(|d| std::mem::take(&mut *d.borrow_mut())) {
-        s.inner.soon.notify_one();
-    }
-    for task in DEFERRED_NOTIFY.with(|d| std::mem::take(&mut *d.borrow_mut())) {
-        task.notify_one();
+    for wake in DEFERRED_WAKES.with(|d| std::mem::take(&mut *d.borrow_mut())) {
+        wake.now();
     }
 }
 
@@ -2080,6 +2088,16 @@ mod tests {
 
     /// A sender and the receiver at the other end of a Unix socket pair,
     /// both with the frame limit `max`.
+    /// Reads one `Free` per object of `objects` from `rx`, in that order.
+    async fn expect_frees(rx: &mut Receiver<UnixStream>, objects: &[u64]) {
+        for &want in objects {
+            match rx.recv::<ToWorker>().await.unwrap() {
+                Some(ToWorker::Free { object }) => assert_eq!(object, want),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
     fn connected(max: usize) -> (Sender, Receiver<UnixStream>) {
         let (a, b) = UnixStream::pair().unwrap();
         (
@@ -2157,12 +2175,7 @@ mod tests {
             // Alone, it still arrives (the writer task, after SOON).
             tx.send_soon(&ToWorker::Free { object: 2 }).unwrap();
             tx.send_soon(&ToWorker::Free { object: 3 }).unwrap();
-            for want in [2, 3] {
-                match rx.recv::<ToWorker>().await.unwrap() {
-                    Some(ToWorker::Free { object }) => assert_eq!(object, want),
-                    other => panic!("{other:?}"),
-                }
-            }
+            expect_frees(&mut rx, &[2, 3]).await;
         })
         .await
         .expect("deadline");
@@ -2177,14 +2190,11 @@ mod tests {
             let (tx, mut rx) = connected(1 << 20);
             defer_writes();
             tx.send_soon(&ToWorker::Free { object: 7 }).unwrap();
-            let parked = DEFERRED_SOON.with(|d| d.borrow().len());
+            let parked = DEFERRED_WAKES.with(|d| d.borrow().len());
             assert_eq!(parked, 1, "the writer's wake waits for the flush");
             flush_deferred();
-            assert_eq!(DEFERRED_SOON.with(|d| d.borrow().len()), 0);
-            match rx.recv::<ToWorker>().await.unwrap() {
-                Some(ToWorker::Free { object }) => assert_eq!(object, 7),
-                other => panic!("{other:?}"),
-            }
+            assert_eq!(DEFERRED_WAKES.with(|d| d.borrow().len()), 0);
+            expect_frees(&mut rx, &[7]).await;
         })
         .await
         .expect("deadline");
@@ -2216,12 +2226,7 @@ mod tests {
             }
             assert_eq!(tx.inner.queue.lock().chunks.len(), 2, "both still queued");
             flush_deferred();
-            for want in [1, 2] {
-                match rx.recv::<ToWorker>().await.unwrap() {
-                    Some(ToWorker::Free { object }) => assert_eq!(object, want),
-                    other => panic!("{other:?}"),
-                }
-            }
+            expect_frees(&mut rx, &[1, 2]).await;
         })
         .await
         .expect("deadline");
