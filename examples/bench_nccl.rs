@@ -761,19 +761,7 @@ async fn main() -> rdt::Result<()> {
             if ours_k <= raw_k + rtt { "yes" } else { "NO" },
         );
     }
-    println!(
-        "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; cuBLAS on {} of {} SMs",
-        overlap.t_x_ms,
-        overlap.t_c_ms,
-        overlap.off_ms,
-        overlap.on_ms,
-        overlap.on_all_at_once_ms,
-        overlap.ideal_ms,
-        overlap.on_ms / overlap.ideal_ms,
-        100.0 * (overlap.off_ms / overlap.on_ms - 1.0),
-        overlap.blas_sms.0,
-        overlap.blas_sms.1
-    );
+    println!("{}", overlap.line());
 
     if let Some(path) = json {
         let doc = serde_json::json!({ "rows": rows, "overlap": overlap });
@@ -799,6 +787,26 @@ struct Overlap {
     off_iterations_ms: Vec<f64>,
     on_iterations_ms: Vec<f64>,
     on_all_at_once_iterations_ms: Vec<f64>,
+}
+
+impl Overlap {
+    /// The five figures, the ratio to the ideal, the gain and the SMs, as
+    /// one line of the log.
+    fn line(&self) -> String {
+        format!(
+            "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; cuBLAS on {} of {} SMs",
+            self.t_x_ms,
+            self.t_c_ms,
+            self.off_ms,
+            self.on_ms,
+            self.on_all_at_once_ms,
+            self.ideal_ms,
+            self.on_ms / self.ideal_ms,
+            100.0 * (self.off_ms / self.on_ms - 1.0),
+            self.blas_sms.0,
+            self.blas_sms.1
+        )
+    }
 }
 
 fn med(mut v: Vec<f64>) -> f64 {
@@ -930,17 +938,8 @@ async fn overlap_only(quick: bool) -> rdt::Result<()> {
     let mut rows = Vec::new();
     let o = overlap(&rt, &cx, &mut rows, if quick { 2 } else { 5 }).await?;
     println!(
-        "  overlap: T_x {:.2} ms, T_c {:.2} ms, off {:.2} ms, on {:.2} ms (all three at once {:.2} ms), ideal {:.2} ms; on/ideal {:.3}, gain of on over off {:.1} %; cuBLAS on {} of {} SMs; on iterations {:?} ms",
-        o.t_x_ms,
-        o.t_c_ms,
-        o.off_ms,
-        o.on_ms,
-        o.on_all_at_once_ms,
-        o.ideal_ms,
-        o.on_ms / o.ideal_ms,
-        100.0 * (o.off_ms / o.on_ms - 1.0),
-        o.blas_sms.0,
-        o.blas_sms.1,
+        "{}; on iterations {:?} ms",
+        o.line(),
         o.on_iterations_ms
             .iter()
             .map(|v| (v * 100.0).round() / 100.0)
