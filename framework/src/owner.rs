@@ -851,6 +851,7 @@ impl OwnerTable {
                 if self.transfers.contains_key(&xfer) {
                     self.started.push(xfer);
                 }
+                rdt_transport::cuda::timeline("driver transfer noted", xfer);
             }
         }
         let e = self.objects.get_mut(&id).expect("looked up above");

@@ -1756,6 +1756,7 @@ impl Inner {
             };
             st.table.need(a, actor, Some(call), &st.actors, &groups);
         }
+        rdt_transport::cuda::timeline("driver arguments needed", call);
         // OW-12: the callee drops these copies itself when the call ends
         // (no `Free` on the next call's path).
         let release: Vec<u64> = if CONSUMER_RELEASE.on() {
@@ -1777,6 +1778,7 @@ impl Inner {
             },
         );
         tracing::trace!(call, method = method_name, "submit");
+        rdt_transport::cuda::timeline("driver call pending", call);
         Some(StagedCall {
             call,
             actor,
@@ -1800,6 +1802,7 @@ impl Inner {
             // After the call's frames are written, not before.
             protocol::notify_after_flush(reader);
         }
+        rdt_transport::cuda::timeline("driver call sending", call);
         if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
             if let Err(e) = conn.send(&msg) {
                 // Too large to send: the call fails, nothing waits.

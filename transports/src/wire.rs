@@ -237,7 +237,10 @@ pub fn to_frame_with_length<T: Serialize>(msg: &T) -> Result<Frame, FrameError> 
 fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, FrameError> {
     let prev = CTX.with(|c| c.borrow_mut().replace(Ctx::Sink(Vec::new())));
     let restore = Restore(prev);
-    let header = postcard::to_stdvec(msg).map_err(|e| FrameError::Header(e.to_string()));
+    // Serialized into this thread's kept buffer: no allocation, and none
+    // of the doublings a fresh `Vec` goes through, per frame.
+    let header =
+        postcard::to_extend(msg, SCRATCH.take()).map_err(|e| FrameError::Header(e.to_string()));
     let blobs = match CTX.with(|c| c.borrow_mut().take()) {
         Some(Ctx::Sink(b)) => b,
         _ => Vec::new(),
@@ -274,11 +277,25 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
     for b in &blobs {
         head.put_u64_le(b.len() as u64);
     }
+    let mut header = header;
+    if header.capacity() <= SCRATCH_KEPT {
+        header.clear();
+        SCRATCH.set(header);
+    }
     Ok(Frame {
         head: head.freeze(),
         blobs,
         status,
     })
+}
+
+/// The largest serialization buffer a thread keeps for its next frame.
+const SCRATCH_KEPT: usize = 64 << 10;
+
+thread_local! {
+    /// The buffer the last frame's header was serialized into (taken out
+    /// while one is, so a frame made inside another gets its own).
+    static SCRATCH: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Where a frame's parts are, read from its start: see [`parse_head`].
