@@ -278,7 +278,7 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
         head.put_u64_le(b.len() as u64);
     }
     let mut header = header;
-    if header.capacity() <= SCRATCH_KEPT {
+    if header.capacity() <= SCRATCH_KEPT && ENCODE_SCRATCH.on() {
         header.clear();
         SCRATCH.set(header);
     }
@@ -288,6 +288,11 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
         status,
     })
 }
+
+/// `RDT_ENCODE_SCRATCH=0` serializes every frame's header into a new
+/// buffer, as before the kept one (to compare both in one run).
+static ENCODE_SCRATCH: crate::switch::Switch =
+    crate::switch::Switch::new("RDT_ENCODE_SCRATCH", true);
 
 /// The largest serialization buffer a thread keeps for its next frame.
 const SCRATCH_KEPT: usize = 64 << 10;
