@@ -191,10 +191,10 @@ impl<T> Serialize for ObjectRef<T> {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let held = ENCODING.with(|e| match e.borrow_mut().as_mut() {
             Some(refs) => {
-                self.client.clone_ref(self.id);
+                self.client().clone_ref(self.id);
                 refs.push(AnyRef {
                     id: self.id,
-                    client: self.client.clone(),
+                    client: self.client().clone(),
                 });
                 true
             }

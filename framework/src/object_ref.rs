@@ -25,7 +25,11 @@ pub type ObjectId = u64;
 /// lives exactly as long as some ref to it does, wherever it is.
 pub struct ObjectRef<T> {
     pub(crate) id: ObjectId,
-    pub(crate) client: Client,
+    /// The one count this ref and its clones hold: cloning a ref is an
+    /// atomic increment, not a trip through the owner table (under the
+    /// driver's state lock, or an actor's count map); the count goes when
+    /// the last clone does.
+    pub(crate) held: Arc<AnyRef>,
     _t: PhantomData<fn() -> T>,
 }
 
@@ -34,7 +38,7 @@ impl<T> ObjectRef<T> {
     pub(crate) fn adopt(id: ObjectId, client: Client) -> Self {
         ObjectRef {
             id,
-            client,
+            held: Arc::new(AnyRef { id, client }),
             _t: PhantomData,
         }
     }
@@ -44,25 +48,19 @@ impl<T> ObjectRef<T> {
         self.id
     }
 
-    pub(crate) fn erase(self) -> AnyRef {
-        let me = std::mem::ManuallyDrop::new(self);
-        // SAFETY: `me` is never dropped, so the client is moved out exactly
-        // once.
-        let client = unsafe { std::ptr::read(&me.client) };
-        AnyRef { id: me.id, client }
+    /// Where its count is held.
+    pub(crate) fn client(&self) -> &Client {
+        &self.held.client
     }
 }
 
 impl<T> Clone for ObjectRef<T> {
     fn clone(&self) -> Self {
-        self.client.clone_ref(self.id);
-        ObjectRef::adopt(self.id, self.client.clone())
-    }
-}
-
-impl<T> Drop for ObjectRef<T> {
-    fn drop(&mut self) {
-        self.client.release_ref(self.id);
+        ObjectRef {
+            id: self.id,
+            held: self.held.clone(),
+            _t: PhantomData,
+        }
     }
 }
 
@@ -133,7 +131,9 @@ impl<T> From<&ObjectRef<T>> for Arg<ObjectRef<T>> {
 
 pub(crate) enum ArgOut {
     Value(Result<Encoded>),
-    Ref(AnyRef),
+    /// The ref's count, shared with the caller's ref: held until the call
+    /// was submitted (its `need` counted).
+    Ref(Arc<AnyRef>),
 }
 
 /// A call's arguments as they travel (values inline, refs by id), and the
@@ -269,7 +269,7 @@ impl<T> Call<T> {
                 what: format!("an argument of {}.{}", self.handle.name, self.method_name),
                 message: e.to_string(),
             })),
-            Arg::Ref(r) => ArgOut::Ref(r.erase()),
+            Arg::Ref(r) => ArgOut::Ref(r.held),
         });
     }
 

@@ -1287,6 +1287,13 @@ impl Runtime {
         self.inner.lock().table.len()
     }
 
+    /// The counts the owner table holds on object `id` (`None` once it
+    /// is freed). A ref and all its clones hold one (for tests).
+    #[doc(hidden)]
+    pub fn ref_count(&self, id: u64) -> Option<usize> {
+        self.inner.lock().table.objects.get(&id).map(|e| e.refs)
+    }
+
     /// Number of direct transfers delivered to a consumer and not yet
     /// acknowledged by it (or aborted), and of deliveries ordered straight
     /// from a producer whose call has not finished yet

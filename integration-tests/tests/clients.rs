@@ -342,3 +342,44 @@ async fn waiting_inside_a_method_for_a_call_to_the_same_actor_is_an_error_not_a_
     })
     .await
 }
+
+/// A ref and its clones hold one count in the owner table: cloning one
+/// (as `&ref_` does for every call that takes it) is an atomic increment,
+/// not a trip through the driver's state lock. The object lives while any
+/// clone does, and goes with the last.
+#[tokio::test(flavor = "multi_thread")]
+async fn clones_of_a_ref_share_one_count_and_the_last_frees_the_object() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let r = rt.put(&Tensor::full(2.0f32, &[8])).unwrap();
+        let id = r.id();
+        let clones: Vec<ObjectRef<Tensor>> = (0..100).map(|_| r.clone()).collect();
+        assert_eq!(
+            rt.ref_count(id),
+            Some(1),
+            "one count for the ref and its clones"
+        );
+        // Calls that take it by `&ref_` clone it for their argument.
+        let sums: Vec<_> = clones[..10].iter().map(|x| c.sum(x).remote()).collect();
+        for s in &sums {
+            assert_eq!(rt.get(s).await.unwrap(), 16.0);
+        }
+        drop(sums);
+        drop(r);
+        let last = clones.last().cloned().unwrap();
+        drop(clones);
+        rt.transfers_settled().await;
+        assert_eq!(rt.ref_count(id), Some(1), "the last clone keeps the object");
+        assert_eq!(
+            rt.get(&last).await.unwrap().to_vec::<f32>().unwrap(),
+            vec![2.0; 8]
+        );
+        drop(last);
+        rt.transfers_settled().await;
+        assert_eq!(rt.ref_count(id), None, "freed with the last clone");
+        assert_eq!(rt.live_objects(), 0);
+        rt.shutdown().await;
+    })
+    .await
+}
