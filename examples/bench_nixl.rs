@@ -977,7 +977,7 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
     let cx = Ctx::of_this_run()?;
     let visible = visible_gpus();
     let reader_gpu = visible.get(1).unwrap_or(&visible[0]);
-    raw_baseline(&cx, "host", &visible[0], &visible[0], true).await?;
+    let host_rows = raw_baseline(&cx, "host", &visible[0], &visible[0], true).await?;
     raw_baseline(&cx, "host_pinned", &visible[0], &visible[0], true).await?;
     let device_rows = raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
     let (rt, p, c) = producer_and_consumer().await?;
@@ -999,8 +999,17 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
     if let Some(knobs) = rdt_examples::ab_knobs() {
         // `--ab KNOB`: a tiny call, then a device pass with the knobs on
         // and one with them off (in turns first), N times.
-        let raw = rdt_examples::median_of(&device_rows, "pass_device", "raw", 4096);
-        let r = p.tensor(bytes).transport(Transport::Nixl).remote();
+        // `--ab-host`: the 4 KiB tensor in the producer's host memory (on
+        // a one-GPU host, whose same-GPU READ is slow and noisy).
+        let on_host = std::env::args().any(|a| a == "--ab-host");
+        let raw = match on_host {
+            true => rdt_examples::median_of(&host_rows, "pass_host", "raw", 4096),
+            false => rdt_examples::median_of(&device_rows, "pass_device", "raw", 4096),
+        };
+        let r = match on_host {
+            true => p.host_tensor().transport(Transport::Nixl).remote(),
+            false => p.tensor(bytes).transport(Transport::Nixl).remote(),
+        };
         rt.wait(&r).await?;
         rt.get(c.touch(&r).remote()).await?;
         // `--ab-many`: the passes are of 10 000 tensors of 4 KiB (the
@@ -1018,6 +1027,8 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
         rdt_examples::ab_rounds(
             if many {
                 "nixl 10 000 x 4 KiB device"
+            } else if on_host {
+                "nixl 4 KiB host"
             } else {
                 "nixl 4 KiB device"
             },
