@@ -239,8 +239,11 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
     let restore = Restore(prev);
     // Serialized into this thread's kept buffer: no allocation, and none
     // of the doublings a fresh `Vec` goes through, per frame.
-    let header =
-        postcard::to_extend(msg, SCRATCH.take()).map_err(|e| FrameError::Header(e.to_string()));
+    let scratch = match ENCODE_SCRATCH.on() {
+        true => SCRATCH.take(),
+        false => Vec::new(),
+    };
+    let header = postcard::to_extend(msg, scratch).map_err(|e| FrameError::Header(e.to_string()));
     let blobs = match CTX.with(|c| c.borrow_mut().take()) {
         Some(Ctx::Sink(b)) => b,
         _ => Vec::new(),
