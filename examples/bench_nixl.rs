@@ -1088,7 +1088,7 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
             println!(
                 "{n} passes of 4 KiB, {} memory, read spin {spin}: median {:.1} us; per read: \
                  post {:.1} us ({}), post to end {:.1} us, asks {:.1} ({:.1} after a yield), \
-                 {} of {} ended inline",
+                 {} of {} ended inline, {} posted again with a kept request",
                 if host { "host" } else { "device" },
                 us[n / 2],
                 (s1.post_nanos - s0.post_nanos) as f64 / reads / 1e3,
@@ -1098,6 +1098,7 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
                 (s1.read_asks_after_yield - s0.read_asks_after_yield) as f64 / reads,
                 s1.reads_done_inline - s0.reads_done_inline,
                 s1.reads_posted - s0.reads_posted,
+                s1.reads_reposted - s0.reads_reposted,
             );
         }
     }

@@ -2211,7 +2211,12 @@ impl NixlTransport {
             if !clean {
                 not_clean.push(o);
             }
-            crate::cuda::timeline("nixl lane allocated", 0);
+            // The id is the lane's address: whether destinations repeat
+            // (their READ requests are kept per address) shows here.
+            crate::cuda::timeline(
+                "nixl lane allocated",
+                crate::cuda::DeviceBuffer::device_ptr(&r),
+            );
             let reg = self
                 .slab_registration(agent, &r.slab)
                 .map_err(|e| err(e.0))?;
