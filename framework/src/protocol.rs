@@ -2088,6 +2088,14 @@ mod tests {
 
     /// A sender and the receiver at the other end of a Unix socket pair,
     /// both with the frame limit `max`.
+    fn connected(max: usize) -> (Sender, Receiver<UnixStream>) {
+        let (a, b) = UnixStream::pair().unwrap();
+        (
+            spawn_writer(WriteHalf::Unix(a.into_split().1), max),
+            Receiver::new(b, max),
+        )
+    }
+
     /// Reads one `Free` per object of `objects` from `rx`, in that order.
     async fn expect_frees(rx: &mut Receiver<UnixStream>, objects: &[u64]) {
         for &want in objects {
@@ -2096,14 +2104,6 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-    }
-
-    fn connected(max: usize) -> (Sender, Receiver<UnixStream>) {
-        let (a, b) = UnixStream::pair().unwrap();
-        (
-            spawn_writer(WriteHalf::Unix(a.into_split().1), max),
-            Receiver::new(b, max),
-        )
     }
 
     #[tokio::test]

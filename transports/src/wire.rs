@@ -239,7 +239,8 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
     let restore = Restore(prev);
     // Serialized into this thread's kept buffer: no allocation, and none
     // of the doublings a fresh `Vec` goes through, per frame.
-    let scratch = match ENCODE_SCRATCH.on() {
+    let keep = ENCODE_SCRATCH.on();
+    let scratch = match keep {
         true => SCRATCH.take(),
         false => Vec::new(),
     };
@@ -249,7 +250,7 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
         _ => Vec::new(),
     };
     drop(restore);
-    let header = header?;
+    let mut header = header?;
     let blobs: Vec<FramePart> = blobs
         .into_iter()
         .map(|b| match b.0 {
@@ -280,8 +281,7 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
     for b in &blobs {
         head.put_u64_le(b.len() as u64);
     }
-    let mut header = header;
-    if header.capacity() <= SCRATCH_KEPT && ENCODE_SCRATCH.on() {
+    if keep && header.capacity() <= SCRATCH_KEPT {
         header.clear();
         SCRATCH.set(header);
     }
