@@ -209,3 +209,59 @@ gpu_test!(nixl_update_waits_for_work_queued_on_the_targets, async {
         "both updates were read into the parameters"
     );
 });
+
+/// Runs `spawn` with this process's standard error going to the file
+/// `path`, so that the workers it starts (which inherit it) write theirs
+/// there; this process's own comes back after.
+async fn with_workers_stderr_in<T>(
+    path: &std::path::Path,
+    spawn: impl std::future::Future<Output = T>,
+) -> T {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::create(path).unwrap();
+    // SAFETY: plain descriptor calls on descriptors this test owns; the
+    // GPU tests run one at a time (`--test-threads=1`).
+    let saved = unsafe { libc::dup(2) };
+    assert!(saved >= 0, "dup(2): {}", std::io::Error::last_os_error());
+    assert!(unsafe { libc::dup2(file.as_raw_fd(), 2) } >= 0);
+    let out = spawn.await;
+    assert!(unsafe { libc::dup2(saved, 2) } >= 0);
+    unsafe { libc::close(saved) };
+    out
+}
+
+gpu_test!(nixl_host_memory_readers_exit_without_ucx_errors, async {
+    require_gpu();
+    // Two CPU actors on a GPU host: UCX loads its CUDA support in both.
+    // Before the agent was closed at exit, the reader printed
+    // `UCX  ERROR cuPointerGetAttributes(...) failed: unrecognized error
+    // code 4` (CUDA deinitialized) at every exit.
+    let log = std::env::temp_dir().join(format!("rdt-nixl-exit-{}.log", std::process::id()));
+    let (rt, p, c) = with_workers_stderr_in(&log, async {
+        let rt = Runtime::start().await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        (rt, p, c)
+    })
+    .await;
+    for k in 1..=4u32 {
+        let r = p.make(k as f32, 1024).transport(NIXL).remote();
+        assert_eq!(
+            rt.get(c.sum(&r).remote()).await.unwrap(),
+            f64::from(k) * 1024.0
+        );
+    }
+    // The direct path ran: the consumer's agent read all four.
+    assert_eq!(
+        rt.get(c.nixl_stats().remote()).await.unwrap().reads_posted,
+        4
+    );
+    // Waits for both workers to exit (their `exit` runs the teardown).
+    rt.shutdown().await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = std::fs::remove_file(&log);
+    assert!(
+        !text.contains("UCX  ERROR"),
+        "the workers printed UCX errors at exit:\n{text}"
+    );
+});

@@ -18,6 +18,9 @@ struct Raw {
     /// Finished READ requests kept to be posted again, oldest first (see
     /// [`Agent::post_read`]).
     kept: Vec<KeptRead>,
+    /// Requests posted and neither finished nor released: READs that may
+    /// still run ([`Agent::close_for_exit`] leaves an agent with any).
+    outstanding: usize,
 }
 
 /// A finished READ request, and what it reads: posted again for the same
@@ -207,6 +210,7 @@ impl Agent {
                     backend,
                     notifs,
                     kept: Vec::new(),
+                    outstanding: 0,
                 }),
             }),
             Err(e) => {
@@ -344,6 +348,7 @@ impl Agent {
                 match s {
                     api::status::SUCCESS | api::status::IN_PROG => {
                         super::bump(&super::COUNTERS.reads_reposted, 1);
+                        raw.outstanding += 1;
                         let done = s == api::status::SUCCESS;
                         return Ok((Request(k.req, Some(Box::new(k.what))), done));
                     }
@@ -414,8 +419,10 @@ impl Agent {
             })
         });
         match s {
-            api::status::SUCCESS => Ok((Request(req, what), true)),
-            api::status::IN_PROG => Ok((Request(req, what), false)),
+            api::status::SUCCESS | api::status::IN_PROG => {
+                raw.outstanding += 1;
+                Ok((Request(req, what), s == api::status::SUCCESS))
+            }
             _ => {
                 // The request made above; it did not start.
                 self.release_handle(&raw, req);
@@ -468,6 +475,7 @@ impl Agent {
             return self.release(req);
         };
         let mut raw = self.raw.lock();
+        raw.outstanding = raw.outstanding.saturating_sub(1);
         raw.kept.push(KeptRead {
             what: *what,
             req: handle,
@@ -494,8 +502,9 @@ impl Agent {
     /// Releases `req` (cancelling it if it still runs). Gives it back if
     /// NIXL refuses for now, to be tried again.
     pub fn release(&self, req: Request) -> Result<(), Request> {
-        let raw = self.raw.lock();
+        let mut raw = self.raw.lock();
         if self.release_handle(&raw, req.0) {
+            raw.outstanding = raw.outstanding.saturating_sub(1);
             Ok(())
         } else {
             Err(req)
@@ -562,6 +571,38 @@ impl Agent {
             (self.api.notif_map_clear)(map);
         }
         Ok(out)
+    }
+}
+
+impl Agent {
+    /// Destroys the agent (its kept requests, its backend, UCX's workers
+    /// and progress thread) for a process that is exiting, while CUDA is
+    /// still alive in it: UCX's own teardown, run by the C library after
+    /// CUDA's, queried CUDA about memory it had registered and printed
+    /// `cuPointerGetAttributes ... failed: unrecognized error code 4`
+    /// (CUDA deinitialized) at every exit of a process that read host
+    /// memory on a GPU host. The lock is never given back: anything that
+    /// asks for the agent afterwards waits for the end of the process
+    /// instead of using freed handles. Leaves the agent as it is (false)
+    /// when its lock is not free within `wait` or a READ may still run:
+    /// destroying it under a transfer is worse than the message.
+    pub(crate) fn close_for_exit(&self, wait: std::time::Duration) -> bool {
+        let Some(mut raw) = self.raw.try_lock_for(wait) else {
+            return false;
+        };
+        if raw.outstanding > 0 {
+            return false;
+        }
+        self.drop_kept(&mut raw, |_| true);
+        // SAFETY: the agent's own handles; the lock, kept below, keeps
+        // every other use out from now on.
+        unsafe {
+            (self.api.destroy_notif_map)(raw.notifs);
+            (self.api.destroy_backend)(raw.backend);
+            (self.api.destroy_agent)(raw.agent);
+        }
+        std::mem::forget(raw);
+        true
     }
 }
 

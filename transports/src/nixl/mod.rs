@@ -370,12 +370,57 @@ pub fn available() -> Result<(), NixlError> {
 /// The agent of this process, once made.
 static STARTED_AGENT: OnceLock<Result<Arc<Agent>, NixlError>> = OnceLock::new();
 
-/// Makes this process's agent, timed (`agent_make_nanos`).
+/// Makes this process's agent, timed (`agent_make_nanos`), and has it
+/// closed when the process exits ([`close_agent_at_exit`]).
 fn make_agent(name: &str) -> Result<Arc<Agent>, NixlError> {
     let t0 = std::time::Instant::now();
     let made = Agent::new(name).map(Arc::new);
     bump(&COUNTERS.agent_make_nanos, t0.elapsed().as_nanos() as u64);
+    if made.is_ok() {
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        // SAFETY: registers a plain function; it runs once, at `exit`.
+        AT_EXIT.call_once(|| unsafe {
+            libc::atexit(close_agent_at_exit);
+        });
+    }
     made
+}
+
+/// Whether this process's agent is closed at exit (on by default;
+/// `RDT_NIXL_CLOSE_AT_EXIT=0` leaves it to the C library's teardown).
+static CLOSE_AT_EXIT: crate::switch::Switch =
+    crate::switch::Switch::new("RDT_NIXL_CLOSE_AT_EXIT", true);
+
+/// How long the exit waits for the agent's lock, then for its teardown,
+/// before it goes on without it (a worker's exit must not hang on a
+/// peer).
+const CLOSE_AT_EXIT_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Run by `exit` (registered once the agent exists), before the C
+/// library's teardown of its libraries: the handlers registered last run
+/// first, and the libraries' destructors, CUDA's among them, run after
+/// every handler. It closes the agent then ([`Agent::close_for_exit`]),
+/// on a thread of its own so that the exit waits for it at most
+/// [`CLOSE_AT_EXIT_WAIT`] more. A process killed, or ended by `_exit`,
+/// skips it.
+extern "C" fn close_agent_at_exit() {
+    if !CLOSE_AT_EXIT.on() {
+        return;
+    }
+    let Some(Ok(agent)) = STARTED_AGENT.get() else {
+        return;
+    };
+    let agent = agent.clone();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let closing = std::thread::Builder::new()
+        .name("rdt-nixl-exit".into())
+        .spawn(move || {
+            let closed = agent.close_for_exit(CLOSE_AT_EXIT_WAIT);
+            let _ = done_tx.send(closed);
+        });
+    if closing.is_ok() {
+        let _ = done_rx.recv_timeout(2 * CLOSE_AT_EXIT_WAIT);
+    }
 }
 
 /// Counts the notices that arrived: each carries the number of reads its
