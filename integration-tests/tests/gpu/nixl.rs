@@ -210,23 +210,36 @@ gpu_test!(nixl_update_waits_for_work_queued_on_the_targets, async {
     );
 });
 
-/// Runs `spawn` with this process's standard error going to the file
-/// `path`, so that the workers it starts (which inherit it) write theirs
-/// there; this process's own comes back after.
-async fn with_workers_stderr_in<T>(
+/// Runs `spawn` with this process's standard output and error going to
+/// the file `path`, so that the workers it starts (which inherit both)
+/// write theirs there (UCX logs to standard output); this process's own
+/// come back after.
+async fn with_workers_output_in<T>(
     path: &std::path::Path,
     spawn: impl std::future::Future<Output = T>,
 ) -> T {
+    use std::io::Write;
     use std::os::fd::AsRawFd;
     let file = std::fs::File::create(path).unwrap();
-    // SAFETY: plain descriptor calls on descriptors this test owns; the
-    // GPU tests run one at a time (`--test-threads=1`).
-    let saved = unsafe { libc::dup(2) };
-    assert!(saved >= 0, "dup(2): {}", std::io::Error::last_os_error());
-    assert!(unsafe { libc::dup2(file.as_raw_fd(), 2) } >= 0);
+    let _ = std::io::stdout().flush();
+    let mut saved = Vec::new();
+    for fd in [1, 2] {
+        // SAFETY: plain descriptor calls on descriptors this test owns; the
+        // GPU tests run one at a time (`--test-threads=1`).
+        let copy = unsafe { libc::dup(fd) };
+        assert!(copy >= 0, "dup({fd}): {}", std::io::Error::last_os_error());
+        // SAFETY: as above.
+        assert!(unsafe { libc::dup2(file.as_raw_fd(), fd) } >= 0);
+        saved.push((fd, copy));
+    }
     let out = spawn.await;
-    assert!(unsafe { libc::dup2(saved, 2) } >= 0);
-    unsafe { libc::close(saved) };
+    for (fd, copy) in saved {
+        // SAFETY: as above.
+        unsafe {
+            assert!(libc::dup2(copy, fd) >= 0);
+            libc::close(copy);
+        }
+    }
     out
 }
 
@@ -237,7 +250,7 @@ gpu_test!(nixl_host_memory_readers_exit_without_ucx_errors, async {
     // `UCX  ERROR cuPointerGetAttributes(...) failed: unrecognized error
     // code 4` (CUDA deinitialized) at every exit.
     let log = std::env::temp_dir().join(format!("rdt-nixl-exit-{}.log", std::process::id()));
-    let (rt, p, c) = with_workers_stderr_in(&log, async {
+    let (rt, p, c) = with_workers_output_in(&log, async {
         let rt = Runtime::start().await.unwrap();
         let p = rt.spawn::<Producer>(()).await.unwrap();
         let c = rt.spawn::<Consumer>(()).await.unwrap();
