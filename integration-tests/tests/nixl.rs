@@ -154,6 +154,51 @@ async fn a_small_object_read_again_reuses_its_read_plan() {
     .await;
 }
 
+/// NX-11 in host memory: after a small host read, the consumer makes the
+/// next destination of its plan ahead, and the next pass posts into it;
+/// while it waits its bytes count as ready, not in use, so a consumer
+/// with every object freed still has no host bytes in use.
+#[tokio::test]
+async fn a_small_host_read_again_finds_its_destination_made_ahead() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let r = p.make_kept(0.0, 1024).transport(Transport::Nixl).remote();
+        rt.wait(&r).await.unwrap();
+        let c0 = of_consumer(&rt, &c).await;
+        for k in 1..=6u32 {
+            // New values each pass: the READ into a ready destination
+            // moves the bytes.
+            rt.get(p.write_kept(0, k as f32).remote()).await.unwrap();
+            assert_eq!(
+                rt.get(c.sum(&r).remote()).await.unwrap(),
+                f64::from(k) * 1024.0,
+                "pass {k} read its bytes"
+            );
+        }
+        let c1 = of_consumer(&rt, &c).await;
+        assert_eq!(c1.reads_posted - c0.reads_posted, 6);
+        assert!(
+            c1.dests_made_ahead - c0.dests_made_ahead >= 5,
+            "{c0:?} -> {c1:?}"
+        );
+        assert!(
+            c1.dests_taken_ready - c0.dests_taken_ready >= 5,
+            "{c0:?} -> {c1:?}"
+        );
+        drop(r);
+        rt.transfers_settled().await;
+        eventually(
+            "the consumer's taken memory is back in its pool",
+            || async {
+                let s = of_consumer(&rt, &c).await;
+                s.host_bytes_in_use == 0 && s.host_bytes_ready == 4096
+            },
+        )
+        .await;
+    })
+    .await;
+}
+
 /// WK-8: a call that waits for a large object as its argument makes the
 /// object's tensors itself, on the actor's thread, while the READ runs:
 /// the receive hands it the list instead of making them on a runtime
