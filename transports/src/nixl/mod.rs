@@ -2451,7 +2451,7 @@ impl ReadPlan {
     /// their set-up is a large share of their pass, and what is made ahead
     /// stays small (at most `SMALL_PLANS_KEPT` of at most
     /// [`READY_MAX_BYTES`]). Host memory too: on one H200, 4 KiB passes
-    /// of a host tensor took 0.8-1.2 µs less with it (book: NIXL, "Read
+    /// of a host tensor took 0.8-1.7 µs less with it (book: NIXL, "Read
     /// plans").
     fn made_ahead(&self) -> bool {
         (self.host_len > 0 || !self.lanes.is_empty())
