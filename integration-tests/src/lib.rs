@@ -77,3 +77,22 @@ pub fn logs() {
         .with_test_writer()
         .try_init();
 }
+
+/// NX-11 over `passes` passes of one small object, from the consumer's
+/// `nixl` counters before and after: one READ a pass, and every pass
+/// after the first found its destination made ahead by the one before.
+pub fn assert_destinations_made_ahead(
+    before: &rdt::data::nixl::NixlStats,
+    after: &rdt::data::nixl::NixlStats,
+    passes: u64,
+) {
+    assert_eq!(after.reads_posted - before.reads_posted, passes);
+    assert!(
+        after.dests_made_ahead - before.dests_made_ahead >= passes - 1,
+        "{before:?} -> {after:?}"
+    );
+    assert!(
+        after.dests_taken_ready - before.dests_taken_ready >= passes - 1,
+        "{before:?} -> {after:?}"
+    );
+}

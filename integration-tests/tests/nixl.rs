@@ -176,15 +176,7 @@ async fn a_small_host_read_again_finds_its_destination_made_ahead() {
             );
         }
         let c1 = of_consumer(&rt, &c).await;
-        assert_eq!(c1.reads_posted - c0.reads_posted, 6);
-        assert!(
-            c1.dests_made_ahead - c0.dests_made_ahead >= 5,
-            "{c0:?} -> {c1:?}"
-        );
-        assert!(
-            c1.dests_taken_ready - c0.dests_taken_ready >= 5,
-            "{c0:?} -> {c1:?}"
-        );
+        rdt_integration_tests::assert_destinations_made_ahead(&c0, &c1, 6);
         drop(r);
         rt.transfers_settled().await;
         eventually(

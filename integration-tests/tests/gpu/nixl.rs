@@ -62,15 +62,7 @@ gpu_test!(
         let s1 = rt.get(c.nixl_stats().remote()).await.unwrap();
         // NX-11: after each receive the next destination was made ahead,
         // and every pass after the first posted its READ into one.
-        assert!(
-            s1.dests_made_ahead - s0.dests_made_ahead >= 5,
-            "{s0:?} -> {s1:?}"
-        );
-        assert!(
-            s1.dests_taken_ready - s0.dests_taken_ready >= 5,
-            "{s0:?} -> {s1:?}"
-        );
-        assert_eq!(s1.reads_posted - s0.reads_posted, 6);
+        rdt_integration_tests::assert_destinations_made_ahead(&s0, &s1, 6);
     }
 );
 
