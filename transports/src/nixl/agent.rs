@@ -593,29 +593,35 @@ impl Agent {
         if raw.outstanding > 0 {
             return false;
         }
-        self.drop_kept(&mut raw, |_| true);
-        // SAFETY: the agent's own handles; the lock, kept below, keeps
-        // every other use out from now on.
+        // SAFETY: the lock, kept below, keeps every other use out from now
+        // on.
+        unsafe { self.destroy(&mut raw) };
+        std::mem::forget(raw);
+        true
+    }
+
+    /// Releases the kept requests, then destroys the notification map, the
+    /// backend and the agent.
+    ///
+    /// # Safety
+    /// Nothing uses the agent's handles after this.
+    unsafe fn destroy(&self, raw: &mut Raw) {
+        self.drop_kept(raw, |_| true);
+        // SAFETY: the agent's own handles, unused after (the caller's
+        // promise).
         unsafe {
             (self.api.destroy_notif_map)(raw.notifs);
             (self.api.destroy_backend)(raw.backend);
             (self.api.destroy_agent)(raw.agent);
         }
-        std::mem::forget(raw);
-        true
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         let mut raw = self.raw.lock();
-        self.drop_kept(&mut raw, |_| true);
-        // SAFETY: the agent's own handles, used by nothing else now.
-        unsafe {
-            (self.api.destroy_notif_map)(raw.notifs);
-            (self.api.destroy_backend)(raw.backend);
-            (self.api.destroy_agent)(raw.agent);
-        }
+        // SAFETY: the agent is going: nothing uses its handles now.
+        unsafe { self.destroy(&mut raw) };
     }
 }
 

@@ -407,9 +407,9 @@ const CLOSE_AT_EXIT_WAIT: std::time::Duration = std::time::Duration::from_millis
 /// library's teardown of its libraries: the handlers registered last run
 /// first, and the libraries' destructors, CUDA's among them, run after
 /// every handler. It closes the agent then ([`Agent::close_for_exit`]),
-/// on a thread of its own so that the exit waits for it at most
-/// [`CLOSE_AT_EXIT_WAIT`] more. A process killed, or ended by `_exit`,
-/// skips it.
+/// on a thread of its own so that the exit waits for it at most twice
+/// [`CLOSE_AT_EXIT_WAIT`] (the lock, then the teardown). A process
+/// killed, or ended by `_exit`, skips it.
 extern "C" fn close_agent_at_exit() {
     if !CLOSE_AT_EXIT.on() {
         return;
@@ -2404,7 +2404,6 @@ struct ReadyDest {
     plan: Arc<ReadPlan>,
     /// `None` once a receive took it.
     dest: Option<Destination>,
-    host_bytes: u64,
 }
 
 impl ReadyDest {
@@ -2417,7 +2416,6 @@ impl ReadyDest {
         ReadyDest {
             plan,
             dest: Some(dest),
-            host_bytes,
         }
     }
 
@@ -2428,11 +2426,13 @@ impl ReadyDest {
         self.dest.take().expect("a destination is taken once")
     }
 
+    /// Its host bytes back in use (before it is taken, or dropped).
     fn unready(&self) {
+        let host_bytes = self.dest.as_ref().map_or(0, Destination::host_bytes);
         COUNTERS
             .host_bytes_ready
-            .fetch_sub(self.host_bytes, Ordering::Relaxed);
-        bump(&COUNTERS.host_bytes_in_use, self.host_bytes);
+            .fetch_sub(host_bytes, Ordering::Relaxed);
+        bump(&COUNTERS.host_bytes_in_use, host_bytes);
     }
 }
 
@@ -2440,9 +2440,7 @@ impl Drop for ReadyDest {
     /// Not taken (evicted, its producer gone): back in use for the moment
     /// its region takes to go back to its pool.
     fn drop(&mut self) {
-        if self.dest.is_some() {
-            self.unready();
-        }
+        self.unready();
     }
 }
 
