@@ -23,6 +23,29 @@ pub struct Batch {
     pub label: String,
 }
 
+/// `n` tensors of `numel` f32 by name, `layer{i}.weight` equal to
+/// `first + i`: weights kept by name.
+pub fn named_weights(n: usize, numel: usize, first: f32) -> HashMap<String, Tensor> {
+    (0..n)
+        .map(|i| {
+            (
+                format!("layer{i}.weight"),
+                Tensor::full(first + i as f32, &[numel]),
+            )
+        })
+        .collect()
+}
+
+/// Each named tensor's sum, sorted by name.
+pub fn named_sums(named: &HashMap<String, Tensor>) -> rdt::Result<Vec<(String, f64)>> {
+    let mut sums = named
+        .iter()
+        .map(|(k, t)| Ok((k.clone(), t.sum()?)))
+        .collect::<rdt::Result<Vec<_>>>()?;
+    sums.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(sums)
+}
+
 /// A typed application error.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Oops {
@@ -257,6 +280,12 @@ impl Producer {
             .collect()
     }
 
+    /// `n` tensors of `numel` f32 kept by name, as the quickstart keeps
+    /// weights: `layer{i}.weight` equal to `first + i`.
+    async fn make_named(&mut self, n: usize, numel: usize, first: f32) -> HashMap<String, Tensor> {
+        named_weights(n, numel, first)
+    }
+
     /// The kept tensor `i` again, in a new object (same storage).
     async fn kept_again(&mut self, i: usize) -> Tensor {
         self.kept[i].clone()
@@ -335,6 +364,8 @@ pub struct Consumer {
     kept: Option<rdt::Targets>,
     /// What `note` was given, in call order.
     noted: Vec<u64>,
+    /// Parameters kept by name (`load_named_*`).
+    named: Option<HashMap<String, Tensor>>,
 }
 
 #[rdt::actor]
@@ -343,6 +374,7 @@ impl Consumer {
         Consumer {
             seen: 0,
             held: Vec::new(),
+            named: None,
             params: Vec::new(),
             kept: None,
             noted: Vec::new(),
@@ -588,6 +620,25 @@ impl Consumer {
         });
         rdt::runtime().load_into(&r, &*kept).await?;
         Ok(kept.iter().map(Tensor::sum).collect::<Result<_, _>>()?)
+    }
+
+    /// A rollout that keeps its parameters by name (`n` f32 tensors of
+    /// `numel`, `layer{i}.weight`, made at first use and kept) loads the
+    /// named weights behind `r` into them, its targets taken from its own
+    /// map in the map's order. Each parameter's name and sum after, by
+    /// name.
+    async fn load_named_by_position(
+        &mut self,
+        r: ObjectRef<HashMap<String, Tensor>>,
+        n: usize,
+        numel: usize,
+    ) -> rdt::Result<Vec<(String, f64)>> {
+        let named = self
+            .named
+            .get_or_insert_with(|| named_weights(n, numel, 0.0));
+        let targets: Vec<Tensor> = named.values().cloned().collect();
+        rdt::runtime().load_into(&r, targets).await?;
+        named_sums(named)
     }
 
     /// Notes `i` after those noted before; how many are noted now.

@@ -518,6 +518,35 @@ pub async fn load_into_target_tensors(t: Transport) {
     assert_eq!(got[2].sum().unwrap(), 22000.0, "still readable after");
 }
 
+/// TG-1: weights kept by name (a map) never land in the wrong parameter.
+/// A rollout whose targets come from its own map, in its own map's order
+/// (which is not the producer's: each process hashes differently), is
+/// either refused with a targets error before any byte moves, or gets
+/// every parameter right; never another layer's weights.
+pub async fn tg_1_map_valued_weights_never_land_in_the_wrong_parameter(t: Transport) {
+    let (rt, p, c) = setup(t).await;
+    let (n, numel) = (8, 64);
+    let want: Vec<(String, f64)> = (0..n)
+        .map(|i| {
+            (
+                format!("layer{i}.weight"),
+                f64::from(1.0 + i as f32) * numel as f64,
+            )
+        })
+        .collect();
+    let w = p.make_named(n, numel, 1.0).transport(t).remote();
+    match rt
+        .get(c.load_named_by_position(&w, n, numel).remote())
+        .await
+    {
+        Ok(got) => assert_eq!(got, want, "a parameter got another's weights over {t}"),
+        Err(e) => assert!(
+            matches!(&e, Error::Targets { message, .. } if message.contains("map")),
+            "positional targets for a map are refused as such: {e}"
+        ),
+    }
+}
+
 macro_rules! common_suite {
     ($m:ident, $t:expr) => {
         suite!(
@@ -540,6 +569,7 @@ macro_rules! common_suite {
                 views_of_one_storage,
                 receive_into_target_tensors,
                 load_into_target_tensors,
+                tg_1_map_valued_weights_never_land_in_the_wrong_parameter,
             ]
         );
     };
