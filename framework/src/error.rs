@@ -157,7 +157,7 @@ pub enum Error {
     /// The target tensors given to `get_into` do not fit the object. The
     /// object is untouched: a `get` or a `get_into` with fitting targets
     /// still reads it.
-    #[error("the target tensors given for object {object} do not fit it: {message}; give one target per tensor of the value, in the order the value holds them (a tensor held twice counts once), each of the same dtype and shape")]
+    #[error("the target tensors given for object {object} do not fit it: {message}; give one target per tensor of the value, each of the same dtype and shape: by key (`Targets::from(&map)`, `Targets::from_value(&value)`), or, for a value that holds no map, in the order the value holds them (a tensor held twice counts once)")]
     Targets {
         /// The object.
         object: u64,

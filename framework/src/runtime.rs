@@ -646,14 +646,14 @@ impl Runtime {
     /// fails as for [`Runtime::get`]. Targets that do not fit fail with
     /// [`Error::Targets`] before any byte moves, and the object stays
     /// readable.
-    pub async fn get_into<T: DeserializeOwned + 'static>(
+    pub async fn get_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<crate::Targets>,
     ) -> Result<T> {
         let r = r.borrow();
         let targets: crate::Targets = targets.into();
-        let (wv, tensors, copied) = self.land_in(r.id, &targets).await?;
+        let (wv, tensors, copied) = self.land_in::<T>(r.id, &targets).await?;
         decode_in_driver(
             &self.inner,
             &wv,
@@ -666,19 +666,19 @@ impl Runtime {
     /// tensors written into `targets`, and nothing decoded (see
     /// [`ActorRuntime::load_into`](crate::ActorRuntime::load_into), the
     /// same for an actor). Same targets, same errors as `get_into`.
-    pub async fn load_into<T>(
+    pub async fn load_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<crate::Targets>,
     ) -> Result<()> {
         let targets: crate::Targets = targets.into();
-        self.land_in(r.borrow().id, &targets).await.map(drop)
+        self.land_in::<T>(r.borrow().id, &targets).await.map(drop)
     }
 
     /// Object `id` received into `targets`: its value, the tensors
     /// received, and the targets as the value's tensors where they were
     /// copied in (`None`: the received tensors are the targets).
-    async fn land_in(
+    async fn land_in<T: Serialize + DeserializeOwned + 'static>(
         &self,
         id: u64,
         targets: &crate::Targets,
@@ -698,10 +698,16 @@ impl Runtime {
             }
             rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
                 Some(inst) => {
-                    crate::client::check_targets(id, &wv.exported.get()?.metas, targets)?;
-                    let target = Target::Tensors(targets.shared().clone());
+                    let metas = &wv.exported.get()?.metas;
+                    // TG-1, TG-2: ordered and checked before any byte moves.
+                    let ordered =
+                        targets.resolve::<T>(id, &wv.data_bytes()?, metas.len(), &|i| {
+                            metas.get(i).cloned()
+                        })?;
+                    crate::client::check_targets(id, metas, &ordered)?;
+                    let target = Target::Tensors(ordered.clone());
                     let tensors = self.get_direct(id, &wv, inst, target).await?;
-                    let copied = crate::client::into_targets(id, targets, &tensors)?;
+                    let copied = crate::client::into_targets(id, &ordered, &tensors)?;
                     return Ok((wv, tensors, copied));
                 }
                 None => self.fetch_via_object_store(id).await?,
@@ -709,7 +715,10 @@ impl Runtime {
             rdt_transport::Sidedness::ThroughDriver => wv,
         };
         let tensors = object_store::unpack(wv.exported.get()?)?;
-        let copied = crate::client::into_targets(id, targets, &tensors)?;
+        let ordered = targets.resolve::<T>(id, &wv.data_bytes()?, tensors.len(), &|i| {
+            tensors.get(i).map(rdt_transport::Tensor::meta)
+        })?;
+        let copied = crate::client::into_targets(id, &ordered, &tensors)?;
         Ok((wv, tensors, copied))
     }
 

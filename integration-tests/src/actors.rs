@@ -46,6 +46,42 @@ pub fn named_sums(named: &HashMap<String, Tensor>) -> rdt::Result<Vec<(String, f
     Ok(sums)
 }
 
+/// A struct-valued set of weights: tensors named by field and index.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NamedModel {
+    /// The embedding.
+    pub embed: Tensor,
+    /// The layers, in order.
+    pub layers: Vec<NamedLayer>,
+    /// The step that made them.
+    pub step: u64,
+}
+
+/// One layer of [`NamedModel`].
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NamedLayer {
+    /// Weight.
+    pub w: Tensor,
+    /// Bias.
+    pub b: Tensor,
+}
+
+/// A [`NamedModel`] of `layers` layers, every tensor `numel` f32: `embed`
+/// equal to `first`, layer `i`'s `w` to `first + 1 + 2i` and `b` to
+/// `first + 2 + 2i`.
+pub fn named_model(layers: usize, numel: usize, first: f32) -> NamedModel {
+    NamedModel {
+        embed: Tensor::full(first, &[numel]),
+        layers: (0..layers)
+            .map(|i| NamedLayer {
+                w: Tensor::full(first + 1.0 + 2.0 * i as f32, &[numel]),
+                b: Tensor::full(first + 2.0 + 2.0 * i as f32, &[numel]),
+            })
+            .collect(),
+        step: 1,
+    }
+}
+
 /// A typed application error.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Oops {
@@ -284,6 +320,11 @@ impl Producer {
     /// weights: `layer{i}.weight` equal to `first + i`.
     async fn make_named(&mut self, n: usize, numel: usize, first: f32) -> HashMap<String, Tensor> {
         named_weights(n, numel, first)
+    }
+
+    /// A struct-valued version of weights (see [`named_model`]).
+    async fn make_model(&mut self, layers: usize, numel: usize, first: f32) -> NamedModel {
+        named_model(layers, numel, first)
     }
 
     /// The kept tensor `i` again, in a new object (same storage).
@@ -639,6 +680,73 @@ impl Consumer {
         let targets: Vec<Tensor> = named.values().cloned().collect();
         rdt::runtime().load_into(&r, targets).await?;
         named_sums(named)
+    }
+
+    /// [`load_named_by_position`](Self::load_named_by_position) with
+    /// keyed targets (`rdt::Targets::from(&map)`), by `get_into` when
+    /// `get` (then checking the value got back holds the parameters
+    /// themselves) or `load_into`.
+    async fn load_named_by_key(
+        &mut self,
+        r: ObjectRef<HashMap<String, Tensor>>,
+        n: usize,
+        numel: usize,
+        get: bool,
+    ) -> rdt::Result<Vec<(String, f64)>> {
+        let named = self
+            .named
+            .get_or_insert_with(|| named_weights(n, numel, 0.0));
+        let targets = rdt::Targets::from(&*named);
+        if get {
+            let got = rdt::runtime().get_into(&r, &targets).await?;
+            for (k, t) in &got {
+                if !t.shares_storage(&named[k]) {
+                    return Err(rdt::Error::Protocol(format!("`{k}` is not my parameter")));
+                }
+            }
+        } else {
+            rdt::runtime().load_into(&r, &targets).await?;
+        }
+        named_sums(named)
+    }
+
+    /// A struct-valued update ([`NamedModel`]) into parameters this
+    /// rollout keeps in its own map by path (`embed`, `layers.0.w`, …),
+    /// with keyed targets. Each parameter's name and sum after.
+    async fn load_model_by_key(
+        &mut self,
+        r: ObjectRef<NamedModel>,
+        layers: usize,
+        numel: usize,
+    ) -> rdt::Result<Vec<(String, f64)>> {
+        let mine: HashMap<String, Tensor> =
+            rdt::Targets::from_value(&named_model(layers, numel, 0.0))?
+                .keys()
+                .into_iter()
+                .flatten()
+                .map(|k| (k.clone(), Tensor::zeros(DType::F32, &[numel])))
+                .collect();
+        rdt::runtime()
+            .load_into(&r, rdt::Targets::from(&mine))
+            .await?;
+        named_sums(&mine)
+    }
+
+    /// Keyed targets of the given names, dtypes and lengths, zeros:
+    /// `load_into` the object behind `r`. Their sums after, by name.
+    async fn load_into_named(
+        &mut self,
+        r: ObjectRef<HashMap<String, Tensor>>,
+        spec: Vec<(String, DType, usize)>,
+    ) -> rdt::Result<Vec<(String, f64)>> {
+        let mine: HashMap<String, Tensor> = spec
+            .into_iter()
+            .map(|(k, d, n)| (k, Tensor::zeros(d, &[n])))
+            .collect();
+        rdt::runtime()
+            .load_into(&r, &rdt::Targets::from(&mine))
+            .await?;
+        named_sums(&mine)
     }
 
     /// Notes `i` after those noted before; how many are noted now.

@@ -540,10 +540,150 @@ pub async fn tg_1_map_valued_weights_never_land_in_the_wrong_parameter(t: Transp
         .await
     {
         Ok(got) => assert_eq!(got, want, "a parameter got another's weights over {t}"),
+        // The actor's error comes back as its method's error, with the
+        // targets error's text.
         Err(e) => assert!(
-            matches!(&e, Error::Targets { message, .. } if message.contains("map")),
+            e.to_string().contains("positional targets are refused"),
             "positional targets for a map are refused as such: {e}"
         ),
+    }
+}
+
+/// TG-1: keyed targets put every parameter right: a map-valued update
+/// received into a rollout's own map (its own iteration order), by
+/// `load_into` and by `get_into`, twice into the same parameters; a
+/// struct-valued update into a map kept by path; and the driver's own map.
+pub async fn tg_1_keyed_targets_land_every_parameter_by_name(t: Transport) {
+    let (rt, p, c) = setup(t).await;
+    let (n, numel) = (8, 64);
+    let want = |first: f32| -> Vec<(String, f64)> {
+        (0..n)
+            .map(|i| {
+                (
+                    format!("layer{i}.weight"),
+                    f64::from(first + i as f32) * numel as f64,
+                )
+            })
+            .collect()
+    };
+    for (first, get) in [(1.0, false), (10.0, true), (20.0, false)] {
+        let w = p.make_named(n, numel, first).transport(t).remote();
+        let got = rt
+            .get(c.load_named_by_key(&w, n, numel, get).remote())
+            .await
+            .unwrap();
+        assert_eq!(got, want(first), "version {first} by key over {t}");
+    }
+    let layers = 3;
+    let m = p.make_model(layers, numel, 1.0).transport(t).remote();
+    let got = rt
+        .get(c.load_model_by_key(&m, layers, numel).remote())
+        .await
+        .unwrap();
+    let mut want_model = vec![("embed".to_string(), numel as f64)];
+    for i in 0..layers {
+        want_model.push((
+            format!("layers.{i}.b"),
+            f64::from(3.0 + 2.0 * i as f32) * numel as f64,
+        ));
+        want_model.push((
+            format!("layers.{i}.w"),
+            f64::from(2.0 + 2.0 * i as f32) * numel as f64,
+        ));
+    }
+    want_model.sort_by(|a, b| a.0.cmp(&b.0));
+    assert_eq!(got, want_model, "a struct-valued update by path over {t}");
+    // The driver, into its own map.
+    let w = p.make_named(n, numel, 30.0).transport(t).remote();
+    let mine = rdt_integration_tests::actors::named_weights(n, numel, 0.0);
+    if t.is_collective() {
+        let e = rt.load_into(&w, &mine).await.unwrap_err();
+        assert!(matches!(e, Error::CollectiveGet { .. }), "{e}");
+        return;
+    }
+    rt.load_into(&w, &mine).await.unwrap();
+    assert_eq!(
+        rdt_integration_tests::actors::named_sums(&mine).unwrap(),
+        want(30.0)
+    );
+    let got = rt.get_into(&w, &mine).await.unwrap();
+    assert!(got.iter().all(|(k, t)| t.shares_storage(&mine[k])));
+}
+
+/// TG-2: keyed targets that do not match (a key missing, a key extra, a
+/// shape or a dtype that differs) fail before any byte lands, naming the
+/// first differing key, and the object stays readable.
+pub async fn tg_2_a_keyed_mismatch_names_the_first_differing_key(t: Transport) {
+    let (rt, p, c) = setup(t).await;
+    let (n, numel) = (4, 64);
+    let w = p.make_named(n, numel, 1.0).transport(t).remote();
+    let spec = |f: &dyn Fn(usize) -> Option<(String, DType, usize)>| -> Vec<_> {
+        (0..n).filter_map(f).collect()
+    };
+    let key = |i: usize| format!("layer{i}.weight");
+    type Spec = Vec<(String, DType, usize)>;
+    let cases: Vec<(Spec, &str)> = vec![
+        // layer2 missing from the targets.
+        (
+            spec(&|i| (i != 2).then(|| (key(i), DType::F32, numel))),
+            "it has a tensor at `layer2.weight` and the targets have none",
+        ),
+        // An extra target key.
+        (
+            {
+                let mut s = spec(&|i| Some((key(i), DType::F32, numel)));
+                s.push(("layer1.bias".into(), DType::F32, numel));
+                s
+            },
+            "the targets have `layer1.bias` and the object has no tensor there",
+        ),
+        // layer1's shape and layer3's dtype differ: layer1 comes first.
+        (
+            spec(&|i| {
+                Some(match i {
+                    1 => (key(i), DType::F32, numel + 1),
+                    3 => (key(i), DType::F64, numel),
+                    _ => (key(i), DType::F32, numel),
+                })
+            }),
+            "its tensor `layer1.weight` is f32 [64] and the target `layer1.weight` is f32 [65]",
+        ),
+        (
+            spec(&|i| Some((key(i), if i == 3 { DType::F64 } else { DType::F32 }, numel))),
+            "`layer3.weight` is f32 [64] and the target `layer3.weight` is f64 [64]",
+        ),
+    ];
+    for (spec, says) in cases {
+        let e = rt
+            .get(c.load_into_named(&w, spec).remote())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains(says), "over {t}: {e}");
+    }
+    // The object is whole, and fitting targets still take it.
+    let got = rt
+        .get(c.load_named_by_key(&w, n, numel, false).remote())
+        .await
+        .unwrap();
+    assert_eq!(got[3].1, 4.0 * numel as f64);
+    // The driver: the same error before any byte lands in its targets.
+    if !t.is_collective() {
+        let mut mine = rdt_integration_tests::actors::named_weights(n, numel, 0.0);
+        mine.remove("layer0.weight");
+        let before = rdt_integration_tests::actors::named_sums(&mine).unwrap();
+        let e = rt.load_into(&w, &mine).await.unwrap_err();
+        assert!(e.to_string().contains("`layer0.weight`"), "{e}");
+        let after = rdt_integration_tests::actors::named_sums(&mine).unwrap();
+        assert_eq!(after, before, "nothing landed");
+        // Positional targets for a map-valued object: refused.
+        let list: Vec<Tensor> = (0..n)
+            .map(|_| Tensor::zeros(DType::F32, &[numel]))
+            .collect();
+        let e = rt.load_into(&w, &list).await.unwrap_err();
+        assert!(
+            e.to_string().contains("positional targets are refused"),
+            "{e}"
+        );
     }
 }
 
@@ -570,6 +710,8 @@ macro_rules! common_suite {
                 receive_into_target_tensors,
                 load_into_target_tensors,
                 tg_1_map_valued_weights_never_land_in_the_wrong_parameter,
+                tg_1_keyed_targets_land_every_parameter_by_name,
+                tg_2_a_keyed_mismatch_names_the_first_differing_key,
             ]
         );
     };

@@ -23,6 +23,7 @@ pub mod nccl;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod object_store;
+pub mod paths;
 mod process_watch;
 pub mod recent;
 pub mod registry;

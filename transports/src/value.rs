@@ -57,7 +57,7 @@ pub enum ValueError {
     },
 }
 
-const PLACEHOLDER: &str = "__rdt_tensor";
+pub(crate) const PLACEHOLDER: &str = "__rdt_tensor";
 
 /// What identifies a collected tensor (invariant 1): its storage (the sink
 /// holds a clone, so the address is not reused while encoding), byte
@@ -231,7 +231,7 @@ fn exactly_its_tensors<T: 'static>(
 /// every step): one comparison of 20 KB for 10 000 tensors, where reading
 /// their varints one by one took 20–30 µs of every call on the H200
 /// hosts. Counts past [`IN_ORDER_KEPT`] are read one by one.
-fn is_tensors_in_order(data: &[u8], count: usize) -> bool {
+pub(crate) fn is_tensors_in_order(data: &[u8], count: usize) -> bool {
     if take_varint(data).is_none_or(|(n, _)| n != count as u64) {
         return false;
     }
@@ -370,6 +370,8 @@ impl Serialize for Tensor {
             Some(Ctx::Sink(sink)) => Some(sink.collect(self)),
             _ => None,
         });
+        // A walk for the tensors' paths (`paths`): a placeholder too.
+        let index = index.or_else(|| crate::paths::walked(self));
         match index {
             Some(i) => s.serialize_newtype_struct(PLACEHOLDER, &i),
             None => {

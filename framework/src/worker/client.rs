@@ -43,7 +43,7 @@ use crate::error::{Error, Result};
 use crate::object_ref::{ArgOut, ObjectRef};
 use crate::protocol::{SubmitMsg, ToDriver, WireExported, WireValue};
 use crate::runtime::inline_value;
-use crate::targets::Targets;
+use crate::targets::{Registered, Targets};
 use crate::transport::Transport;
 use rdt_transport::{Blob, Sidedness, Tensor, TensorList};
 
@@ -280,12 +280,12 @@ struct TargetsGuard<'a> {
 impl<'a> TargetsGuard<'a> {
     /// `None` when another `get_into` of the object in this actor
     /// registered its own first (this one then copies).
-    fn register(w: &'a WorkerShared, object: u64, targets: &Targets) -> Option<Self> {
+    fn register(w: &'a WorkerShared, object: u64, targets: Registered) -> Option<Self> {
         use std::collections::hash_map::Entry;
         match w.targets.lock().entry(object) {
             Entry::Occupied(_) => None,
             Entry::Vacant(e) => {
-                e.insert(targets.shared().clone());
+                e.insert(targets);
                 Some(TargetsGuard { w, object })
             }
         }
@@ -341,14 +341,14 @@ impl ActorRuntime {
     /// rdt::runtime().get_into(&weights, params).await?;
     /// # Ok(()) }
     /// ```
-    pub async fn get_into<T: DeserializeOwned + 'static>(
+    pub async fn get_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<Targets>,
     ) -> Result<T> {
         let id = r.borrow().id;
         let targets: Targets = targets.into();
-        let (v, copied) = self.land_in(id, &targets).await?;
+        let (v, copied) = self.land_in::<T>(id, &targets).await?;
         match copied {
             Some(c) => self.decode(id, &v.data, &c.into()),
             None => self.decode(id, &v.data, &v.tensors),
@@ -377,31 +377,36 @@ impl ActorRuntime {
     /// // `params` hold the new weights.
     /// # Ok(()) }
     /// ```
-    pub async fn load_into<T>(
+    pub async fn load_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<Targets>,
     ) -> Result<()> {
         let targets: Targets = targets.into();
-        self.land_in(r.borrow().id, &targets).await.map(drop)
+        self.land_in::<T>(r.borrow().id, &targets).await.map(drop)
     }
 
     /// Object `id` received into `targets` (AC-3): the stored value, and
     /// the targets as the value's tensors where they were copied in
     /// (`None`: the receive wrote into them itself, counted in
     /// [`received_in_place`](crate::received_in_place)).
-    async fn land_in(
+    async fn land_in<T: Serialize + DeserializeOwned + 'static>(
         &self,
         id: u64,
         targets: &Targets,
     ) -> Result<(StoredValue, Option<Vec<Tensor>>)> {
-        let v = self.stored(id, Some(targets)).await?;
+        let v = self.stored(id, Some(Registered::of::<T>(targets))).await?;
+        // TG-1: the targets in the order the value holds its tensors (the
+        // receive ordered them so too, from the same bytes: TG-3).
+        let ordered = targets.resolve::<T>(id, &v.data, v.tensors.len(), &|i| {
+            v.tensors.tensor(i).map(|t| t.meta())
+        })?;
         // The receive returned the very list registered (the targets'
         // own, which nothing changes): in place, with nothing to compare.
-        let copied = if v.tensors.is_shared(targets.shared()) {
+        let copied = if v.tensors.is_shared(&ordered) {
             None
         } else {
-            crate::client::into_targets(id, targets, &v.tensors)?
+            crate::client::into_targets(id, &ordered, &v.tensors)?
         };
         if copied.is_none() {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
@@ -412,7 +417,7 @@ impl ActorRuntime {
     /// Object `id` as this worker stores it, delivered first if it is not
     /// here (AC-2); `targets` are where that delivery's receive puts the
     /// tensors (WK-7).
-    async fn stored(&self, id: u64, targets: Option<&Targets>) -> Result<StoredValue> {
+    async fn stored(&self, id: u64, targets: Option<Registered>) -> Result<StoredValue> {
         if let Some(Slot::Ready(v)) = self.w.store.get(id) {
             // Produced here, or a copy held: no message at all.
             if !self.w.landing.lock().contains_key(&id) {

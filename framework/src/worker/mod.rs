@@ -538,7 +538,7 @@ pub(crate) struct WorkerShared {
     /// (HO-6).
     self_calls: Mutex<std::collections::HashSet<u64>>,
     /// Target tensors `get_into` waits to fill, by object (WK-7).
-    targets: Mutex<HashMap<u64, Arc<[Tensor]>>>,
+    targets: Mutex<HashMap<u64, crate::targets::Registered>>,
     /// The first thread waiting for each object still being received, by
     /// object: a token (its registration's) and where to hand the
     /// receive's list (WK-8).
@@ -802,21 +802,35 @@ impl WorkerShared {
         abort_rx
     }
 
+    /// The targets a `get_into` registered for `object`, taken (not
+    /// cloned: 10 000 parameters are 10 000 clones); the getter keeps its
+    /// own and copies into them if the receive does not take them.
+    fn take_targets(&self, object: u64) -> Option<crate::targets::Registered> {
+        self.targets.lock().remove(&object)
+    }
+
     /// Where the receive of `object` puts its tensors (WK-7): the
-    /// targets a `get_into` registered, if they fit `metas` (of `layout`,
-    /// as the head decoded here names it) and `transport` takes them.
+    /// targets a `get_into` registered (`registered`), in the order the
+    /// value (`data`) holds its tensors (TG-1), if they fit `metas` (of
+    /// `layout`, as the head decoded here names it) and `transport` takes
+    /// them.
     fn target_for(
         &self,
         object: u64,
+        registered: crate::targets::Registered,
+        data: &[u8],
         metas: &[rdt_transport::TensorMeta],
         layout: Option<u64>,
         transport: (Transport, &dyn rdt_transport::TensorTransport),
     ) -> Target {
-        // Taken, not cloned (10 000 parameters are 10 000 clones): the
-        // getter keeps its own and copies into them if this receive does
-        // not take them.
-        let Some(ts) = self.targets.lock().remove(&object) else {
-            return Target::Any;
+        // TG-2: targets that do not match by key are received into
+        // nothing of theirs; the getter reports why, with the key.
+        let ts = match registered.resolve(object, data, metas.len(), &|i| metas.get(i).cloned()) {
+            Ok(ts) => ts,
+            Err(why) => {
+                tracing::debug!(object, "received anywhere, the targets do not match: {why}");
+                return Target::Any;
+            }
         };
         let fitted = FittedTargets::of(&ts, layout, transport.0);
         if fitted.is_some() && *self.fitted.lock() == fitted {
@@ -1654,15 +1668,27 @@ fn on_deliver(
                 rdt_transport::cuda::timeline("receive head here", xfer);
                 let exported = d.value.exported.get()?;
                 rdt_transport::cuda::timeline("receive exported decoded", xfer);
+                // Targets are ordered by the value's bytes (TG-1), which
+                // may still be arriving: they come before the receive
+                // writes into anything.
+                let target = match shared.take_targets(object) {
+                    None => Target::Any,
+                    Some(registered) => match d.value.data.arrived().await {
+                        Ok(data) => shared.target_for(
+                            object,
+                            registered,
+                            &data,
+                            &exported.metas,
+                            d.value.exported.layout(),
+                            (transport.0, transport.1.as_ref()),
+                        ),
+                        Err(_) => Target::Any,
+                    },
+                };
                 let cx = rdt_transport::TransferCtx {
                     xfer,
                     group,
-                    target: shared.target_for(
-                        object,
-                        &exported.metas,
-                        d.value.exported.layout(),
-                        (transport.0, transport.1.as_ref()),
-                    ),
+                    target,
                     layout: d.value.exported.layout(),
                     first_reader: Some(shared.first_reader(object)),
                 };
