@@ -10,7 +10,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Everything that can go wrong in rdt. Errors cross process boundaries, so
 /// they are plain data (`Clone + Serialize`).
+///
+/// New variants may come in later versions (`#[non_exhaustive]`): a
+/// `match` on it needs a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum Error {
     /// A method returned `Err`.
     #[error("{actor}.{method} returned an error: {message}")]
@@ -36,13 +40,26 @@ pub enum Error {
         message: String,
     },
     /// A call did not run because one of its arguments is an error.
+    ///
+    /// Flat however long the chain of failed calls behind it (ER-1):
+    /// `cause` is the original error, never another `Dependency`; `hops`
+    /// counts the failed objects from `object` back to it, and `via`
+    /// names the nearest of them. Make one with [`Error::dependency`].
     #[error(
-        "argument object {object} is an error, so the call did not run; original error: {cause}"
+        "argument object {object} is an error, so the call did not run; original error{}: {cause}",
+        if *hops > 1 { format!(" ({hops} failed calls back)") } else { String::new() }
     )]
     Dependency {
         /// The failed object.
         object: u64,
-        /// Its error.
+        /// The failed objects between `object` and the original error,
+        /// nearest first: at most [`DEPENDENCY_VIA`] of them.
+        via: Vec<u64>,
+        /// How many failed objects lead to the original error, `object`
+        /// included (1: `object` itself failed with `cause`).
+        hops: u64,
+        /// The original error.
+        #[serde(deserialize_with = "root_cause_only")]
         cause: Box<Error>,
     },
     /// An actor's process died (or its connection broke).
@@ -166,6 +183,38 @@ pub enum Error {
     },
 }
 
+/// The most failed objects a dependency error names on its way back to
+/// the original error ([`Error::Dependency`]'s `via`).
+pub const DEPENDENCY_VIA: usize = 8;
+
+/// ER-1 on the wire: the cause of a dependency error is an original error,
+/// so a frame that nests them (which rdt never sends) is refused at the
+/// first level instead of being decoded one stack frame per level.
+fn root_cause_only<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Box<Error>, D::Error> {
+    thread_local! {
+        static IN_CAUSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if IN_CAUSE.with(|c| c.replace(true)) {
+        return Err(serde::de::Error::custom(
+            "a dependency error nested in another's cause",
+        ));
+    }
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            IN_CAUSE.with(|c| c.set(false));
+        }
+    }
+    let _reset = Reset;
+    let cause = Error::deserialize(d)?;
+    if matches!(cause, Error::Dependency { .. }) {
+        return Err(serde::de::Error::custom(
+            "a dependency error nested in another's cause",
+        ));
+    }
+    Ok(Box::new(cause))
+}
+
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         Error::Io(e.to_string())
@@ -252,8 +301,110 @@ impl Error {
     /// The innermost error: the original cause behind dependency errors.
     pub fn root_cause(&self) -> &Error {
         match self {
-            Error::Dependency { cause, .. } => cause.root_cause(),
+            Error::Dependency { cause, .. } => cause,
             other => other,
         }
+    }
+
+    /// The error of a call whose argument `object` failed with `cause`
+    /// (ER-1): flat, whatever `cause` is. A `cause` that is itself a
+    /// dependency error gives its original error and one hop more, so a
+    /// chain of thousands of failed calls is one level deep, not one per
+    /// call.
+    pub fn dependency(object: u64, cause: Error) -> Error {
+        match cause {
+            Error::Dependency {
+                object: nearer,
+                mut via,
+                hops,
+                cause,
+            } => {
+                via.insert(0, nearer);
+                via.truncate(DEPENDENCY_VIA);
+                Error::Dependency {
+                    object,
+                    via,
+                    hops: hops.saturating_add(1),
+                    cause,
+                }
+            }
+            root => Error::Dependency {
+                object,
+                via: Vec::new(),
+                hops: 1,
+                cause: Box::new(root),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn app() -> Error {
+        Error::Application {
+            actor: "A".into(),
+            method: "m".into(),
+            message: "failed".into(),
+            typed: None,
+        }
+    }
+
+    /// ER-1: one level deep, however many hops.
+    #[test]
+    fn er_1_a_dependency_of_a_dependency_is_flat() {
+        let mut e = app();
+        for object in 0..10_000 {
+            e = Error::dependency(object, e);
+        }
+        match &e {
+            Error::Dependency {
+                object,
+                via,
+                hops,
+                cause,
+            } => {
+                assert_eq!((*object, *hops), (9_999, 10_000));
+                assert_eq!(via, &[9_998, 9_997, 9_996, 9_995, 9_994, 9_993, 9_992, 9_991]);
+                assert_eq!(**cause, app());
+            }
+            other => panic!("{other}"),
+        }
+        assert!(e.to_string().contains("(10000 failed calls back)"), "{e}");
+        let back: Error = postcard::from_bytes(&postcard::to_stdvec(&e).unwrap()).unwrap();
+        assert_eq!(back, e);
+    }
+
+    /// ER-1 on the wire: a frame that nests dependency errors (a peer's
+    /// bug, or a stranger's) is refused at the first level, not decoded
+    /// one stack frame per level.
+    #[test]
+    fn er_1_a_nested_dependency_on_the_wire_is_refused() {
+        let mut e = app();
+        for object in 0..500 {
+            e = Error::Dependency {
+                object,
+                via: Vec::new(),
+                hops: 1,
+                cause: Box::new(e),
+            };
+        }
+        let bytes = postcard::to_stdvec(&e).unwrap();
+        let err = postcard::from_bytes::<Error>(&bytes).unwrap_err();
+        assert!(matches!(err, postcard::Error::SerdeDeCustom), "{err}");
+        // Two levels are refused as well.
+        let two = Error::Dependency {
+            object: 1,
+            via: Vec::new(),
+            hops: 1,
+            cause: Box::new(Error::dependency(0, app())),
+        };
+        let bytes = postcard::to_stdvec(&two).unwrap();
+        assert!(postcard::from_bytes::<Error>(&bytes).is_err());
+        // One level is an error rdt sends.
+        let one = Error::dependency(0, app());
+        let bytes = postcard::to_stdvec(&one).unwrap();
+        assert_eq!(postcard::from_bytes::<Error>(&bytes).unwrap(), one);
     }
 }

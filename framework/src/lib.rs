@@ -28,7 +28,7 @@ mod transport;
 mod worker;
 
 pub use actor::Actor;
-pub use error::{Error, Result, TransportError, TypedError};
+pub use error::{Error, Result, TransportError, TypedError, DEPENDENCY_VIA};
 pub use object_ref::{ActorId, Arg, Call, ObjectId, ObjectRef, RawHandle};
 pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::register_transport;

@@ -111,7 +111,13 @@ async fn er_1_a_chain_of_failed_calls_keeps_its_root_cause_flat() {
             "{:?}",
             e.root_cause()
         );
-        assert!(matches!(e, Error::Dependency { .. }), "{e}");
+        match &e {
+            Error::Dependency { hops: h, via, .. } => {
+                assert_eq!(*h, hops, "every failed call counted");
+                assert_eq!(via.len(), rdt::DEPENDENCY_VIA);
+            }
+            other => panic!("expected a dependency error, got {other}"),
+        }
         let message = e.to_string();
         assert!(
             message.len() < 2048,

@@ -269,12 +269,7 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
                         rdt_transport::cuda::timeline("argument resolved", id);
                         values.push((v.data, v.tensors))
                     }
-                    Slot::Failed(e) => {
-                        return Err(Error::Dependency {
-                            object: id,
-                            cause: Box::new(e),
-                        })
-                    }
+                    Slot::Failed(e) => return Err(Error::dependency(id, e)),
                 }
             }
         }
@@ -437,10 +432,7 @@ async fn run_call<A: RdtActor>(
                 });
             }
         }
-        return Err(Error::Dependency {
-            object,
-            cause: Box::new(e.into()),
-        });
+        return Err(Error::dependency(object, e.into()));
     }
     let payload = payload?;
     let refs: Vec<u64> = held.borrow().iter().map(|r| r.id).collect();
