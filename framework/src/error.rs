@@ -366,7 +366,10 @@ mod tests {
                 cause,
             } => {
                 assert_eq!((*object, *hops), (9_999, 10_000));
-                assert_eq!(via, &[9_998, 9_997, 9_996, 9_995, 9_994, 9_993, 9_992, 9_991]);
+                assert_eq!(
+                    via,
+                    &[9_998, 9_997, 9_996, 9_995, 9_994, 9_993, 9_992, 9_991]
+                );
                 assert_eq!(**cause, app());
             }
             other => panic!("{other}"),

@@ -1825,6 +1825,23 @@ impl SelfCaller {
         rdt::runtime().get(me.take(Unencodable).remote()).await
     }
 
+    /// A tensor's sum.
+    async fn sum_of(&mut self, t: Tensor) -> rdt::Result<f64> {
+        Ok(t.sum()?)
+    }
+
+    /// Calls `sum_of` on itself with `refs[0]` and waits: with an object
+    /// of a collective transport this actor shares no group with, the
+    /// driver refuses the call at submission, so the wait ends with the
+    /// driver's error.
+    async fn refused_self_call_and_wait(
+        &mut self,
+        me: SelfCallerHandle,
+        refs: Vec<ObjectRef<Tensor>>,
+    ) -> rdt::Result<f64> {
+        rdt::runtime().get(me.sum_of(&refs[0]).remote()).await
+    }
+
     /// Calls `ping` on itself and hands the ref back without waiting.
     async fn ping_self_later(&mut self, me: SelfCallerHandle) -> ObjectRef<u32> {
         me.ping().remote()

@@ -383,3 +383,33 @@ async fn clones_of_a_ref_share_one_count_and_the_last_frees_the_object() {
     })
     .await
 }
+
+/// HO-6: a call to itself that the driver refuses at submission (here an
+/// argument on `tcp`, whose producer shares no group with the caller) is
+/// no endless wait either: the wait ends with the driver's own error, not
+/// with "would never end" (at e05be92 it ended with `WouldDeadlock`, and
+/// the call's id stayed among the actor's pending self-calls).
+#[tokio::test(flavor = "multi_thread")]
+async fn ho_6_a_self_call_the_driver_refused_ends_with_the_drivers_error() {
+    deadline(DL, async {
+        let rt = Runtime::start().await.unwrap();
+        let s = rt.spawn::<SelfCaller>(()).await.unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let t = p.make(1.0, 10).transport(Transport::Tcp).remote();
+        let e = within_20s(
+            rt.get(
+                s.refused_self_call_and_wait(s.clone(), vec![t.clone()])
+                    .remote(),
+            ),
+        )
+        .await
+        .unwrap_err();
+        let text = e.to_string();
+        assert!(!text.contains("would never end"), "{text}");
+        assert!(text.contains("group"), "the driver's error: {text}");
+        // The actor goes on.
+        assert_eq!(rt.get(s.ping().remote()).await.unwrap(), 1);
+        rt.shutdown().await;
+    })
+    .await
+}
