@@ -618,6 +618,14 @@ pub enum ToWorker {
         /// How it finished.
         result: std::result::Result<(), Error>,
     },
+    /// Answer to [`ToDriver::Probe`]: how the object finished (ready
+    /// `Ok`, failed or freed `Err`), or `None` while it is pending.
+    Probed {
+        /// The probe.
+        req: u64,
+        /// Its state.
+        state: Option<std::result::Result<(), Error>>,
+    },
     /// Exit now.
     Shutdown,
 }
@@ -739,6 +747,14 @@ pub enum ToDriver {
     },
     /// Answer with `Settled` once the object is ready or failed.
     Watch {
+        /// Request id.
+        req: u64,
+        /// Object id.
+        object: u64,
+    },
+    /// Answer with `Probed` at once: the object's state now (HO-6: was a
+    /// call this worker made to itself refused at submission?).
+    Probe {
         /// Request id.
         req: u64,
         /// Object id.

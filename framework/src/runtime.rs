@@ -2231,6 +2231,10 @@ impl Inner {
                     });
                 }
             },
+            ToDriver::Probe { req, object } => {
+                let state = settled(st, object);
+                send_to(&st.actors, actor, &ToWorker::Probed { req, state });
+            }
             ToDriver::Kill { actor: target } => {
                 // Off this lock: killing takes it.
                 let me = self.me.clone();

@@ -143,6 +143,8 @@ impl WorkerShared {
         if !last {
             return;
         }
+        // HO-6: nobody here can wait for it any more.
+        self.self_calls.lock().remove(&id);
         // Borrowed and dropped within one decode: the driver never hears
         // of either.
         let unsent = BATCH.with(|b| match b.borrow_mut().as_mut() {
@@ -424,7 +426,7 @@ impl ActorRuntime {
                 return Ok(v);
             }
         }
-        self.refuse_endless_wait(id)?;
+        self.refuse_endless_wait(id).await?;
         // Registered before the `Get` goes out, so that its delivery finds
         // them; gone when this get ends, however it ends.
         let _targets = targets.and_then(|ts| TargetsGuard::register(&self.w, id, ts));
@@ -450,14 +452,41 @@ impl ActorRuntime {
     /// call starts only after the method returns. (While such a method
     /// runs, no call of this actor runs beside it, so every entry of
     /// `self_calls` is a call that has not run: no store lookup needed.)
-    fn refuse_endless_wait(&self, id: u64) -> Result<()> {
-        if super::host::in_method_that_runs_alone() && self.w.self_calls.lock().contains(&id) {
-            return Err(Error::WouldDeadlock {
+    ///
+    /// The driver may have refused that call at submission (a check only
+    /// it can make, such as a group for a collective argument): then the
+    /// call never runs, its result is already failed, and the wait ends
+    /// with the driver's error. The driver's answer to a probe, sent after
+    /// the call's `Submit` on the same connection, says which.
+    async fn refuse_endless_wait(&self, id: u64) -> Result<()> {
+        if !super::host::in_method_that_runs_alone() || !self.w.self_calls.lock().contains(&id) {
+            return Ok(());
+        }
+        let state = self.probe(id).await?;
+        if state.is_some() {
+            // Refused at submission: it will never run.
+            self.w.self_calls.lock().remove(&id);
+        }
+        match state {
+            None => Err(Error::WouldDeadlock {
                 actor: self.w.name.to_string(),
                 object: id,
-            });
+            }),
+            Some(result) => result,
         }
-        Ok(())
+    }
+
+    /// The driver's view of object `id` now (`None`: pending).
+    async fn probe(&self, id: u64) -> Result<Option<Result<()>>> {
+        let req = self.w.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.w.probes.lock().insert(req, tx);
+        if let Err(e) = self.w.tx.send(&ToDriver::Probe { req, object: id }) {
+            self.w.probes.lock().remove(&req);
+            return Err(e);
+        }
+        // The driver's death ends this worker, so the answer comes.
+        rx.await.map_err(|_| Error::Shutdown)
     }
 
     fn decode<T: DeserializeOwned + 'static>(
@@ -495,7 +524,7 @@ impl ActorRuntime {
     /// without moving its value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
         let id = r.borrow().id;
-        self.refuse_endless_wait(id)?;
+        self.refuse_endless_wait(id).await?;
         self.wait_id(id).await
     }
 

@@ -531,6 +531,8 @@ pub(crate) struct WorkerShared {
     next_object: std::sync::atomic::AtomicU64,
     /// `wait` inside the actor: answers the driver owes, by request.
     watches: Mutex<HashMap<u64, oneshot::Sender<Result<()>>>>,
+    /// Answers the driver owes to `Probe`s, by request (HO-6).
+    probes: Mutex<HashMap<u64, oneshot::Sender<Option<Result<()>>>>>,
     next_req: std::sync::atomic::AtomicU64,
     /// This actor's id.
     actor: u64,
@@ -1259,6 +1261,7 @@ fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             next_req: 1.into(),
             actor: order.worker,
             self_calls: Mutex::new(Default::default()),
+            probes: Mutex::new(HashMap::new()),
             targets: Mutex::new(HashMap::new()),
             fitted: Mutex::new(None),
             in_place: Default::default(),
@@ -1566,6 +1569,11 @@ async fn control_loop<A: RdtActor>(
             ToWorker::Settled { req, result } => {
                 if let Some(w) = shared.watches.lock().remove(&req) {
                     let _ = w.send(result);
+                }
+            }
+            ToWorker::Probed { req, state } => {
+                if let Some(p) = shared.probes.lock().remove(&req) {
+                    let _ = p.send(state);
                 }
             }
             ToWorker::Ping => tx.send(&ToDriver::Pong)?,
