@@ -506,3 +506,40 @@ async fn ow_8_no_transfer_after_destroy() {
     })
     .await;
 }
+
+/// GR-1: NCCL refuses two ranks on one device ("Duplicate GPU detected"),
+/// so a `nccl` group of two actors given the same GPU is refused when it is
+/// made, naming both actors and the device, before any member is asked to
+/// join (at e05be92 the members were asked, and the error was NCCL's own,
+/// or, here without a GPU, that NCCL could not be loaded).
+#[tokio::test]
+async fn gr_1_two_nccl_members_on_one_gpu_are_refused_naming_both() {
+    deadline(60, async {
+        let rt = Runtime::start().await.unwrap();
+        let a = rt
+            .spawn::<Consumer>(())
+            .name("rank-a")
+            .on_gpus([0])
+            .await
+            .unwrap();
+        let b = rt
+            .spawn::<Consumer>(())
+            .name("rank-b")
+            .on_gpus([0])
+            .await
+            .unwrap();
+        let e = rt
+            .create_collective_group(&[a.id(), b.id()], Transport::Nccl)
+            .await
+            .unwrap_err();
+        let text = e.to_string();
+        assert!(matches!(e, Error::Group(_)), "{text}");
+        assert!(text.contains("rank-a") && text.contains("rank-b"), "{text}");
+        assert!(text.contains("the same GPU"), "{text}");
+        // Both actors are still usable.
+        let r = rt.put(&Tensor::full(1.0f32, &[4])).unwrap();
+        assert_eq!(rt.get(b.sum(&r).remote()).await.unwrap(), 4.0);
+        rt.shutdown().await;
+    })
+    .await
+}
