@@ -376,6 +376,10 @@ pub(crate) struct ActorInfo {
     /// Where it takes deliveries straight from producers (workers the
     /// driver spawned, peer delivery on).
     pub peer_socket: Option<String>,
+    /// The device its `cuda:0` is, as the driver assigned it
+    /// (`CUDA_VISIBLE_DEVICES`'s first entry); `None` when the driver
+    /// assigned none (a joined worker, a spawn without GPUs).
+    pub gpu: Option<String>,
 }
 
 impl ActorInfo {

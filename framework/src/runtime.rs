@@ -1061,6 +1061,9 @@ impl Runtime {
                     return Err(Error::Group(format!("actor {} is listed twice", info.name)));
                 }
             }
+            if backend == Transport::Nccl {
+                refuse_shared_gpus(&st.actors, actors)?;
+            }
             let id = self.inner.next_id();
             let ranks: Vec<u64> = actors.iter().map(|a| a.0).collect();
             let peers: Vec<rdt_transport::Peer> = ranks
@@ -1867,6 +1870,10 @@ impl Inner {
                     host: String::new(),
                     endpoints: HashMap::new(),
                     peer_socket: self.peer_socket(id),
+                    gpu: visible
+                        .as_ref()
+                        .and_then(|(_, d)| d.split(',').next())
+                        .map(str::to_string),
                 },
             );
         }
@@ -2034,6 +2041,7 @@ impl Inner {
                     host: v.host.clone(),
                     endpoints: HashMap::new(),
                     peer_socket: None,
+                    gpu: None,
                 },
             );
         }
@@ -2892,6 +2900,30 @@ pub(crate) fn gpu_devices(ids: &[u32]) -> std::result::Result<String, String> {
 }
 
 /// The devices GPU workers are placed on (see [`gpu_assignment`]).
+/// GR-1: NCCL refuses two ranks on one device ("Duplicate GPU
+/// detected"): two members of a `nccl` group that the driver gave the same
+/// GPU are refused here, naming both, before any member is asked to join.
+/// Members whose GPU the driver did not assign (joined workers) are left to
+/// NCCL.
+fn refuse_shared_gpus(actors: &Actors, members: &[ActorId]) -> Result<()> {
+    let mut seen: HashMap<&str, &str> = HashMap::new();
+    for m in members {
+        let Some(info) = actors.get(&m.0) else {
+            continue;
+        };
+        let Some(gpu) = info.gpu.as_deref() else {
+            continue;
+        };
+        if let Some(first) = seen.insert(gpu, &info.name) {
+            return Err(Error::Group(format!(
+                "{first} and {} are both on GPU {gpu} (the same GPU): NCCL takes one rank per                  device; give each member its own GPU (`.gpus(1)` with enough devices, or                  `.on_gpus([..])`), or use `cuda_ipc` or `nixl` between actors on one GPU",
+                info.name
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn gpu_pool() -> Vec<String> {
     let list = |v: String| -> Vec<String> {
         v.split(',')
