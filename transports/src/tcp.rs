@@ -614,6 +614,37 @@ mod tests {
         .unwrap();
     }
 
+    /// Invariant 5: a receive dropped before its bytes came (aborted: the
+    /// framework drops the future) leaves no slot, and its late bytes are
+    /// dropped, not filed for a receive that never comes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_aborted_receive_leaves_no_slot_and_its_late_bytes_are_dropped() {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            let a = TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let b = TcpTransport::start(2, b"s", "127.0.0.1:0", Duration::from_secs(60)).unwrap();
+            let ts = vec![Tensor::arange::<f32>(10)];
+            let ex = a.export(1, &ts).await.unwrap();
+            let (pa, pb) = (peer(&a, 1), peer(&b, 2));
+            // Polled until it waits, then dropped, as an abort drops it.
+            let cx = TransferCtx::new(5);
+            {
+                let mut receive = b.receive(&pa, &cx, &ex);
+                assert!(futures::poll!(&mut receive).is_pending());
+            }
+            assert!(b.inbox.slots.lock().is_empty(), "a Waiting slot stayed");
+            // Its bytes come late; a transfer after them on the same
+            // connection is received once they were handled.
+            a.send(&pb, &cx, &ts).await.unwrap();
+            let cx6 = TransferCtx::new(6);
+            a.send(&pb, &cx6, &ts).await.unwrap();
+            let got = b.receive(&pa, &cx6, &ex).await.unwrap();
+            assert!(got[0].equal(&ts[0]).unwrap());
+            assert!(b.inbox.slots.lock().is_empty(), "the late bytes were filed");
+        })
+        .await
+        .unwrap();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn moves_several_tensors_in_either_order() {
         tokio::time::timeout(Duration::from_secs(20), async {
