@@ -126,10 +126,12 @@ struct Inbox {
 
 impl Inbox {
     fn arrive(&self, xfer: TransferId, a: Arrival) {
+        // Slots first, then abandoned, as a receive and its guard take
+        // them: a receive giving up now is seen either way, never missed.
+        let mut m = self.slots.lock();
         if self.abandoned.lock().remove(&xfer).is_some() {
             return;
         }
-        let mut m = self.slots.lock();
         match m.remove(&xfer) {
             Some(Slot::Waiting { tx, .. }) => {
                 let _ = tx.send(a);
@@ -205,6 +207,28 @@ impl Inbox {
             if let Some(Slot::Waiting { tx, .. }) = m.remove(&k) {
                 let _ = tx.send(Err(why.to_string()));
             }
+        }
+    }
+}
+
+/// A receive's `Waiting` slot, given up if the receive is dropped before
+/// its bytes come (aborted: the framework drops the future at a deadline,
+/// a failed send or a group abort): the slot goes and the transfer is
+/// recorded abandoned, so its late bytes are dropped (invariant 5).
+struct WaitGuard<'a> {
+    inbox: &'a Inbox,
+    xfer: TransferId,
+    from: u64,
+    keep: Duration,
+}
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        let mut slots = self.inbox.slots.lock();
+        if matches!(slots.get(&self.xfer), Some(Slot::Waiting { .. })) {
+            slots.remove(&self.xfer);
+            self.inbox
+                .abandon(self.xfer, self.from, Instant::now(), self.keep);
         }
     }
 }
@@ -466,13 +490,13 @@ impl TensorTransport for TcpTransport {
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         let xfer = cx.xfer;
         Box::pin(async move {
-            let rx = {
+            let (rx, _waiting) = {
                 let mut m = self.inbox.slots.lock();
                 match m.remove(&xfer) {
                     Some(Slot::Arrived(a)) => {
                         let (tx, rx) = oneshot::channel();
                         let _ = tx.send(a);
-                        rx
+                        (rx, None)
                     }
                     Some(w @ Slot::Waiting { .. }) => {
                         m.insert(xfer, w);
@@ -491,7 +515,13 @@ impl TensorTransport for TcpTransport {
                                 tx,
                             },
                         );
-                        rx
+                        let guard = WaitGuard {
+                            inbox: &self.inbox,
+                            xfer,
+                            from: from.actor,
+                            keep: self.deadline * ABANDONED_DEADLINES,
+                        };
+                        (rx, Some(guard))
                     }
                 }
             };
