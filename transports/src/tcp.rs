@@ -101,6 +101,9 @@ enum Slot {
 /// any arrival.
 pub const ABANDONED_DEADLINES: u32 = 4;
 
+/// The most connections authenticating at once (invariant 6).
+pub const MAX_HANDSHAKES: usize = 64;
+
 /// A transfer whose receive gave up.
 struct Abandoned {
     /// The peer it was to come from.
@@ -642,6 +645,31 @@ mod tests {
         })
         .await
         .unwrap();
+    }
+
+    /// Invariant 6: strangers cost bounded work before they authenticate:
+    /// 400 idle connections that never say anything do not cost a thread
+    /// each (at e05be92 each took an OS thread for the handshake's ten
+    /// seconds: a worker went from 4 to 1 244 threads under 2 000).
+    #[test]
+    fn idle_strangers_do_not_cost_a_thread_each() {
+        let threads = || std::fs::read_dir("/proc/self/task").unwrap().count();
+        let a = TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+        let endpoint = a.endpoint().unwrap();
+        let before = threads();
+        let idle: Vec<TcpStream> = (0..400)
+            .map(|_| TcpStream::connect(&endpoint).unwrap())
+            .collect();
+        // The accept loop takes connections in order: once one made after
+        // the idle ones is answered (served, or refused), it has taken
+        // every idle one.
+        let _ = connect(&endpoint, 2, b"s", Duration::from_secs(5));
+        let grown = threads().saturating_sub(before);
+        assert!(
+            grown <= MAX_HANDSHAKES + 8,
+            "{grown} more threads for {} idle strangers",
+            idle.len()
+        );
     }
 
     /// Invariant 5: a receive dropped before its bytes came (aborted: the
