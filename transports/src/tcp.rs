@@ -33,12 +33,18 @@
 //!    up (so that its late bytes are dropped) goes when the bytes arrive,
 //!    when it is [`ABANDONED_DEADLINES`] deadlines old, or when its peer is
 //!    gone ([`TensorTransport::peer_gone`], which also closes the
-//!    connections to and from that peer).
+//!    connections to and from that peer). A receive dropped while it
+//!    waits (aborted) gives its slot up the same way.
+//! 6. A stranger costs bounded work before it authenticates: at most
+//!    [`MAX_HANDSHAKES`] connections authenticate at once, each within the
+//!    handshake's deadline; one more is closed at once. (A member whose
+//!    connection is refused so fails that one transfer, as a dead peer
+//!    would; the listener faces the network of a joined worker.)
 
 use std::collections::HashMap;
 use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -315,17 +321,43 @@ fn connect(
 }
 
 fn accept_loop(listener: TcpListener, secret: Arc<Vec<u8>>, inbox: Arc<Inbox>) {
+    let handshaking = Arc::new(AtomicUsize::new(0));
+    let mut refused = 0u64;
     for s in listener.incoming() {
         let Ok(s) = s else { continue };
+        // Invariant 6: a thread for the handshake only while few are.
+        if handshaking.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            handshaking.fetch_sub(1, Ordering::AcqRel);
+            refused += 1;
+            if refused.is_power_of_two() {
+                tracing::warn!(
+                    "tcp transport: {refused} connections closed unread, {MAX_HANDSHAKES} \
+                     were authenticating already (last from {:?})",
+                    s.peer_addr().ok()
+                );
+            }
+            continue;
+        }
         let secret = secret.clone();
         let inbox = inbox.clone();
+        let handshake = Handshake(handshaking.clone());
         let _ = std::thread::Builder::new()
             .name("rdt-tcp-recv".into())
-            .spawn(move || serve(s, &secret, &inbox));
+            .spawn(move || serve(s, &secret, &inbox, handshake));
     }
 }
 
-fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox) {
+/// One of the connections authenticating (invariant 6); counted down when
+/// dropped: at the handshake's end, however it ends.
+struct Handshake(Arc<AtomicUsize>);
+
+impl Drop for Handshake {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox, handshake: Handshake) {
     s.set_read_timeout(Some(auth::HANDSHAKE_TIMEOUT)).ok();
     if let Err(e) = auth::accept(&mut s, secret) {
         tracing::warn!(
@@ -339,6 +371,7 @@ fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox) {
         return;
     }
     let from = u64::from_le_bytes(id);
+    drop(handshake);
     inbox.peer_connected(from);
     let serial = inbox.track_incoming(from, &s);
     // Transfers may be far apart: no read timeout between them.
