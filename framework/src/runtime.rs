@@ -2809,6 +2809,9 @@ async fn read_worker(
             }
         };
         last = tokio::time::Instant::now();
+        // Tests slow the driver's reading down, so that frames queue up.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("rdt::driver_read");
         match msg {
             Ok(Some(msg)) => match rt.upgrade() {
                 Some(inner) => {

@@ -1598,6 +1598,18 @@ impl Relay {
         Relay { kept: Vec::new() }
     }
 
+    /// Puts small values until it is killed, keeping every ref: a `Put`
+    /// frame and a count in the driver each.
+    async fn put_forever(&mut self) -> rdt::Result<u64> {
+        let mut kept = Vec::new();
+        loop {
+            kept.push(rdt::runtime().put(&vec![kept.len() as u8; 512])?);
+            if kept.len() % 256 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+
     /// Calls `c.sum` with the ref it was given, and gets the result.
     async fn sum_via(&mut self, c: ConsumerHandle, r: ObjectRef<Tensor>) -> rdt::Result<f64> {
         rdt::runtime().get(c.sum(&r).remote()).await
