@@ -2069,6 +2069,15 @@ impl Inner {
     fn on_message(&self, actor: u64, msg: ToDriver) {
         let mut st = self.lock();
         let st = &mut *st;
+        // CL-4: a dead actor holds nothing. Its death ended everything its
+        // frames could end (calls, transfers, borrows, gets), and a frame
+        // takes its counts only when applied: the frames it wrote before
+        // it died (still in its socket, or read and waiting for this lock)
+        // are dropped, and leave nothing behind.
+        if st.actors.get(&actor).is_none_or(|a| a.dead.is_some()) {
+            tracing::trace!(actor, "a frame of a dead actor dropped");
+            return;
+        }
         match msg {
             ToDriver::Spawned(r) => {
                 let r = r.map(|endpoints| {

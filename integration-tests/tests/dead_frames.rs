@@ -24,10 +24,8 @@ async fn cl_4_frames_of_a_killed_actor_are_not_applied() {
         // socket, as they do when it floods a busy driver.
         rdt::__private::fail::cfg("rdt::driver_read", "sleep(1)").unwrap();
         let flood = a.put_forever().remote();
-        rdt_integration_tests::spin_until("20000 puts", 30, || {
-            rt.live_objects() >= before + 20_000
-        })
-        .await;
+        rdt_integration_tests::spin_until("2000 puts", 30, || rt.live_objects() >= before + 2000)
+            .await;
         a.kill();
         rdt::__private::fail::remove("rdt::driver_read");
         let e = rt.get(&flood).await.unwrap_err();
