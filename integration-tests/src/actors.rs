@@ -1746,6 +1746,25 @@ impl Delegate {
     }
 }
 
+/// An actor whose constructor takes `ms` milliseconds.
+#[rdt::actor]
+pub struct SlowStart {
+    waited: u64,
+}
+
+#[rdt::actor]
+impl SlowStart {
+    fn new(ms: u64) -> Self {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        SlowStart { waited: ms }
+    }
+
+    /// How long its constructor took.
+    async fn waited(&mut self) -> u64 {
+        self.waited
+    }
+}
+
 /// Takes a ref in its constructor argument (which rdt refuses, clearly).
 #[rdt::actor]
 pub struct RefInConstructor {

@@ -1,0 +1,65 @@
+//! SP-1: a spawn whose future is dropped leaves no process behind. One
+//! test in its own binary: it counts this process's children.
+
+use std::future::IntoFuture;
+use std::time::{Duration, Instant};
+
+use rdt::prelude::*;
+use rdt_integration_tests::actors::*;
+use rdt_integration_tests::deadline;
+
+/// Live (not zombie) children of this process.
+fn children() -> Vec<u32> {
+    let me = std::process::id().to_string();
+    let mut out: Vec<u32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let mut f = stat[stat.rfind(')')? + 2..].split(' ');
+            let (state, ppid) = (f.next()?, f.next()?);
+            (ppid == me && state != "Z").then_some(pid)
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// SP-1: a spawn dropped before its actor is constructed (by a caller's
+/// timeout) kills the worker it started; the runtime goes on. At e05be92
+/// each dropped spawn left its process waiting for a spawn order until
+/// shutdown.
+#[tokio::test(flavor = "multi_thread")]
+async fn sp_1_a_dropped_spawn_leaves_no_process() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let base = children();
+        // Dropped while the worker constructs a slow actor (30 s).
+        let slow = tokio::time::timeout(
+            Duration::from_secs(2),
+            rt.spawn::<SlowStart>(30_000).into_future(),
+        )
+        .await;
+        assert!(slow.is_err(), "the constructor takes 30 s");
+        // Dropped at its first poll's end: while the worker starts.
+        {
+            let mut early = rt.spawn::<Producer>(()).into_future();
+            assert!(futures::poll!(&mut early).is_pending());
+        }
+        // The kills are asynchronous: the processes go within a bound.
+        let t0 = Instant::now();
+        while children() != base {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "left running: {:?} (before: {base:?})",
+                children()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        assert_eq!(rt.get(p.echo(1).remote()).await.unwrap(), 1);
+        rt.shutdown().await;
+    })
+    .await
+}
