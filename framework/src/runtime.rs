@@ -561,6 +561,39 @@ impl GroupOp {
     }
 }
 
+/// SP-1: undoes a spawn that did not finish, on an error or when its
+/// future is dropped: the worker is killed (its reaper reaps it), and the
+/// actor is dead, so nothing waits for it and nothing it sends is applied
+/// (CL-4).
+struct UnfinishedSpawn<'a> {
+    inner: &'a Arc<Inner>,
+    id: u64,
+    /// Why it did not finish; `None` once it did.
+    why: Option<String>,
+}
+
+impl UnfinishedSpawn<'_> {
+    /// The spawn failed with `e`: undone (now, as the error returns).
+    fn fail(&mut self, e: Error) -> Error {
+        self.why = Some(e.to_string());
+        e
+    }
+}
+
+impl Drop for UnfinishedSpawn<'_> {
+    fn drop(&mut self) {
+        let Some(why) = self.why.take() else { return };
+        self.inner.kill_actor(self.id);
+        let mut st = self.inner.lock();
+        st.joining.remove(&self.id);
+        st.spawning.remove(&self.id);
+        if let Some(a) = st.actors.get_mut(&self.id) {
+            a.dead = Some(why);
+            a.conn = None;
+        }
+    }
+}
+
 /// Identifies a collective group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GroupId(pub u64);
@@ -1877,6 +1910,15 @@ impl Inner {
                 },
             );
         }
+        // SP-1: from here on, a spawn that does not finish (an error, or
+        // its future dropped) leaves no worker behind.
+        let mut unfinished = UnfinishedSpawn {
+            inner: self,
+            id,
+            why: Some(format!(
+                "{name}: its spawn was dropped before the actor was constructed"
+            )),
+        };
         let mut cmd = std::process::Command::new(std::env::current_exe()?);
         cmd.env(wenv::WORKER_ID, id.to_string())
             .env(wenv::SOCKET, &self.sock)
@@ -1907,17 +1949,6 @@ impl Inner {
                 _guard: Some(ChildGuard { pidfd }),
             },
         );
-        let fail = |this: &Arc<Self>, e: Error| {
-            this.kill_actor(id);
-            let mut st = this.lock();
-            st.joining.remove(&id);
-            st.spawning.remove(&id);
-            if let Some(a) = st.actors.get_mut(&id) {
-                a.dead = Some(e.to_string());
-                a.conn = None;
-            }
-            e
-        };
         let deadline = tokio::time::Instant::now() + self.config.spawn_timeout;
         let mut exit_w = exit.clone();
         let joined = tokio::select! {
@@ -1929,14 +1960,15 @@ impl Inner {
                 "{name}: the worker did not join within {:?}; does the binary call rdt::init() (or use #[rdt::main]) first thing in main?",
                 self.config.spawn_timeout))),
         };
-        let joined = joined.map_err(|e| fail(self, e))?;
+        let joined = joined.map_err(|e| unfinished.fail(e))?;
         joined
             .conn
             .send(&self.spawn_order(type_name, id, &name, args, true))
-            .map_err(|e| fail(self, e))?;
+            .map_err(|e| unfinished.fail(e))?;
         self.constructed(srx, deadline, &name)
             .await
-            .map_err(|e| fail(self, e))?;
+            .map_err(|e| unfinished.fail(e))?;
+        unfinished.why = None;
         Ok(RawHandle {
             client: Client::Driver(self.clone()),
             actor: id,
