@@ -751,6 +751,16 @@ impl Consumer {
         t
     }
 
+    /// Configures a fail point in this worker (fail-rs syntax; `off`
+    /// removes it), as `Producer::failpoint`.
+    async fn failpoint(&mut self, name: String, actions: String) -> rdt::Result<()> {
+        if actions == "off" {
+            rdt::__private::fail::remove(name);
+            return Ok(());
+        }
+        rdt::__private::fail::cfg(name, &actions).map_err(rdt::Error::Protocol)
+    }
+
     /// Notes `i` after those noted before; how many are noted now.
     async fn note(&mut self, i: u64) -> u64 {
         self.noted.push(i);

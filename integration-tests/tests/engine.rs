@@ -632,3 +632,43 @@ async fn pd_5_a_straight_delivery_that_never_comes_fails_at_the_deadline() {
     })
     .await;
 }
+
+/// OW-11, OW-4: a value through the driver that went straight to its
+/// consumer and failed to arrive whole there, before the driver read its
+/// producer's reply, still reaches the consumer once the reply comes. At
+/// e05be92 the driver took the failed receive as settled while the object
+/// was pending, and the consumer waited forever.
+#[tokio::test]
+async fn ow_11_a_straight_value_that_failed_before_its_reply_still_arrives() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(Duration::from_secs(5))
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        // PD-3: the link between them, made by a first straight pass.
+        let _busy = busy(&p, 200);
+        let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+        assert!(rt.get(c.straight().remote()).await.unwrap() >= 1);
+        for v in [3.0f32, 4.0] {
+            let fp = |n: &str, a: &str| (n.to_string(), a.to_string());
+            let (n, a) = fp("rdt::straight_inline_receive", "1*return");
+            rt.get(c.failpoint(n, a).remote()).await.unwrap();
+            let (n, a) = fp("rdt::reply_after_straight", "1*sleep(500)");
+            rt.get(p.failpoint(n, a).remote()).await.unwrap();
+            let _busy = busy(&p, 200);
+            let r = p.make(v, 1000).transport(Transport::ObjectStore).remote();
+            let s = c.sum(&r).remote();
+            let got = tokio::time::timeout(Duration::from_secs(20), rt.get(&s))
+                .await
+                .expect("the consumer waited forever");
+            assert_eq!(got.unwrap(), 1000.0 * f64::from(v));
+        }
+        nothing_left(&rt, &p, &c).await;
+    })
+    .await
+}

@@ -323,6 +323,11 @@ async fn run_and_reply<A: RdtActor>(
     // Straight to the consumers the driver named first (OW-9): their
     // receive starts while the reply is on its way.
     let delivered = super::peer::deliver_result(&shared, result_id, &result);
+    // Tests hold the reply back after a straight delivery went out.
+    #[cfg(feature = "failpoints")]
+    if !delivered.is_empty() {
+        fail::fail_point!("rdt::reply_after_straight");
+    }
     rdt_transport::cuda::timeline("call reply ready", call);
     if let Err(e) = shared.tx.send(&ToDriver::CallDone {
         call,

@@ -1926,7 +1926,16 @@ fn on_deliver_straight_inline(
     shared.receiving.lock().insert(object, false);
     let shared = shared.clone();
     tokio::spawn(async move {
-        let unpack = unpack_inline(&value);
+        let unpack = async {
+            // Tests make the value fail to arrive whole here.
+            #[cfg(feature = "failpoints")]
+            if fail::eval("rdt::straight_inline_receive", |_| ()).is_some() {
+                return Err(Error::Protocol(
+                    "failpoint rdt::straight_inline_receive".into(),
+                ));
+            }
+            unpack_inline(&value).await
+        };
         let (slot, ack) = tokio::select! {
             got = unpack => match got {
                 Ok((data, tensors)) => (Some(shared.received_value(t, data, tensors.into())), Ok(())),
