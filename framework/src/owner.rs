@@ -1077,12 +1077,26 @@ impl OwnerTable {
     /// OW-11: a value through the driver that went straight to a consumer
     /// and did not arrive whole there (the consumer stored nothing) goes
     /// again from the driver's own copy, or as the error that copy holds,
-    /// if the consumer still needs it. Returns whether it did.
+    /// if the consumer still needs it; while the object is still pending,
+    /// the consumer waits for it with the others (OW-4). Returns whether
+    /// it did either.
     fn deliver_again(&mut self, t: &InFlight, actors: &Actors, groups: &dyn GroupLookup) -> bool {
         let Some(e) = self.objects.get_mut(&t.object) else {
             return false;
         };
-        if e.sidedness() != Sidedness::ThroughDriver || matches!(e.state, ObjState::Pending) {
+        if matches!(e.state, ObjState::Pending) {
+            // Before its producer's reply (or death) reached the driver:
+            // the consumer stored nothing, and waits with the others for
+            // the value or its error (OW-4). Not settled: no copy is held.
+            e.copies.remove(&t.consumer);
+            if e.needs.contains_key(&t.consumer)
+                && !e.waiting.iter().any(|(c, _)| *c == t.consumer)
+            {
+                e.waiting.push((t.consumer, t.call));
+            }
+            return true;
+        }
+        if e.sidedness() != Sidedness::ThroughDriver {
             return false;
         }
         e.copies.remove(&t.consumer);

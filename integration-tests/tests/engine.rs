@@ -650,10 +650,12 @@ async fn ow_11_a_straight_value_that_failed_before_its_reply_still_arrives() {
         let p = rt.spawn::<Producer>(()).await.unwrap();
         let c = rt.spawn::<Consumer>(()).await.unwrap();
         // PD-3: the link between them, made by a first straight pass.
-        let _busy = busy(&p, 200);
-        let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
-        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
-        assert!(rt.get(c.straight().remote()).await.unwrap() >= 1);
+        {
+            let _busy = busy(&p, 200);
+            let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+            assert!(rt.get(c.straight().remote()).await.unwrap() >= 1);
+        }
         for v in [3.0f32, 4.0] {
             let fp = |n: &str, a: &str| (n.to_string(), a.to_string());
             let (n, a) = fp("rdt::straight_inline_receive", "1*return");
