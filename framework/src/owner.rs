@@ -1089,8 +1089,7 @@ impl OwnerTable {
             // the consumer stored nothing, and waits with the others for
             // the value or its error (OW-4). Not settled: no copy is held.
             e.copies.remove(&t.consumer);
-            if e.needs.contains_key(&t.consumer)
-                && !e.waiting.iter().any(|(c, _)| *c == t.consumer)
+            if e.needs.contains_key(&t.consumer) && !e.waiting.iter().any(|(c, _)| *c == t.consumer)
             {
                 e.waiting.push((t.consumer, t.call));
             }

@@ -307,3 +307,45 @@ async fn a_clean_shutdown_reports_no_deaths() {
     })
     .await;
 }
+
+/// XF-5, OW-1: a call that never reached its actor (its `Call` over the
+/// frame limit, after its argument's delivery went out) settles nothing
+/// under the receive of that argument still running at the consumer, so
+/// nothing is freed under it. At e05be92 the call's error settled the
+/// receive at once.
+#[tokio::test]
+async fn xf_5_a_call_that_never_ran_settles_no_receive_of_its_arguments() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .max_frame_bytes(64 << 10)
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        let r = p.make(1.0, 1000).transport(Transport::Shm).remote();
+        rt.wait(&r).await.unwrap();
+        rt.get(
+            c.failpoint("rdt::receive".to_string(), "1*sleep(1000)".to_string())
+                .remote(),
+        )
+        .await
+        .unwrap();
+        // 4 MiB inline: the call cannot be sent.
+        let call = c.sum2(&r, Tensor::full(1.0f32, &[1 << 20])).remote();
+        let e = rt.get(&call).await.unwrap_err();
+        assert!(e.to_string().contains("frame limit"), "{e}");
+        assert_eq!(
+            rt.transfers_in_flight(),
+            1,
+            "the receive still running was settled by a call that never ran"
+        );
+        drop((call, r));
+        rt.transfers_settled().await;
+        assert_eq!(rt.live_objects(), 0);
+        assert_eq!(rt.get(c.stored().remote()).await.unwrap(), 0);
+        rt.shutdown().await;
+    })
+    .await
+}

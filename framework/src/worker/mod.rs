@@ -1672,6 +1672,9 @@ fn on_deliver(
             // bytes) and each box stay under 1 KiB, which the thread's
             // cache serves.
             let receive = Box::pin(async {
+                // Tests keep a receive in flight.
+                #[cfg(feature = "failpoints")]
+                fail::fail_point!("rdt::receive");
                 d.value.exported.head_arrived().await?;
                 rdt_transport::cuda::timeline("receive head here", xfer);
                 let exported = d.value.exported.get()?;
