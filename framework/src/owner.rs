@@ -366,6 +366,21 @@ pub(crate) trait GroupLookup {
     ) -> Result<Option<(u64, u32, u32)>, Error>;
 }
 
+/// How a call ended, as [`OwnerTable::call_done`] takes it.
+pub(crate) struct CallEnd<'a> {
+    /// Its result value or its error.
+    pub outcome: Result<WireValue, Error>,
+    /// XF-5: it got past argument resolution, landings included, so its
+    /// end settles the receives of its arguments; `false` for a call that
+    /// never ran (never sent, refused by the mailbox, an argument lost),
+    /// whose receives settle by their own acknowledgements.
+    pub resolved: bool,
+    /// The transfers its producer carried out itself (OW-9).
+    pub delivered: &'a [u64],
+    /// The argument copies its consumer dropped itself (OW-12).
+    pub released: &'a [u64],
+}
+
 /// What the driver knows of an actor.
 pub(crate) struct ActorInfo {
     pub name: String,
@@ -870,22 +885,23 @@ impl OwnerTable {
         }
     }
 
-    /// A call finished: record its result and release its arguments.
-    /// `delivered`: the transfers its producer carried out itself (OW-9);
-    /// `released`: the argument copies its consumer dropped itself (OW-12).
-    #[allow(clippy::too_many_arguments)]
+    /// A call finished: record its result and release its arguments
+    /// (see [`CallEnd`]).
     pub fn call_done(
         &mut self,
         result: u64,
-        outcome: Result<WireValue, Error>,
+        ended: CallEnd<'_>,
         consumer: ActorId,
         args: &[u64],
-        delivered: &[u64],
-        released: &[u64],
         actors: &Actors,
         groups: &dyn GroupLookup,
     ) {
-        let resolved = !matches!(outcome, Err(Error::Dependency { .. }));
+        let CallEnd {
+            outcome,
+            resolved,
+            delivered,
+            released,
+        } = ended;
         if let Some(e) = self.objects.get_mut(&result) {
             if matches!(e.state, ObjState::Pending) {
                 e.state = match outcome {

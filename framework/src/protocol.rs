@@ -663,6 +663,11 @@ pub enum ToDriver {
         /// out of its store before this frame (OW-12): the driver forgets
         /// them without a `Free`.
         released: Vec<u64>,
+        /// The call got past argument resolution, its arguments' landings
+        /// included (XF-5): its `CallDone` settles the receives it took
+        /// on. `false` (a call refused by the mailbox, an argument that did
+        /// not arrive): their own acknowledgements settle them.
+        resolved: bool,
     },
     /// The consumer's receive of a delivery finished: the object is in its
     /// store (`Ok`), or the receive failed. Every delivery of a direct

@@ -1857,9 +1857,11 @@ impl Inner {
         rdt_transport::cuda::timeline("driver call sending", call);
         if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
             if let Err(e) = conn.send(&msg) {
-                // Too large to send: the call fails, nothing waits.
+                // Too large to send: the call fails, nothing waits. It
+                // never reached its actor: its arguments' receives settle
+                // by their own acknowledgements (XF-5).
                 let pc = st.calls.remove(&call).expect("staged above");
-                end_call(st, pc, Err(e), &[], &[]);
+                end_call(st, pc, Err(e), false, &[], &[]);
             }
         }
         self.sync_transfers(st);
@@ -2127,12 +2129,13 @@ impl Inner {
                 result,
                 delivered,
                 released,
+                resolved,
             } => {
                 let Some(pc) = st.calls.remove(&call) else {
                     tracing::warn!("actor {actor} finished unknown call {call}; ignored");
                     return;
                 };
-                end_call(st, pc, result, &delivered, &released);
+                end_call(st, pc, result, resolved, &delivered, &released);
                 rdt_transport::cuda::timeline("driver call ended", call);
                 self.sync_transfers(st);
             }
@@ -2343,7 +2346,7 @@ impl Inner {
         let failed = st.calls.of(actor);
         for c in failed {
             let pc = st.calls.remove(&c).expect("listed above");
-            end_call(st, pc, Err(err.clone()), &[], &[]);
+            end_call(st, pc, Err(err.clone()), false, &[], &[]);
         }
         // CL-4: what it borrowed and was getting, it holds no more.
         let gets: Vec<(u64, usize)> = st
@@ -2416,6 +2419,7 @@ fn settled(st: &State, id: u64) -> Option<Result<()>> {
 
 /// A call ended (its reply, its callee's death, or a send that failed):
 /// its result is recorded, its arguments and the refs in them released.
+/// `resolved`: the call got past argument resolution (XF-5);
 /// `delivered`: the transfers its producer carried out itself
 /// (`DeliverTo`, PD-1); `released`: the argument copies its callee dropped
 /// itself (OW-12).
@@ -2423,6 +2427,7 @@ fn end_call(
     st: &mut State,
     pc: PendingCall,
     outcome: Result<WireValue>,
+    resolved: bool,
     delivered: &[u64],
     released: &[u64],
 ) {
@@ -2430,9 +2435,14 @@ fn end_call(
         groups: &st.groups,
         actors: &st.actors,
     };
-    st.table.call_done(
-        pc.result, outcome, pc.actor, &pc.args, delivered, released, &st.actors, &groups,
-    );
+    let ended = crate::owner::CallEnd {
+        outcome,
+        resolved,
+        delivered,
+        released,
+    };
+    st.table
+        .call_done(pc.result, ended, pc.actor, &pc.args, &st.actors, &groups);
     st.table.unhold(&pc.nested, &st.actors);
 }
 

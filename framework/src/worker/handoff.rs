@@ -110,6 +110,7 @@ fn invoke<A: RdtActor>(shared: &WorkerShared, addr: &Addr<Host<A>>, call: CallMs
             ))),
             delivered: Vec::new(),
             released: Vec::new(),
+            resolved: false,
         });
     }
 }

@@ -334,6 +334,7 @@ async fn run_and_reply<A: RdtActor>(
         result,
         delivered: delivered.clone(),
         released: released_ids.clone(),
+        resolved,
     }) {
         // Too large for a frame: the call fails instead.
         let _ = shared.tx.send(&ToDriver::CallDone {
@@ -341,6 +342,7 @@ async fn run_and_reply<A: RdtActor>(
             result: Err(e),
             delivered,
             released: released_ids,
+            resolved,
         });
     }
     drop(held);
