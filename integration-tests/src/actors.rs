@@ -761,6 +761,35 @@ impl Consumer {
         rdt::__private::fail::cfg(name, &actions).map_err(rdt::Error::Protocol)
     }
 
+    /// A `get_into` of `r` into `n` zero f32 targets of `numel`, dropped by
+    /// a timeout of `ms` milliseconds (its receive may be under way then).
+    /// Returns whether it timed out, and the targets' total sum right
+    /// after the drop and again once the object is here whole (a `get`
+    /// of it, which ends after the dropped one's receive ended).
+    async fn get_into_dropped(
+        &mut self,
+        r: ObjectRef<Vec<Tensor>>,
+        n: usize,
+        numel: usize,
+        ms: u64,
+    ) -> rdt::Result<(bool, f64, f64)> {
+        let targets: rdt::Targets = (0..n)
+            .map(|_| Tensor::zeros(DType::F32, &[numel]))
+            .collect();
+        let total =
+            |ts: &rdt::Targets| -> rdt::Result<f64> { ts.iter().map(|t| Ok(t.sum()?)).sum() };
+        let timed_out = tokio::time::timeout(
+            std::time::Duration::from_millis(ms),
+            rdt::runtime().get_into(&r, &targets),
+        )
+        .await
+        .is_err();
+        let after_drop = total(&targets)?;
+        let whole: Vec<Tensor> = rdt::runtime().get(&r).await?;
+        drop(whole);
+        Ok((timed_out, after_drop, total(&targets)?))
+    }
+
     /// Notes `i` after those noted before; how many are noted now.
     async fn note(&mut self, i: u64) -> u64 {
         self.noted.push(i);

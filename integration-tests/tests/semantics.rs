@@ -687,6 +687,30 @@ pub async fn tg_2_a_keyed_mismatch_names_the_first_differing_key(t: Transport) {
     }
 }
 
+/// TG-4 (cancel safety): a `get_into` dropped while its receive is under
+/// way (a caller's timeout) writes nothing into its targets after the
+/// drop; the object stays readable. At e05be92 the receive went on and
+/// overwrote the targets later, after the caller had moved on.
+pub async fn tg_4_a_dropped_get_into_writes_nothing_after_the_drop(t: Transport) {
+    let (rt, p, c) = setup(t).await;
+    // 64 MiB: a receive of tens of milliseconds on the dev machine.
+    let (n, numel) = (8, 2 << 20);
+    for ms in [2, 10, 30] {
+        let v = p.make_version(n, numel, 1.0).transport(t).remote();
+        rt.wait(&v).await.unwrap();
+        let (timed_out, after_drop, later) = rt
+            .get(c.get_into_dropped(&v, n, numel, ms).remote())
+            .await
+            .unwrap();
+        if timed_out {
+            assert_eq!(
+                later, after_drop,
+                "over {t}, dropped at {ms} ms: the targets were written after the drop"
+            );
+        }
+    }
+}
+
 macro_rules! common_suite {
     ($m:ident, $t:expr) => {
         suite!(
@@ -712,6 +736,7 @@ macro_rules! common_suite {
                 tg_1_map_valued_weights_never_land_in_the_wrong_parameter,
                 tg_1_keyed_targets_land_every_parameter_by_name,
                 tg_2_a_keyed_mismatch_names_the_first_differing_key,
+                tg_4_a_dropped_get_into_writes_nothing_after_the_drop,
             ]
         );
     };
