@@ -62,6 +62,15 @@ pub enum Error {
         #[serde(deserialize_with = "root_cause_only")]
         cause: Box<Error>,
     },
+    /// The `get_into` waiting for this receive into its target tensors
+    /// was dropped (a caller's timeout) while the receive wrote into them
+    /// as its bytes came: the receive was aborted, so nothing lands in the
+    /// targets after the drop. The object stays readable.
+    #[error("the receive of object {object} into target tensors was aborted: the get_into waiting for it was dropped")]
+    Cancelled {
+        /// The object.
+        object: u64,
+    },
     /// An actor's process died (or its connection broke).
     #[error("actor {actor} died: {detail}; calls to it and objects it held fail from now on (spawn a new actor to continue)")]
     ActorDied {

@@ -209,6 +209,10 @@ impl RawHandle {
     /// held, is gone. Errs for a worker that joined by hand (its process
     /// is not this runtime's child), inside an actor (only the driver sees
     /// its workers exit) and when the runtime shuts down first.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future loses nothing.
     pub async fn exited(&self) -> crate::Result<String> {
         let rt = match &self.client {
             Client::Driver(rt) => rt,

@@ -1071,7 +1071,9 @@ impl OwnerTable {
         // A producer whose send is still held never heard of it (OW-15).
         let held = self.send_is_held(from, xfer);
         let t = self.end_transfer(xfer, actors).expect("looked up above");
-        if result.is_err() && self.deliver_again(&t, actors, groups) {
+        // TG-4: a receive its getter gave up stored nothing either.
+        let cancelled = matches!(result, Err(Error::Cancelled { .. }));
+        if result.is_err() && self.deliver_again(&t, cancelled, actors, groups) {
             return Some(t);
         }
         if let (Err(e), true, Some(p), false) = (result, t.two_sided, t.producer, held) {
@@ -1096,7 +1098,16 @@ impl OwnerTable {
     /// if the consumer still needs it; while the object is still pending,
     /// the consumer waits for it with the others (OW-4). Returns whether
     /// it did either.
-    fn deliver_again(&mut self, t: &InFlight, actors: &Actors, groups: &dyn GroupLookup) -> bool {
+    ///
+    /// The same for a receive of any transport that its getter gave up
+    /// (`cancelled`, TG-4): the consumer stored nothing.
+    fn deliver_again(
+        &mut self,
+        t: &InFlight,
+        cancelled: bool,
+        actors: &Actors,
+        groups: &dyn GroupLookup,
+    ) -> bool {
         let Some(e) = self.objects.get_mut(&t.object) else {
             return false;
         };
@@ -1111,7 +1122,7 @@ impl OwnerTable {
             }
             return true;
         }
-        if e.sidedness() != Sidedness::ThroughDriver {
+        if e.sidedness() != Sidedness::ThroughDriver && !cancelled {
             return false;
         }
         e.copies.remove(&t.consumer);

@@ -200,6 +200,11 @@ impl RuntimeBuilder {
 
     /// Starts the runtime: a private directory (mode 0700) with the control
     /// socket, and a fresh secret. Must be called inside a tokio runtime.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes leaves no runtime: its listeners
+    /// close with it.
     pub async fn start(self) -> Result<Runtime> {
         if let Some(d) = self.hot_window {
             hot::set_window(d);
@@ -606,6 +611,11 @@ impl std::fmt::Display for GroupId {
 
 impl Runtime {
     /// Starts a runtime with the defaults (embedded, local).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes leaves no runtime: its listeners
+    /// close with it.
     pub async fn start() -> Result<Runtime> {
         RuntimeBuilder::default().start().await
     }
@@ -642,6 +652,12 @@ impl Runtime {
 
     /// Waits for an object and returns its value. Waits until the producer
     /// replies or dies; see [`Runtime::get_timeout`] for a deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: the object stays
+    /// readable by a later call, and a receive it started is given up (its copy
+    /// freed when nothing else here needs it).
     pub async fn get<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -679,6 +695,19 @@ impl Runtime {
     /// fails as for [`Runtime::get`]. Targets that do not fit fail with
     /// [`Error::Targets`] before any byte moves, and the object stays
     /// readable.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes writes nothing more into
+    /// `targets` over `tcp`, `shm`, `cuda_ipc` (nothing more is queued on the
+    /// stream) and the object store: their copy into the targets runs under a
+    /// gate the drop closes (a copy under way ends first), or in this future
+    /// itself. Over `nixl` and `nccl`, which write into the targets as the
+    /// bytes come, the drop aborts the receive (over `nccl`, like any failed
+    /// transfer, that aborts the group); a NIXL READ already posted is
+    /// cancelled at NIXL's next poll and may still complete into the targets
+    /// until then, so do not read them as the old values after a dropped
+    /// `get_into` over `nixl`. Either way the object stays readable.
     pub async fn get_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -699,6 +728,10 @@ impl Runtime {
     /// tensors written into `targets`, and nothing decoded (see
     /// [`ActorRuntime::load_into`](crate::ActorRuntime::load_into), the
     /// same for an actor). Same targets, same errors as `get_into`.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get_into`](Self::get_into).
     pub async fn load_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -760,6 +793,10 @@ impl Runtime {
     /// (a checkpoint, an evaluation on the CPU). For objects on a
     /// transport that serves the driver (`nixl`); others fail with a
     /// message that says to use [`Runtime::get`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get).
     pub async fn get_on_host<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -786,6 +823,10 @@ impl Runtime {
     /// Gets several objects: every one is waited for and every direct read
     /// is started before any is awaited (Ray's `get` of a list; no
     /// one-at-a-time fetches, ray#61453). Fails with the first error.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get), for each object.
     pub async fn get_all<T: DeserializeOwned + 'static>(
         &self,
         refs: &[ObjectRef<T>],
@@ -868,6 +909,11 @@ impl Runtime {
 
     /// Waits until an object is ready (`Ok`) or failed (its error), without
     /// moving its value anywhere (Ray's `wait` for one ref).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: it moves no
+    /// value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
         self.inner.wait_value(r.borrow().id).await.map(|_| ())
     }
@@ -881,6 +927,11 @@ impl Runtime {
     ///
     /// Errs if `num_returns` is larger than `refs.len()` (it could never
     /// be met), or if the runtime shuts down.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: it moves no
+    /// value.
     pub async fn wait_many<T>(
         &self,
         refs: &[ObjectRef<T>],
@@ -894,6 +945,11 @@ impl Runtime {
     }
 
     /// [`Runtime::get`] with a deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get): a deadline that passes drops nothing but the
+    /// wait.
     pub async fn get_timeout<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -905,6 +961,10 @@ impl Runtime {
 
     /// Gets a value through the object-store path whatever its transport:
     /// the producer serializes it, tensors included, to the driver.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get).
     pub async fn get_via_object_store<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -995,6 +1055,12 @@ impl Runtime {
     /// driver (`nixl`), the tensors stay in this process, registered, and
     /// each consumer reads them directly. They live until the last ref and
     /// call that needs them are gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future while the tensors are exported (`nixl` registers
+    /// them) returns no ref; what the export registered stays until the
+    /// transport is dropped. Drop it only once it returned.
     pub async fn put_with<T: Serialize>(
         &self,
         value: &T,
@@ -1053,6 +1119,13 @@ impl Runtime {
     /// `tcp`, `nccl`) over `actors`. Refs on that transport may then be
     /// passed between members. An actor may belong to groups of different
     /// backends; a group can be destroyed and created again.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before the members answer leaves the group being
+    /// made: the members that join keep it until
+    /// [`destroy_collective_group`](Self::destroy_collective_group) or
+    /// shutdown; nothing waits on it.
     pub async fn create_collective_group(
         &self,
         actors: &[ActorId],
@@ -1241,6 +1314,10 @@ impl Runtime {
     /// and every live member tears its part down and acknowledges. Objects
     /// already moved stay where they are; later passes between its actors
     /// need a new group.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future does not stop the teardown once ordered.
     pub async fn destroy_collective_group(&self, group: GroupId) -> Result<()> {
         let rx = {
             let mut st = self.inner.lock();
@@ -1353,6 +1430,10 @@ impl Runtime {
     /// Each transfer has a deadline (`RuntimeBuilder::transfer_timeout`),
     /// and an order ends with the producer's call, so this ends once the
     /// calls involved do.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future loses nothing.
     pub async fn transfers_settled(&self) {
         loop {
             let notified = self.inner.settled.notified();
@@ -1367,6 +1448,10 @@ impl Runtime {
 
     /// Asks every worker to exit, waits up to the grace period, then kills
     /// the rest.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes leaves the shutdown under way.
     pub async fn shutdown(&self) {
         let exits: Vec<watch::Receiver<Option<String>>> = {
             let mut st = self.inner.lock();

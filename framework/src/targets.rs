@@ -364,6 +364,21 @@ fn keyed_from_unique<'a>(pairs: impl Iterator<Item = (&'a String, &'a Tensor)>) 
 pub(crate) struct Registered {
     pub(crate) targets: Targets,
     resolve: Resolve,
+    /// TG-4: how far the receive that took them got, for the `get_into`
+    /// that registered them.
+    pub(crate) landing: Arc<Landing>,
+}
+
+/// TG-4 (cancel safety): a receive into registered targets, as the
+/// `get_into` that registered them sees it. When that `get_into` is
+/// dropped, the gate closes (no copy into the targets from then on) and a
+/// receive that writes into them in place as its bytes come (`nixl`,
+/// `nccl`) is aborted.
+#[derive(Default)]
+pub(crate) struct Landing {
+    pub(crate) gate: Arc<rdt_transport::TargetGate>,
+    /// The transfer of a receive that writes into the targets in place.
+    pub(crate) in_place: Mutex<Option<u64>>,
 }
 
 type Resolve =
@@ -375,6 +390,7 @@ impl Registered {
         Registered {
             targets: targets.clone(),
             resolve: Targets::resolve::<T>,
+            landing: Arc::default(),
         }
     }
 

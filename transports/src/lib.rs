@@ -49,7 +49,7 @@ pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError
 pub use tensor_list::{MakeTensors, TensorList};
 pub use transport::{
     Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, ReceiveStart, Sidedness, Target,
-    TensorTransport, TransferCtx, TransferId, TransportError,
+    TargetGate, TensorTransport, TransferCtx, TransferId, TransportError,
 };
 pub use wire::Blob;
 

@@ -108,7 +108,7 @@ impl TensorTransport for ObjectStoreTransport {
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         Box::pin(async move {
             let tensors = unpack_arriving(exported).await?;
-            cx.target.place(NAME, &exported.metas, tensors)
+            cx.place(NAME, &exported.metas, tensors)
         })
     }
 }

@@ -508,7 +508,7 @@ impl TensorTransport for ShmTransport {
         // whatever the tensors' size (a target costs one copy).
         Box::pin(async move {
             let mapped = self.receive_now(from, exported)?;
-            cx.target.place(NAME, &exported.metas, mapped)
+            cx.place(NAME, &exported.metas, mapped)
         })
     }
 

@@ -606,7 +606,7 @@ impl TensorTransport for TcpTransport {
             check_received(NAME, &exported.metas, &tensors)?;
             // Received into buffers of its own first (they may arrive
             // before the receive is posted): a target costs one copy.
-            cx.target.place(NAME, &exported.metas, tensors)
+            cx.place(NAME, &exported.metas, tensors)
         })
     }
 
@@ -664,6 +664,7 @@ mod tests {
                 group: None,
                 layout: None,
                 first_reader: None,
+                gate: None,
                 target: crate::Target::Tensors(
                     vec![
                         Tensor::zeros(crate::DType::F32, &[999]),

@@ -268,6 +268,70 @@ pub struct TransferCtx {
     /// own thread, where they are used next. `None`: nobody waits; the
     /// receive makes them.
     pub first_reader: Option<FirstReader>,
+    /// For a receive into [`Target::Tensors`]: closed when the receiver
+    /// stops waiting (a dropped `get_into`), after which the receive no
+    /// longer writes into the targets. A transport that copies into the
+    /// targets does so through [`TransferCtx::place`], which holds it
+    /// open for the copy. `None`: the targets are wanted to the end.
+    pub gate: Option<Arc<TargetGate>>,
+}
+
+/// Whether a receive may still write into its target tensors (see
+/// [`TransferCtx::gate`]).
+///
+/// Closing it waits for a copy into the targets under way and keeps any
+/// later one out: once [`close`](Self::close) returns, no copy through
+/// [`TransferCtx::place`] writes into the targets.
+#[derive(Debug)]
+pub struct TargetGate {
+    open: parking_lot::Mutex<bool>,
+}
+
+impl Default for TargetGate {
+    fn default() -> Self {
+        TargetGate {
+            open: parking_lot::Mutex::new(true),
+        }
+    }
+}
+
+impl TargetGate {
+    /// Nothing is written into the targets from now on.
+    pub fn close(&self) {
+        *self.open.lock() = false;
+    }
+
+    /// Whether it is still open.
+    pub fn is_open(&self) -> bool {
+        *self.open.lock()
+    }
+}
+
+impl TransferCtx {
+    /// [`Target::place`], through the [`gate`](Self::gate): received
+    /// tensors are copied into target tensors only while the gate is
+    /// open, and the gate stays open until the copy ends. A closed gate
+    /// places them as [`Target::Any`] would (the received tensors as they
+    /// are).
+    pub fn place(
+        &self,
+        transport: &str,
+        expected: &[TensorMeta],
+        received: Vec<Tensor>,
+    ) -> Result<Vec<Tensor>, TransportError> {
+        match (&self.target, &self.gate) {
+            (Target::Tensors(_), Some(gate)) => {
+                let open = gate.open.lock();
+                if !*open {
+                    return Ok(received);
+                }
+                let placed = self.target.place(transport, expected, received);
+                drop(open);
+                placed
+            }
+            _ => self.target.place(transport, expected, received),
+        }
+    }
 }
 
 /// A thread waiting to read a receive's tensors (see

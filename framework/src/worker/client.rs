@@ -277,6 +277,7 @@ impl Drop for GetGuard<'_> {
 struct TargetsGuard<'a> {
     w: &'a WorkerShared,
     object: u64,
+    landing: Arc<crate::targets::Landing>,
 }
 
 impl<'a> TargetsGuard<'a> {
@@ -287,16 +288,29 @@ impl<'a> TargetsGuard<'a> {
         match w.targets.lock().entry(object) {
             Entry::Occupied(_) => None,
             Entry::Vacant(e) => {
+                let landing = targets.landing.clone();
                 e.insert(targets);
-                Some(TargetsGuard { w, object })
+                Some(TargetsGuard { w, object, landing })
             }
         }
     }
 }
 
 impl Drop for TargetsGuard<'_> {
+    /// TG-4: however the `get_into` ends (done, failed or dropped), its
+    /// receive writes nothing into the targets after this: a copy under
+    /// way ends first, a later one lands elsewhere, and an in-place
+    /// receive still running is aborted.
     fn drop(&mut self) {
         self.w.targets.lock().remove(&self.object);
+        self.landing.gate.close();
+        if let Some(xfer) = self.landing.in_place.lock().take() {
+            if let Some(abort) = self.w.transfers.lock().remove(&xfer) {
+                let _ = abort.send(Error::Cancelled {
+                    object: self.object,
+                });
+            }
+        }
     }
 }
 
@@ -306,6 +320,12 @@ impl ActorRuntime {
     /// (a collective transport needs a group with that actor, as for a
     /// call). Waits until the producer replies or dies; see
     /// [`ActorRuntime::get_timeout`] for a deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: the object stays
+    /// readable by a later call, and a receive it started is given up (its copy
+    /// freed when nothing else here needs it).
     pub async fn get<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -343,6 +363,19 @@ impl ActorRuntime {
     /// rdt::runtime().get_into(&weights, params).await?;
     /// # Ok(()) }
     /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes writes nothing more into
+    /// `targets` over `tcp`, `shm`, `cuda_ipc` (nothing more is queued on the
+    /// stream) and the object store: their copy into the targets runs under a
+    /// gate the drop closes (a copy under way ends first), or in this future
+    /// itself. Over `nixl` and `nccl`, which write into the targets as the
+    /// bytes come, the drop aborts the receive (over `nccl`, like any failed
+    /// transfer, that aborts the group); a NIXL READ already posted is
+    /// cancelled at NIXL's next poll and may still complete into the targets
+    /// until then, so do not read them as the old values after a dropped
+    /// `get_into` over `nixl`. Either way the object stays readable.
     pub async fn get_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -379,6 +412,10 @@ impl ActorRuntime {
     /// // `params` hold the new weights.
     /// # Ok(()) }
     /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get_into`](Self::get_into).
     pub async fn load_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -502,6 +539,11 @@ impl ActorRuntime {
     }
 
     /// [`ActorRuntime::get`] with a deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get): a deadline that passes drops nothing but the
+    /// wait.
     pub async fn get_timeout<T: DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -513,6 +555,10 @@ impl ActorRuntime {
 
     /// Gets several objects: every transfer starts before any is awaited.
     /// Fails with the first error.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get), for each object.
     pub async fn get_all<T: DeserializeOwned + 'static>(
         &self,
         refs: &[ObjectRef<T>],
@@ -522,6 +568,11 @@ impl ActorRuntime {
 
     /// Waits until an object is ready (`Ok`) or failed (its error),
     /// without moving its value.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: it moves no
+    /// value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
         let id = r.borrow().id;
         self.refuse_endless_wait(id).await?;
@@ -546,6 +597,11 @@ impl ActorRuntime {
     /// Ray's `wait`, as [`Runtime::wait_many`](crate::Runtime::wait_many):
     /// `(finished, pending)` once `num_returns` of `refs` are ready or
     /// failed, or `timeout` passed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: it moves no
+    /// value.
     pub async fn wait_many<T>(
         &self,
         refs: &[ObjectRef<T>],
@@ -589,6 +645,12 @@ impl ActorRuntime {
     /// another actor or the driver where the transport serves it, takes
     /// them directly. With [`Transport::ObjectStore`] this is
     /// [`ActorRuntime::put`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future while the tensors are exported (`nixl` registers
+    /// them) returns no ref; what the export registered stays until the
+    /// transport is dropped. Drop it only once it returned.
     pub async fn put_with<T: Serialize>(
         &self,
         value: &T,

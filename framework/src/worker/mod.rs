@@ -933,6 +933,39 @@ const DROP_ASIDE_MIN: usize = 64;
 /// ... or at least this many bytes.
 const DROP_ASIDE_BYTES: usize = 1 << 20;
 
+/// TG-4: `target` for a receive over `transport` (transfer `xfer`) into
+/// targets a `get_into` registered (`landing`), with the gate the getter
+/// closes when it is dropped. A transport that copies into the targets
+/// does so through the gate; any other writes into them as the bytes come
+/// (`nixl`, `nccl`, a user's own transport), so the getter's drop aborts
+/// it. A getter gone already: received anywhere.
+fn land_gated(
+    target: Target,
+    landing: &crate::targets::Landing,
+    transport: Transport,
+    xfer: u64,
+) -> (Target, Option<Arc<rdt_transport::TargetGate>>) {
+    if !matches!(target, Target::Tensors(_)) {
+        return (target, None);
+    }
+    let copies = [
+        Transport::Tcp,
+        Transport::Shm,
+        Transport::ObjectStore,
+        Transport::CudaIpc,
+    ]
+    .contains(&transport);
+    if !copies {
+        // Noted before the gate is read: a getter dropped after the read
+        // finds it and aborts the receive.
+        *landing.in_place.lock() = Some(xfer);
+    }
+    if !landing.gate.is_open() {
+        return (Target::Any, None);
+    }
+    (target, Some(landing.gate.clone()))
+}
+
 /// A registered target list found to fit a layout over a transport
 /// (WK-7). A weight update registers the same list (a
 /// [`Targets`](crate::Targets) the actor keeps) at every step, with a head
@@ -1682,24 +1715,29 @@ fn on_deliver(
                 // Targets are ordered by the value's bytes (TG-1), which
                 // may still be arriving: they come before the receive
                 // writes into anything.
-                let target = match shared.take_targets(object) {
-                    None => Target::Any,
-                    Some(registered) => match d.value.data.arrived().await {
-                        Ok(data) => shared.target_for(
-                            object,
-                            registered,
-                            &data,
-                            &exported.metas,
-                            d.value.exported.layout(),
-                            (transport.0, transport.1.as_ref()),
-                        ),
-                        Err(_) => Target::Any,
-                    },
+                let (target, gate) = match shared.take_targets(object) {
+                    None => (Target::Any, None),
+                    Some(registered) => {
+                        let landing = registered.landing.clone();
+                        let target = match d.value.data.arrived().await {
+                            Ok(data) => shared.target_for(
+                                object,
+                                registered,
+                                &data,
+                                &exported.metas,
+                                d.value.exported.layout(),
+                                (transport.0, transport.1.as_ref()),
+                            ),
+                            Err(_) => Target::Any,
+                        };
+                        land_gated(target, &landing, transport.0, xfer)
+                    }
                 };
                 let cx = rdt_transport::TransferCtx {
                     xfer,
                     group,
                     target,
+                    gate,
                     layout: d.value.exported.layout(),
                     first_reader: Some(shared.first_reader(object)),
                 };
@@ -1763,7 +1801,10 @@ fn on_deliver(
                         Slot::Failed(e)
                     }
                 };
-                if !freed {
+                // TG-4: a receive its getter gave up leaves nothing: the
+                // driver delivers again to whatever else needs it here.
+                let cancelled = matches!(slot, Slot::Failed(Error::Cancelled { .. }));
+                if !freed && !cancelled {
                     shared.store.insert(object, slot);
                 }
                 rdt_transport::cuda::timeline("receive stored", xfer);

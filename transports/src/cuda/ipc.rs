@@ -970,7 +970,7 @@ impl TensorTransport for CudaIpcTransport {
                     .expect("a receive that may open does not give up")
                 }
             };
-            cx.target.place(NAME, &exported.metas, mapped)
+            cx.place(NAME, &exported.metas, mapped)
         })
     }
 
