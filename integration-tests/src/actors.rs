@@ -790,6 +790,15 @@ impl Consumer {
         Ok((timed_out, after_drop, total(&targets)?))
     }
 
+    /// Whether [`Tensor::with_bytes`] hands out a reference into `t`'s
+    /// own memory (`true`) rather than a snapshot of it, and whether that
+    /// memory is external at all.
+    async fn bytes_behind_a_reference(&mut self, t: Tensor) -> rdt::Result<(bool, bool)> {
+        let own = t.with_external(|e| e.map(|e| e.as_ptr() as usize));
+        let given = t.with_bytes(|b| b.as_ptr() as usize)?;
+        Ok((own == Some(given), own.is_some()))
+    }
+
     /// Notes `i` after those noted before; how many are noted now.
     async fn note(&mut self, i: u64) -> u64 {
         self.noted.push(i);

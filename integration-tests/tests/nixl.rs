@@ -879,3 +879,25 @@ async fn a_pending_value_is_delivered_straight_and_read_over_nixl() {
     })
     .await;
 }
+
+/// NX-13: host memory a NIXL READ writes into (a receive's destination, a
+/// target) is written outside the storage's lock, so the safe accessors
+/// never put it behind a Rust reference: `with_bytes` hands out a
+/// snapshot. At e05be92 it handed out a slice over the region itself,
+/// which a READ into the same tensor (a weight update into it) could be
+/// writing.
+#[tokio::test]
+async fn nx_13_nixl_host_memory_is_never_behind_a_reference() {
+    deadline(DL, async {
+        let (rt, p, c) = start().await;
+        let r = produced(&rt, &p, 2.0, 1 << 16).await;
+        let (behind, external) = rt
+            .get(c.bytes_behind_a_reference(&r).remote())
+            .await
+            .unwrap();
+        assert!(external, "received into NIXL's registered host memory");
+        assert!(!behind, "with_bytes gave a reference into NIXL host memory");
+        rt.shutdown().await;
+    })
+    .await
+}
