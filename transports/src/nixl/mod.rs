@@ -90,6 +90,10 @@
 //!   made makes its receive wait for rdt's stream, as a fresh one does.
 //!   Its host bytes count as `host_bytes_ready` until a receive takes it,
 //!   then as `host_bytes_in_use`. `RDT_NIXL_READY_DEST=0` turns it off.
+//! - **NX-13 (registered host memory is never behind a reference):** a
+//!   READ writes host memory outside its storage's lock, so that memory
+//!   says it is shared with other processes and the safe accessors copy
+//!   it out ([`ExternalMemory::shared_with_other_processes`]).
 
 mod agent;
 pub mod api;
@@ -749,10 +753,12 @@ impl ExternalMemory for NixlHostMem {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
-    /// Peers only read this memory (rdt posts no WRITE), and this process's
-    /// own reads into it finish before its tensors are handed out.
+    /// NX-13: a READ of this process writes into it outside the storage's
+    /// lock (a receive into a tensor that lives here: a weight update
+    /// into its targets, while a clone of them may be read), and UCX or a
+    /// NIC reads it for peers: never behind a Rust reference.
     fn shared_with_other_processes(&self) -> bool {
-        false
+        true
     }
 }
 
