@@ -1,4 +1,5 @@
-//! Pins the error messages of rdt's macros.
+//! Pins the error messages of rdt's macros, and that the memory traits
+//! (`ExternalMemory`, `DeviceBuffer`) take only an `unsafe impl`.
 
 #[test]
 fn macro_errors() {
