@@ -753,7 +753,9 @@ struct ShmMemory {
     len: usize,
 }
 
-impl ExternalMemory for ShmMemory {
+// SAFETY: a mapping that stays mapped until the value drops, and says it
+// is shared with other processes (it is a `MAP_SHARED` memfd).
+unsafe impl ExternalMemory for ShmMemory {
     fn as_ptr(&self) -> *mut u8 {
         // In bounds: `Region::slice` is the only constructor.
         self.region.map.as_mut_ptr().wrapping_add(self.offset)

@@ -89,7 +89,24 @@ impl From<crate::cuda::CudaError> for TensorError {
 /// Memory that lives outside the Rust allocator (a shared-memory mapping, a
 /// registered buffer). Dropping it releases the memory (unmaps, closes the
 /// import, notifies the exporter).
-pub trait ExternalMemory: Send + Sync + 'static {
+///
+/// # Safety
+///
+/// [`Tensor`]'s safe accessors read and write these bytes through the
+/// pointer this gives, so an implementation must make sure that:
+/// - [`as_ptr`](Self::as_ptr) and [`len`](Self::len) describe one range of
+///   `len` bytes, valid for reads and writes and never moved, from the
+///   value's creation until it is dropped (both return the same every
+///   time);
+/// - the bytes are initialized (any byte pattern is fine: tensors are
+///   plain data);
+/// - [`shared_with_other_processes`](Self::shared_with_other_processes)
+///   returns `true` whenever anything but this process's code under the
+///   tensor's storage lock may read or write the bytes (another process, a
+///   NIC, a DMA engine, a library's thread): the accessors then copy the
+///   bytes out and back with raw copies instead of forming `&[u8]` or
+///   `&mut [u8]` over them.
+pub unsafe trait ExternalMemory: Send + Sync + 'static {
     /// Start of the bytes.
     fn as_ptr(&self) -> *mut u8;
     /// Number of bytes.
@@ -1487,7 +1504,8 @@ mod tests {
         }
     }
 
-    impl ExternalMemory for TestMemory {
+    // SAFETY: the test's own heap bytes, alive while it is.
+    unsafe impl ExternalMemory for TestMemory {
         fn as_ptr(&self) -> *mut u8 {
             self.ptr
         }
@@ -1511,7 +1529,8 @@ mod tests {
 
     /// Leaves every provided method of the trait as it is.
     struct Plain;
-    impl ExternalMemory for Plain {
+    // SAFETY: the test's own heap bytes, alive while it is.
+    unsafe impl ExternalMemory for Plain {
         fn as_ptr(&self) -> *mut u8 {
             std::ptr::null_mut()
         }

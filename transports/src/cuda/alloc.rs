@@ -435,7 +435,9 @@ impl SlabSlice {
     }
 }
 
-impl DeviceBuffer for SlabSlice {
+// SAFETY: a range of a live slab (the slice keeps the slab), freed
+// stream-ordered (alloc, invariant 5).
+unsafe impl DeviceBuffer for SlabSlice {
     fn device_ptr(&self) -> u64 {
         self.range.device_ptr() + self.offset as u64
     }
@@ -519,7 +521,9 @@ impl Drop for SlabRange {
     }
 }
 
-impl DeviceBuffer for SlabRange {
+// SAFETY: a range of a live slab (the range keeps the slab), freed
+// stream-ordered (alloc, invariant 5).
+unsafe impl DeviceBuffer for SlabRange {
     fn device_ptr(&self) -> u64 {
         self.slab.base + self.offset as u64
     }

@@ -889,7 +889,9 @@ impl Drop for ImportedRange {
     }
 }
 
-impl DeviceBuffer for ImportedRange {
+// SAFETY: a range of a mapping that stays open while the range lives
+// (the range keeps it), in the context it was opened in.
+unsafe impl DeviceBuffer for ImportedRange {
     fn device_ptr(&self) -> u64 {
         self.map.ptr + self.offset as u64
     }

@@ -1419,7 +1419,21 @@ impl Drop for Completion {
 
 /// Device memory behind a CUDA tensor's storage: a range of an rdt slab
 /// ([`alloc`]) or of a mapping another process exported ([`ipc`]).
-pub trait DeviceBuffer: Send + Sync + 'static {
+///
+/// # Safety
+///
+/// [`Tensor`](crate::Tensor)'s safe operations (copies, fills, transfers)
+/// launch work on this memory through the address this gives, so an
+/// implementation must make sure that:
+/// - [`device_ptr`](Self::device_ptr) and [`len`](Self::len) describe one
+///   range of `len` bytes of device memory, usable in the context of
+///   [`gpu`](Self::gpu) (allocated in it, or mapped into it), from the
+///   value's creation until it is dropped (both return the same every
+///   time);
+/// - the memory stays allocated until the value is dropped, and dropping
+///   it frees the memory only after the work queued on it (on `gpu()`'s
+///   stream) has finished.
+pub unsafe trait DeviceBuffer: Send + Sync + 'static {
     /// Device address of the first byte.
     fn device_ptr(&self) -> u64;
     /// Number of bytes.

@@ -734,7 +734,10 @@ struct NixlHostMem {
     len: usize,
 }
 
-impl ExternalMemory for NixlHostMem {
+// SAFETY: a range of a registered host region the value keeps alive;
+// written by READs outside the storage lock, so it says it is shared
+// (NX-13).
+unsafe impl ExternalMemory for NixlHostMem {
     fn as_ptr(&self) -> *mut u8 {
         // SAFETY: offset + len lies within the region (made so).
         unsafe { self.region.ptr().add(self.offset) }
