@@ -12,6 +12,7 @@
 #![doc = include_str!("../../examples/doc_counter.rs")]
 //! ```
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod actor;
 mod client;

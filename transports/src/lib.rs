@@ -6,6 +6,7 @@
 //! and between whom tensors move; a transport decides how. See
 //! [`transport`] for the contract every transport implements.
 #![deny(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod arriving;
 pub mod auth;

@@ -108,6 +108,7 @@ mod tests {
             match value {
                 // SAFETY: a variable no other test reads or writes.
                 Some(v) => unsafe { std::env::set_var(env, v) },
+                // SAFETY: as above.
                 None => unsafe { std::env::remove_var(env) },
             }
             let s: &'static Switch = Box::leak(Box::new(Switch::new(env, default)));

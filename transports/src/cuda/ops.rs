@@ -147,22 +147,20 @@ pub fn nvrtc_available() -> Result<(), CudaError> {
             // SAFETY: the library is present (checked above); lookups call
             // nothing.
             let lib = unsafe { cudarc::nvrtc::sys::culib() };
-            // SAFETY: a lookup only.
-            if let Some(s) = NVRTC_SYMBOLS
-                .iter()
-                .find(|s| unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err())
-            {
+            if let Some(s) = NVRTC_SYMBOLS.iter().find(|s| {
+                // SAFETY: a lookup of a symbol's address; nothing is called.
+                unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err()
+            }) {
                 return Err(CudaError(format!(
                     "libnvrtc lacks {s}: NVRTC 11.1 or newer is needed"
                 )));
             }
             // SAFETY: loaded, as `available` checked; lookups call nothing.
             let drv = unsafe { sys::culib() };
-            // SAFETY: a lookup only.
-            if let Some(s) = DRIVER_SYMBOLS
-                .iter()
-                .find(|s| unsafe { drv.get::<*const ()>(s.as_bytes()) }.is_err())
-            {
+            if let Some(s) = DRIVER_SYMBOLS.iter().find(|s| {
+                // SAFETY: a lookup of a symbol's address; nothing is called.
+                unsafe { drv.get::<*const ()>(s.as_bytes()) }.is_err()
+            }) {
                 return Err(CudaError(format!("libcuda lacks {s}")));
             }
             Ok(())
@@ -183,11 +181,10 @@ pub fn curand_available() -> Result<(), CudaError> {
             // SAFETY: the library is present (checked above); lookups call
             // nothing.
             let lib = unsafe { cudarc::curand::sys::culib() };
-            // SAFETY: a lookup only.
-            if let Some(s) = CURAND_SYMBOLS
-                .iter()
-                .find(|s| unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err())
-            {
+            if let Some(s) = CURAND_SYMBOLS.iter().find(|s| {
+                // SAFETY: a lookup of a symbol's address; nothing is called.
+                unsafe { lib.get::<*const ()>(s.as_bytes()) }.is_err()
+            }) {
                 return Err(CudaError(format!("libcurand lacks {s}")));
             }
             Ok(())
