@@ -483,3 +483,39 @@ async fn junk_on_the_control_port_is_dropped() {
     })
     .await;
 }
+
+/// HB-1: bytes read are liveness. A joined worker whose heartbeat is far
+/// shorter than one large frame takes to cross (1 GiB each way, a
+/// heartbeat of 100 ms) stays alive and usable, in both directions. At
+/// e05be92 only whole messages counted: the frame marked a healthy worker
+/// dead.
+#[tokio::test]
+async fn hb_1_a_large_frame_slower_than_the_heartbeat_keeps_its_worker_alive() {
+    deadline(120, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .listen("127.0.0.1:0")
+            .heartbeat_timeout(Duration::from_millis(100))
+            .start()
+            .await
+            .unwrap();
+        let addr = rt.control_address().unwrap().to_string();
+        let _w = volunteer(&addr, &rt.join_token()).spawn().unwrap();
+        let p = rt.spawn::<Producer>(()).on_joined_worker().await.unwrap();
+        let n = 1usize << 30;
+        // Worker to driver.
+        let t0 = std::time::Instant::now();
+        let big: Tensor = rt.get(p.make_u8(n).remote()).await.unwrap();
+        assert_eq!(big.numel(), n);
+        let up = t0.elapsed();
+        // Driver to worker.
+        let t0 = std::time::Instant::now();
+        let kept = rt.get(p.is_kept(big, 0).remote()).await.unwrap();
+        assert!(!kept);
+        let down = t0.elapsed();
+        assert_eq!(rt.get(p.echo(1).remote()).await.unwrap(), 1);
+        eprintln!("1 GiB up in {up:?}, down in {down:?}, heartbeat 100 ms");
+        rt.shutdown().await;
+    })
+    .await
+}
