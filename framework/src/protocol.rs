@@ -1609,6 +1609,9 @@ pub struct Receiver<R> {
     buf: BytesMut,
     max_frame: usize,
     state: ReadState,
+    /// Bytes read from the connection so far: a frame still arriving
+    /// counts, so a peer sending one large frame is alive (HB-1).
+    read_bytes: u64,
 }
 
 enum ReadState {
@@ -1675,7 +1678,14 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
             buf: BytesMut::with_capacity(READ_CHUNK),
             max_frame,
             state: ReadState::Length,
+            read_bytes: 0,
         }
+    }
+
+    /// Bytes read from the connection so far, a frame still arriving
+    /// included (HB-1: bytes read are liveness).
+    pub fn bytes_read(&self) -> u64 {
+        self.read_bytes
     }
 
     /// Changes the frame limit (after the spawn order set it).
@@ -1693,6 +1703,7 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
             .read_buf(&mut self.buf)
             .await
             .map_err(|e| Error::Io(e.to_string()))?;
+        self.read_bytes += n as u64;
         rdt_transport::cuda::timeline("socket read", n as u64);
         Ok(n > 0)
     }
@@ -1810,6 +1821,7 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                             return Err(cut("a blob"));
                         }
                         *filled += n;
+                        self.read_bytes += n as u64;
                     } else if len < MIN_POOLED {
                         if self.buf.len() >= len {
                             // A copy, not a slice of the read buffer: a
@@ -1880,6 +1892,7 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
                 ));
             }
             w.advance(n);
+            self.read_bytes += n as u64;
         }
         Ok(())
     }

@@ -2907,6 +2907,7 @@ async fn read_worker(
         inner.lock().readers.insert(worker, wake.clone());
     }
     let mut last = tokio::time::Instant::now();
+    let mut seen = rx.bytes_read();
     let end = loop {
         // Hot (rdt_transport::hot) while the worker runs calls of ours:
         // their answers are read at once, not after this thread is woken.
@@ -2933,6 +2934,13 @@ async fn read_worker(
                 match tokio::time::timeout(heartbeat / 4, recv).await {
                     Ok(m) => m,
                     Err(_) => {
+                        // HB-1: bytes of a frame still arriving are a
+                        // live peer (a large frame may take longer than
+                        // the heartbeat).
+                        if rx.bytes_read() != seen {
+                            seen = rx.bytes_read();
+                            last = tokio::time::Instant::now();
+                        }
                         if last.elapsed() > heartbeat {
                             break format!(
                                 "went silent for {heartbeat:?} (no heartbeat; network cut?)"

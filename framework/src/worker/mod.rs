@@ -1444,14 +1444,29 @@ async fn control_loop<A: RdtActor>(
         let next = match heartbeat {
             None => hot(rx.recv::<ToWorker>()).await,
             // recv is cancel-safe: a frame in progress stays buffered.
-            Some(hb) => match tokio::time::timeout(hb, hot(rx.recv::<ToWorker>())).await {
-                Ok(m) => m,
-                Err(_) => {
-                    return Err(Error::Protocol(format!(
-                        "the driver went silent for {hb:?} (network cut?); exiting"
-                    )))
+            Some(hb) => {
+                // HB-1: bytes of a frame still arriving are a live driver;
+                // and while one arrives, the driver's pings wait behind it,
+                // so this worker says it is alive itself (an unasked
+                // `Pong` is only that).
+                let (mut seen, mut quiet) = (rx.bytes_read(), tokio::time::Instant::now());
+                loop {
+                    match tokio::time::timeout(hb / 4, hot(rx.recv::<ToWorker>())).await {
+                        Ok(m) => break m,
+                        Err(_) if rx.bytes_read() != seen => {
+                            seen = rx.bytes_read();
+                            quiet = tokio::time::Instant::now();
+                            tx.send(&ToDriver::Pong)?;
+                        }
+                        Err(_) if quiet.elapsed() > hb => {
+                            return Err(Error::Protocol(format!(
+                                "the driver went silent for {hb:?} (network cut?); exiting"
+                            )))
+                        }
+                        Err(_) => {}
+                    }
                 }
-            },
+            }
         };
         let msg = match next {
             Ok(Some(m)) => m,
