@@ -1794,6 +1794,29 @@ impl Delegate {
     }
 }
 
+/// An actor that both produces and consumes `tcp` objects (traffic both
+/// ways inside one group).
+#[rdt::actor]
+pub struct TwoWay {}
+
+#[rdt::actor]
+impl TwoWay {
+    fn new() -> Self {
+        TwoWay {}
+    }
+
+    /// `n` f32 equal to `v`, over `tcp`.
+    #[rdt::method(tensor_transport = "tcp")]
+    async fn make_tcp(&mut self, v: f32, n: usize) -> Tensor {
+        Tensor::full(v, &[n])
+    }
+
+    /// The tensor's sum.
+    async fn sum(&mut self, t: Tensor) -> rdt::Result<f64> {
+        Ok(t.sum()?)
+    }
+}
+
 /// An actor whose constructor takes `ms` milliseconds.
 #[rdt::actor]
 pub struct SlowStart {

@@ -543,3 +543,50 @@ async fn gr_1_two_nccl_members_on_one_gpu_are_refused_naming_both() {
     })
     .await
 }
+
+/// OW-15 with XF-3: a held large transfer keeps every member's group queue
+/// in the driver's order, with traffic both ways between two `tcp`
+/// members: a large A→B transfer in flight, a second one held behind it,
+/// and a B→A one after them all finish at once. At e05be92 only the held
+/// one's send waited, so A's queue and B's each waited on the other until
+/// the transfer deadline.
+#[tokio::test]
+async fn ow_15_a_held_transfer_keeps_the_group_order_both_ways() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .large_transfer_bytes(1 << 20)
+            .transfer_timeout(Duration::from_secs(30))
+            .start()
+            .await
+            .unwrap();
+        let a = rt.spawn::<TwoWay>(()).await.unwrap();
+        let b = rt.spawn::<TwoWay>(()).await.unwrap();
+        rt.create_collective_group(&[a.id(), b.id()], Transport::Tcp)
+            .await
+            .unwrap();
+        // 64 MiB keeps the first in flight while the others are submitted.
+        let (big, n) = (16 << 20, 1 << 20);
+        let r1 = a.make_tcp(1.0, big).remote();
+        let r2 = a.make_tcp(2.0, n).remote();
+        let r3 = b.make_tcp(3.0, n).remote();
+        for r in [&r1, &r2, &r3] {
+            rt.wait(r).await.unwrap();
+        }
+        let s1 = b.sum(&r1).remote();
+        let s2 = b.sum(&r2).remote();
+        let s3 = a.sum(&r3).remote();
+        let sums = tokio::time::timeout(Duration::from_secs(20), async {
+            (
+                rt.get(&s1).await.unwrap(),
+                rt.get(&s2).await.unwrap(),
+                rt.get(&s3).await.unwrap(),
+            )
+        })
+        .await
+        .expect("the two members waited on each other");
+        assert_eq!(sums, (big as f64, 2.0 * n as f64, 3.0 * n as f64));
+        rt.shutdown().await;
+    })
+    .await
+}
