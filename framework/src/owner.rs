@@ -88,10 +88,11 @@
 //! - **OW-15 (large sends to one consumer, one at a time):** a two-sided
 //!   transfer of at least `RuntimeBuilder::large_transfer_bytes` (128 MiB) whose
 //!   consumer already has such a transfer in flight for another call (the
-//!   transfers one call needs go together) is delivered at once
-//!   (the consumer posts its receive) but its producer's `SendTo` is held
-//!   here, in order, until the transfers ahead of it for that consumer's
-//!   other calls ended (acknowledged, failed or aborted). Bytes into one GPU share its
+//!   transfers one call needs go together) is held here, both ends (the
+//!   consumer's delivery and the producer's `SendTo`, so that every
+//!   member's group queue keeps the driver's order, XF-3), in order, until
+//!   the transfers ahead of it for that consumer's other calls ended
+//!   (acknowledged, failed or aborted). Bytes into one GPU share its
 //!   links, and senders on one GPU share it in time slices: started
 //!   together, two such transfers landed one after the other in whichever
 //!   order their senders happened to start (2×H200, session 43), so the
@@ -100,8 +101,9 @@
 //!   acknowledge at landing even when a call took the value
 //!   ([`Delivery::ack_at_landing`]), so the next send goes without waiting
 //!   for that call's end. A held transfer's deadline runs from its
-//!   delivery; its producer never hears of it if it is aborted while held,
-//!   and none is sent to a consumer that died. A group being destroyed
+//!   hold; neither end hears of it if it is aborted while held (the
+//!   consumer gets the error as the value), and none is sent to a consumer
+//!   that died. A group being destroyed
 //!   has its held sends sent first (`send_held_in_group`), so that their
 //!   transfers end as they would have without the hold.
 //!   `RDT_LARGE_SENDS_IN_ORDER=0` turns it off.
@@ -154,6 +156,9 @@ struct HeldSend {
     /// The call that needs it (see [`InFlight::call`]).
     call: Option<u64>,
     producer: ActorId,
+    /// The consumer's delivery, held with the send: both ends take the
+    /// transfer at one point of the driver's order (XF-3).
+    deliver: ToWorker,
     order: ToWorker,
 }
 
@@ -619,7 +624,7 @@ impl OwnerTable {
                 break;
             }
             rdt_transport::cuda::timeline("driver held send released", h.xfer);
-            send_or_abort(actors, h.producer, &h.order, consumer, t.object, h.xfer);
+            release_held(actors, h, consumer, t.object);
             queue.pop_front();
         }
         if queue.is_empty() {
@@ -641,7 +646,7 @@ impl OwnerTable {
                     ToWorker::SendTo { group: Some(g), .. } if g.id == group
                 );
                 if let (true, Some(t)) = (in_group, transfers.get(&h.xfer)) {
-                    send_or_abort(actors, h.producer, &h.order, consumer, t.object, h.xfer);
+                    release_held(actors, h, consumer, t.object);
                 }
                 !in_group
             });
@@ -854,7 +859,7 @@ impl OwnerTable {
                     (large, behind, call),
                     &mut held,
                 );
-                if let Some((producer, order)) = held {
+                if let Some((producer, deliver, order)) = held {
                     self.sends_held += 1;
                     self.held_sends
                         .entry(consumer)
@@ -863,6 +868,7 @@ impl OwnerTable {
                             xfer,
                             call,
                             producer,
+                            deliver,
                             order,
                         });
                 }
@@ -1160,14 +1166,20 @@ impl OwnerTable {
             .get(&xfer)
             .is_some_and(|t| self.send_is_held(t.consumer, xfer));
         let t = self.end_transfer(xfer, actors)?;
-        let msg = ToWorker::AbortTransfer {
-            object: t.object,
-            xfer,
-            error,
-        };
-        send_small(actors, t.consumer, &msg);
-        if let (true, Some(p), false) = (t.two_sided, t.producer, held) {
-            send_small(actors, p, &msg);
+        if held {
+            // Neither end heard of it (OW-15): the consumer, whose call
+            // may wait for it, gets the error as the value.
+            deliver_error(actors, t.consumer, t.object, error);
+        } else {
+            let msg = ToWorker::AbortTransfer {
+                object: t.object,
+                xfer,
+                error,
+            };
+            send_small(actors, t.consumer, &msg);
+            if let (true, Some(p)) = (t.two_sided, t.producer) {
+                send_small(actors, p, &msg);
+            }
         }
         self.settle(&t, actors);
         Some(t)
@@ -1304,7 +1316,7 @@ fn start_direct(
     actors: &Actors,
     groups: &dyn GroupLookup,
     (large, behind, call): (bool, bool, Option<u64>),
-    held: &mut Option<(ActorId, ToWorker)>,
+    held: &mut Option<(ActorId, ToWorker, ToWorker)>,
 ) -> Option<(u64, InFlight)> {
     let sided = e.sidedness();
     let producer = e
@@ -1361,15 +1373,10 @@ fn start_direct(
             ack_at_landing: large,
         }),
     };
-    let sent = send(actors, consumer, &msg);
-    rdt_transport::cuda::timeline("driver deliver queued", xfer);
-    if let Err(err) = sent {
-        deliver_error(actors, consumer, id, err); // OW-6
-        return None;
-    }
-    if two_sided {
-        if let (Some(p), Some(c)) = (e.producer, actors.get(&consumer)) {
-            let order = ToWorker::SendTo {
+    let order = match (two_sided, e.producer, actors.get(&consumer)) {
+        (true, Some(p), Some(c)) => Some((
+            p,
+            ToWorker::SendTo {
                 object: id,
                 xfer,
                 to: c.peer(consumer, e.transport.name()),
@@ -1378,13 +1385,27 @@ fn start_direct(
                     my_rank: prank,
                     peer_rank: crank,
                 }),
-            };
-            if behind {
-                *held = Some((p, order));
-            } else if !send_or_abort(actors, p, &order, consumer, id, xfer) {
-                // OW-6: its failed acknowledgement finds no transfer (none
-                // is tracked), and the consumer holds the error.
+            },
+        )),
+        _ => None,
+    };
+    match order {
+        // OW-15: held, both ends at once (XF-3: every member's queue keeps
+        // the driver's order, so no two transfers wait on each other).
+        Some((p, order)) if behind => *held = Some((p, msg, order)),
+        order => {
+            let sent = send(actors, consumer, &msg);
+            rdt_transport::cuda::timeline("driver deliver queued", xfer);
+            if let Err(err) = sent {
+                deliver_error(actors, consumer, id, err); // OW-6
                 return None;
+            }
+            if let Some((p, order)) = order {
+                if !send_or_abort(actors, p, &order, consumer, id, xfer) {
+                    // OW-6: its failed acknowledgement finds no transfer
+                    // (none is tracked), and the consumer holds the error.
+                    return None;
+                }
             }
         }
     }
@@ -1410,6 +1431,18 @@ fn start_direct(
             call,
         },
     ))
+}
+
+/// OW-15: a held transfer goes, both ends together: the consumer's
+/// delivery, then its producer's send. A delivery that cannot go leaves
+/// the consumer the error (OW-6), and the send is not made; the transfer
+/// ends at its deadline.
+fn release_held(actors: &Actors, h: &HeldSend, consumer: ActorId, object: u64) {
+    if let Err(err) = send(actors, consumer, &h.deliver) {
+        deliver_error(actors, consumer, object, err);
+        return;
+    }
+    send_or_abort(actors, h.producer, &h.order, consumer, object, h.xfer);
 }
 
 /// Sends a two-sided transfer's `order` to its `producer`; if it cannot go,
