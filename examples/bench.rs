@@ -46,7 +46,12 @@
 //!   100 000) passes of mixed sizes per CPU transport, 32 in flight; reports
 //!   the per-pass latency and checks at the end that the owner table is
 //!   empty and the workers' resident memory came back (exits non-zero if
-//!   not).
+//!   not). `soak --faults` is the randomized fault soak instead
+//!   (`rdt_integration_tests::fault_soak`): `--ops N` operations (default
+//!   10 000) chosen by `--seed S` (default: from the clock, printed), with
+//!   kills, dropped spawns, cancellations, deadlines and junk connections
+//!   mixed in; exits non-zero unless every store and the owner table are
+//!   empty and the long-lived workers' memory and threads stayed flat.
 
 use std::time::{Duration, Instant};
 
@@ -964,6 +969,35 @@ fn print(rows: &[Row]) {
     }
 }
 
+/// `soak --faults`: the randomized fault soak, long form.
+async fn fault_soak(json: Option<String>) -> rdt::Result<()> {
+    let ops = arg_value("--ops")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(10_000);
+    let seed = arg_value("--seed")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    println!("fault soak: seed {seed}, {ops} operations");
+    let report = rdt_integration_tests::fault_soak::run(seed, ops).await;
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&report).unwrap_or_default()
+    );
+    if let Some(path) = json {
+        std::fs::write(
+            &path,
+            serde_json::to_vec_pretty(&report).unwrap_or_default(),
+        )?;
+    }
+    // Flat: the pools and caches a worker keeps are bounded (64 MiB).
+    rdt_integration_tests::fault_soak::assert_clean(&report, 64 << 10);
+    Ok(())
+}
+
 #[rdt::main]
 async fn main() -> rdt::Result<()> {
     if let Ok(path) = std::env::var(ECHO_ENV) {
@@ -981,6 +1015,9 @@ async fn main() -> rdt::Result<()> {
         .unwrap_or(100_000);
     if suite == "timeline" {
         return timeline().await;
+    }
+    if suite == "soak" && args.iter().any(|a| a == "--faults") {
+        return fault_soak(json).await;
     }
     let rt = Runtime::start().await?;
     let rows = match suite.as_str() {

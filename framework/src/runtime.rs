@@ -2670,34 +2670,39 @@ fn start_reaped(mut cmd: std::process::Command) -> Result<Reaped> {
     let (ptx, prx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("rdt-reaper".into())
-        .spawn(move || match cmd.spawn() {
-            Err(e) => {
-                let _ = ptx.send(Err(e));
-            }
-            Ok(mut child) => {
-                let pid = child.id();
-                // SAFETY: plain syscall; `pid` is our unreaped child (only
-                // this thread waits for it, below), so it cannot name
-                // another process.
-                let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-                let opened = if fd < 0 {
-                    Err(std::io::Error::last_os_error())
-                } else {
-                    // SAFETY: a fresh descriptor that nothing else owns.
-                    Ok(unsafe {
-                        <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
-                    })
-                };
-                let failed = opened.is_err();
-                let _ = ptx.send(opened.map(|fd| (pid, fd)));
-                if failed {
-                    let _ = child.kill();
+        .spawn(move || {
+            // Tests slow a process start down.
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("rdt::reaper_spawn");
+            match cmd.spawn() {
+                Err(e) => {
+                    let _ = ptx.send(Err(e));
                 }
-                let status = match child.wait() {
-                    Ok(s) => describe_exit(s),
-                    Err(e) => format!("could not be waited for ({e})"),
-                };
-                let _ = tx.send(Some(status));
+                Ok(mut child) => {
+                    let pid = child.id();
+                    // SAFETY: plain syscall; `pid` is our unreaped child (only
+                    // this thread waits for it, below), so it cannot name
+                    // another process.
+                    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+                    let opened = if fd < 0 {
+                        Err(std::io::Error::last_os_error())
+                    } else {
+                        // SAFETY: a fresh descriptor that nothing else owns.
+                        Ok(unsafe {
+                            <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
+                        })
+                    };
+                    let failed = opened.is_err();
+                    let _ = ptx.send(opened.map(|fd| (pid, fd)));
+                    if failed {
+                        let _ = child.kill();
+                    }
+                    let status = match child.wait() {
+                        Ok(s) => describe_exit(s),
+                        Err(e) => format!("could not be waited for ({e})"),
+                    };
+                    let _ = tx.send(Some(status));
+                }
             }
         })?;
     let (pid, fd) = prx

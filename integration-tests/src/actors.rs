@@ -1646,6 +1646,11 @@ impl Relay {
         Relay { kept: Vec::new() }
     }
 
+    /// Objects in this worker's store.
+    async fn stored(&mut self) -> usize {
+        rdt::local_objects()
+    }
+
     /// Puts small values until it is killed, keeping every ref: a `Put`
     /// frame and a count in the driver each.
     async fn put_forever(&mut self) -> rdt::Result<u64> {

@@ -5,6 +5,7 @@
 
 pub mod actors;
 pub mod capture;
+pub mod fault_soak;
 
 use std::future::Future;
 use std::time::Duration;
