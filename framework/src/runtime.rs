@@ -2025,7 +2025,7 @@ impl Inner {
                 Ok(())
             });
         }
-        let (pid, pidfd, exit) = start_reaped(cmd)?;
+        let (pid, pidfd, exit) = start_reaped(cmd).await?;
         let pidfd = Arc::new(pidfd);
         self.lock().processes.insert(
             id,
@@ -2665,9 +2665,13 @@ type Reaped = (u32, std::os::fd::OwnedFd, watch::Receiver<Option<String>>);
 /// Spawns `cmd` from a thread that then waits for it (DR-1). The pidfd is
 /// opened before the reaper waits, so it names our child and nothing else
 /// (DR-2).
-fn start_reaped(mut cmd: std::process::Command) -> Result<Reaped> {
+///
+/// SP-2: the start runs on the reaper's thread and this waits for it
+/// without blocking its executor thread. A caller gone by then (its spawn
+/// dropped) leaves the child to the reaper, which kills it.
+async fn start_reaped(mut cmd: std::process::Command) -> Result<Reaped> {
     let (tx, rx) = watch::channel(None);
-    let (ptx, prx) = std::sync::mpsc::channel();
+    let (ptx, prx) = oneshot::channel();
     std::thread::Builder::new()
         .name("rdt-reaper".into())
         .spawn(move || {
@@ -2693,8 +2697,10 @@ fn start_reaped(mut cmd: std::process::Command) -> Result<Reaped> {
                         })
                     };
                     let failed = opened.is_err();
-                    let _ = ptx.send(opened.map(|fd| (pid, fd)));
-                    if failed {
+                    // Nobody to take it (its spawn was dropped): nobody else
+                    // would kill it.
+                    let unwanted = ptx.send(opened.map(|fd| (pid, fd))).is_err();
+                    if failed || unwanted {
                         let _ = child.kill();
                     }
                     let status = match child.wait() {
@@ -2706,7 +2712,7 @@ fn start_reaped(mut cmd: std::process::Command) -> Result<Reaped> {
             }
         })?;
     let (pid, fd) = prx
-        .recv()
+        .await
         .map_err(|_| Error::Spawn("the reaper thread died".into()))?
         .map_err(|e| Error::Spawn(format!("could not start a worker process (spawn or pidfd_open): {e}; rdt needs Linux 5.3 or later")))?;
     Ok((pid, fd, rx))

@@ -185,7 +185,10 @@ pub async fn run(seed: u64, ops: usize) -> Report {
                     let n = [4usize, 1 << 10, 1 << 16, 1 << 18][rng.below(4) as usize];
                     let (prod, cons) = pick(&cast, &mut rng);
                     let r = prod.make(v, n).transport(t).remote();
-                    let s = rt.get(cons.sum(&r).remote()).await.unwrap();
+                    let s = rt
+                        .get(cons.sum(&r).remote())
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                     assert_eq!(s, f64::from(v) * n as f64, "{what}");
                 }
                 "update by key" => {
@@ -217,7 +220,7 @@ pub async fn run(seed: u64, ops: usize) -> Report {
                     let (out, after, later) = rt
                         .get(cast.c.get_into_dropped(&r, n, numel, ms).remote())
                         .await
-                        .unwrap();
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                     if out && t != Transport::Nixl {
                         assert_eq!(after, later, "{what}: written after the drop");
                     }
@@ -259,7 +262,9 @@ pub async fn run(seed: u64, ops: usize) -> Report {
                     assert!(matches!(e, Error::Timeout { .. }), "{what}: {e}");
                     report.expected_errors += 1;
                     // The call itself ends in its time.
-                    rt.get(&slow).await.unwrap();
+                    rt.get(&slow)
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                 }
                 "kill" => {
                     let r = cast.q.make(v, 1 << 16).transport(t).remote();
@@ -278,8 +283,14 @@ pub async fn run(seed: u64, ops: usize) -> Report {
                         report.expected_errors += 1;
                     }
                     drop((r, s));
-                    cast.q = rt.spawn::<Producer>(()).await.unwrap();
-                    cast.d = rt.spawn::<Consumer>(()).await.unwrap();
+                    cast.q = rt
+                        .spawn::<Producer>(())
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    cast.d = rt
+                        .spawn::<Consumer>(())
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                     regroup(&rt, &mut cast).await;
                 }
                 "dropped spawn" => {
@@ -289,7 +300,9 @@ pub async fn run(seed: u64, ops: usize) -> Report {
                 }
                 "junk on the control port" => {
                     use tokio::io::AsyncWriteExt;
-                    let mut s = tokio::net::TcpStream::connect(control).await.unwrap();
+                    let mut s = tokio::net::TcpStream::connect(control)
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
                     let junk: Vec<u8> = (0..256).map(|_| rng.next() as u8).collect();
                     let _ = s.write_all(&junk).await;
                 }
