@@ -2398,13 +2398,31 @@ impl Inner {
     }
 
     fn on_death(&self, actor: u64, detail: String) {
+        if !self.mark_dead(actor, detail) {
+            return;
+        }
+        // The driver's own transports drop what they keep for it (a NIXL
+        // agent forgets its metadata): off the state lock, since that may
+        // block (UCX disconnects). Actor ids are never reused.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("rdt::peer_gone");
+        for t in Transport::registered() {
+            if let Some(inst) = t.existing_instance() {
+                inst.peer_gone(actor);
+            }
+        }
+    }
+
+    /// The death of `actor`, under the state lock: everything it held or
+    /// waited for ends. False if it was dead or unknown already.
+    fn mark_dead(&self, actor: u64, detail: String) -> bool {
         let mut st = self.lock();
         let st = &mut *st;
         let Some(info) = st.actors.get_mut(&actor) else {
-            return;
+            return false;
         };
         if info.dead.is_some() {
-            return;
+            return false;
         }
         info.dead = Some(detail.clone());
         info.conn = None;
@@ -2478,16 +2496,11 @@ impl Inner {
                 send_to(&st.actors, *id, &ToWorker::PeerGone { actor });
             }
         }
-        // And the driver's own (a NIXL agent forgets the dead one's).
-        for t in Transport::registered() {
-            if let Some(inst) = t.existing_instance() {
-                inst.peer_gone(actor);
-            }
-        }
         // A collective group cannot go on without a member (as in Ray):
         // tear down every group it was in, so later passes fail at once.
         let reason = format!("its member {} died", err_actor(&err));
         break_groups_where(st, |g| g.members.contains(&actor), &reason);
+        true
     }
 }
 
