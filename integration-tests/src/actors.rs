@@ -82,6 +82,16 @@ pub fn named_model(layers: usize, numel: usize, first: f32) -> NamedModel {
     }
 }
 
+/// Configures a fail point in this process (fail-rs syntax, e.g.
+/// `return(why)`; `off` removes it).
+pub fn configure_failpoint(name: String, actions: &str) -> rdt::Result<()> {
+    if actions == "off" {
+        rdt::__private::fail::remove(name);
+        return Ok(());
+    }
+    rdt::__private::fail::cfg(name, actions).map_err(rdt::Error::Protocol)
+}
+
 /// A typed application error.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Oops {
@@ -253,11 +263,7 @@ impl Producer {
     /// Configures a fail point in this worker (fail-rs syntax, e.g.
     /// `return(why)`; `off` removes it).
     async fn failpoint(&mut self, name: String, actions: String) -> rdt::Result<()> {
-        if actions == "off" {
-            rdt::__private::fail::remove(name);
-            return Ok(());
-        }
-        rdt::__private::fail::cfg(name, &actions).map_err(rdt::Error::Protocol)
+        configure_failpoint(name, &actions)
     }
 
     /// Writes to a pipe whose reading end is closed: a normal Rust process
@@ -754,11 +760,7 @@ impl Consumer {
     /// Configures a fail point in this worker (fail-rs syntax; `off`
     /// removes it), as `Producer::failpoint`.
     async fn failpoint(&mut self, name: String, actions: String) -> rdt::Result<()> {
-        if actions == "off" {
-            rdt::__private::fail::remove(name);
-            return Ok(());
-        }
-        rdt::__private::fail::cfg(name, &actions).map_err(rdt::Error::Protocol)
+        configure_failpoint(name, &actions)
     }
 
     /// A `get_into` of `r` into `n` zero f32 targets of `numel`, dropped by
