@@ -41,6 +41,9 @@ pub struct Report {
     pub rss_kib: (u64, u64),
     /// Threads of the long-lived workers after warm-up and at the end.
     pub threads: (usize, usize),
+    /// Worker processes left at the end beyond the actors alive then (a
+    /// dropped spawn's or a killed actor's).
+    pub processes_left: usize,
     /// Wall time.
     pub seconds: f64,
 }
@@ -338,12 +341,39 @@ pub async fn run(seed: u64, ops: usize) -> Report {
     }
     stored += rt.get(cast.relay.stored().remote()).await.unwrap_or(0);
     report.stored = stored;
+    // Killed and dropped workers go within a bound (their reapers reap
+    // them): then only the five actors alive are children.
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        report.processes_left = children().saturating_sub(5);
+        if report.processes_left == 0 || Instant::now() > end {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let (rss1, threads1) = sample();
     report.rss_kib = (rss0, rss1);
     report.threads = (threads0, threads1);
     report.seconds = t0.elapsed().as_secs_f64();
     rt.shutdown().await;
     report
+}
+
+/// Live (not zombie) child processes of this one.
+fn children() -> usize {
+    let me = std::process::id().to_string();
+    std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| {
+                let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                let mut f = stat[stat.rfind(')')? + 2..].split(' ');
+                let (state, ppid) = (f.next()?, f.next()?);
+                (ppid == me && state != "Z").then_some(())
+            })
+            .count()
+        })
+        .unwrap_or(0)
 }
 
 /// A producer and a consumer: the long-lived pair or the other.
@@ -361,6 +391,10 @@ pub fn assert_clean(r: &Report, rss_slack_kib: u64) {
     let seed = r.seed;
     assert_eq!(r.live_objects, 0, "seed {seed}: owner-table entries left");
     assert_eq!(r.stored, 0, "seed {seed}: objects left in the stores");
+    assert_eq!(
+        r.processes_left, 0,
+        "seed {seed}: worker processes left behind"
+    );
     assert!(
         r.rss_kib.1 <= r.rss_kib.0 + rss_slack_kib,
         "seed {seed}: the long-lived workers grew from {} to {} KiB",
