@@ -2724,8 +2724,27 @@ async fn start_reaped(mut cmd: std::process::Command) -> Result<Reaped> {
                 }
             }
         })?;
-    let (pid, fd) = prx
-        .await
+    // Dropped before it takes the started child (its spawn was dropped),
+    // this kills it: before the reaper's answer, the reaper does (the
+    // answer finds nobody); after it, the guard does, through its pidfd.
+    struct Unclaimed(Option<oneshot::Receiver<std::io::Result<(u32, std::os::fd::OwnedFd)>>>);
+    impl Drop for Unclaimed {
+        fn drop(&mut self) {
+            if let Some(mut rx) = self.0.take() {
+                rx.close();
+                if let Ok(Ok((_, fd))) = rx.try_recv() {
+                    let _ = pidfd_kill(&fd);
+                }
+            }
+        }
+    }
+    let mut unclaimed = Unclaimed(Some(prx));
+    let answer = match unclaimed.0.as_mut() {
+        Some(rx) => rx.await,
+        None => unreachable!("set above"),
+    };
+    unclaimed.0 = None;
+    let (pid, fd) = answer
         .map_err(|_| Error::Spawn("the reaper thread died".into()))?
         .map_err(|e| Error::Spawn(format!("could not start a worker process (spawn or pidfd_open): {e}; rdt needs Linux 5.3 or later")))?;
     Ok((pid, fd, rx))
