@@ -272,7 +272,8 @@ pub async fn run(seed: u64, ops: usize) -> Report {
                 "kill" => {
                     let r = cast.q.make(v, 1 << 16).transport(t).remote();
                     let s = cast.d.sum(&r).remote();
-                    if rng.below(2) == 0 {
+                    let producer = rng.below(2) == 0;
+                    if producer {
                         cast.q.kill();
                     } else {
                         cast.d.kill();
@@ -291,14 +292,19 @@ pub async fn run(seed: u64, ops: usize) -> Report {
                         report.expected_errors += 1;
                     }
                     drop((r, s));
-                    cast.q = rt
-                        .spawn::<Producer>(())
-                        .await
-                        .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    cast.d = rt
-                        .spawn::<Consumer>(())
-                        .await
-                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    // The killed one is spawned again (a live actor whose
+                    // handle is dropped keeps running).
+                    if producer {
+                        cast.q = rt
+                            .spawn::<Producer>(())
+                            .await
+                            .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    } else {
+                        cast.d = rt
+                            .spawn::<Consumer>(())
+                            .await
+                            .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    }
                     regroup(&rt, &mut cast).await;
                 }
                 "dropped spawn" => {
