@@ -515,11 +515,22 @@ impl ActorRuntime {
 
     /// The driver's view of object `id` now (`None`: pending).
     async fn probe(&self, id: u64) -> Result<Option<Result<()>>> {
+        self.ask(&self.w.probes, |req| ToDriver::Probe { req, object: id })
+            .await
+    }
+
+    /// Sends the driver the request `msg(req)` and waits for its answer,
+    /// which the control loop hands over through `pending` by `req`.
+    async fn ask<R>(
+        &self,
+        pending: &Mutex<HashMap<u64, tokio::sync::oneshot::Sender<R>>>,
+        msg: impl FnOnce(u64) -> ToDriver,
+    ) -> Result<R> {
         let req = self.w.next_req.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.w.probes.lock().insert(req, tx);
-        if let Err(e) = self.w.tx.send(&ToDriver::Probe { req, object: id }) {
-            self.w.probes.lock().remove(&req);
+        pending.lock().insert(req, tx);
+        if let Err(e) = self.w.tx.send(&msg(req)) {
+            pending.lock().remove(&req);
             return Err(e);
         }
         // The driver's death ends this worker, so the answer comes.
@@ -583,15 +594,8 @@ impl ActorRuntime {
         if let Some(Slot::Ready(_)) = self.w.store.get(id) {
             return Ok(());
         }
-        let req = self.w.next_req.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.w.watches.lock().insert(req, tx);
-        if let Err(e) = self.w.tx.send(&ToDriver::Watch { req, object: id }) {
-            self.w.watches.lock().remove(&req);
-            return Err(e);
-        }
-        // The driver's death ends this worker, so the answer comes.
-        rx.await.map_err(|_| Error::Shutdown)?
+        self.ask(&self.w.watches, |req| ToDriver::Watch { req, object: id })
+            .await?
     }
 
     /// Ray's `wait`, as [`Runtime::wait_many`](crate::Runtime::wait_many):
