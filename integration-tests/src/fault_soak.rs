@@ -351,7 +351,7 @@ pub async fn run(seed: u64, ops: usize) -> Report {
     // them): then only the five actors alive are children.
     let end = Instant::now() + Duration::from_secs(10);
     loop {
-        report.processes_left = children().saturating_sub(5);
+        report.processes_left = crate::children().len().saturating_sub(5);
         if report.processes_left == 0 || Instant::now() > end {
             break;
         }
@@ -363,23 +363,6 @@ pub async fn run(seed: u64, ops: usize) -> Report {
     report.seconds = t0.elapsed().as_secs_f64();
     rt.shutdown().await;
     report
-}
-
-/// Live (not zombie) child processes of this one.
-fn children() -> usize {
-    let me = std::process::id().to_string();
-    std::fs::read_dir("/proc")
-        .map(|d| {
-            d.filter_map(|e| {
-                let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-                let mut f = stat[stat.rfind(')')? + 2..].split(' ');
-                let (state, ppid) = (f.next()?, f.next()?);
-                (ppid == me && state != "Z").then_some(())
-            })
-            .count()
-        })
-        .unwrap_or(0)
 }
 
 /// A producer and a consumer: the long-lived pair or the other.

@@ -97,3 +97,22 @@ pub fn assert_destinations_made_ahead(
         "{before:?} -> {after:?}"
     );
 }
+
+/// Live (not zombie) child processes of this process, sorted.
+pub fn children() -> Vec<u32> {
+    let me = std::process::id().to_string();
+    let mut out: Vec<u32> = std::fs::read_dir("/proc")
+        .map(|d| {
+            d.filter_map(|e| {
+                let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+                let mut f = stat[stat.rfind(')')? + 2..].split(' ');
+                let (state, ppid) = (f.next()?, f.next()?);
+                (ppid == me && state != "Z").then_some(pid)
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    out.sort_unstable();
+    out
+}

@@ -8,29 +8,8 @@ use std::time::{Duration, Instant};
 
 use rdt::prelude::*;
 use rdt_integration_tests::actors::*;
-use rdt_integration_tests::deadline;
+use rdt_integration_tests::{children, deadline};
 
-/// Live (not zombie) children of this process.
-fn children() -> Vec<u32> {
-    let me = std::process::id().to_string();
-    let mut out: Vec<u32> = std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| {
-            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let mut f = stat[stat.rfind(')')? + 2..].split(' ');
-            let (state, ppid) = (f.next()?, f.next()?);
-            (ppid == me && state != "Z").then_some(pid)
-        })
-        .collect();
-    out.sort_unstable();
-    out
-}
-
-/// SP-1: a spawn dropped before its actor is constructed (by a caller's
-/// timeout) kills the worker it started; the runtime goes on. At e05be92
-/// each dropped spawn left its process waiting for a spawn order until
-/// shutdown.
 /// One test at a time in this binary (see the top).
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
