@@ -633,6 +633,51 @@ async fn pd_5_a_straight_delivery_that_never_comes_fails_at_the_deadline() {
     .await;
 }
 
+/// PD-5, WK-13: a transfer deadline that passes after the consumer's call
+/// used and released its straight copy (its reply held back past the
+/// deadline, as is its receive's acknowledgement) leaves nothing in the consumer's store. At 4e1e27a the
+/// consumer took that abort for a delivery still to come (PD-5) and kept
+/// a failed slot, and the transfer in its given-up set, for its life.
+#[tokio::test]
+async fn pd_5_an_abort_after_the_call_released_its_copy_leaves_nothing() {
+    deadline(60, async {
+        rdt_integration_tests::logs();
+        let rt = Runtime::builder()
+            .transfer_timeout(Duration::from_secs(1))
+            .start()
+            .await
+            .unwrap();
+        let p = rt.spawn::<Producer>(()).await.unwrap();
+        let c = rt.spawn::<Consumer>(()).await.unwrap();
+        // PD-3: the link between them, made by a first straight pass.
+        {
+            let _busy = busy(&p, 200);
+            let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
+            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+        }
+        let straight = rt.get(c.straight().remote()).await.unwrap();
+        assert!(straight >= 1);
+        // The receive's acknowledgement and the call's reply (not this
+        // configuring call's) are held three times the transfer deadline.
+        let fp = |n: &str, a: &str| c.failpoint(n.to_string(), a.to_string()).remote();
+        rt.get(fp("rdt::straight_ack", "1*sleep(3000)"))
+            .await
+            .unwrap();
+        rt.get(fp("rdt::call_done", "1*off->1*sleep(3000)"))
+            .await
+            .unwrap();
+        {
+            let _busy = busy(&p, 200);
+            let r = p.make(2.0, 1000).transport(Transport::ObjectStore).remote();
+            let s = c.sum(&r).remote();
+            assert_eq!(rt.get(&s).await.unwrap(), 2000.0);
+        }
+        assert!(rt.get(c.straight().remote()).await.unwrap() > straight);
+        nothing_left(&rt, &p, &c).await;
+    })
+    .await
+}
+
 /// OW-11, OW-4: a value through the driver that went straight to its
 /// consumer and failed to arrive whole there, before the driver read its
 /// producer's reply, still reaches the consumer once the reply comes. At

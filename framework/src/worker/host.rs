@@ -329,6 +329,9 @@ async fn run_and_reply<A: RdtActor>(
         fail::fail_point!("rdt::reply_after_straight");
     }
     rdt_transport::cuda::timeline("call reply ready", call);
+    // Tests hold any reply back (past a transfer deadline, say).
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("rdt::call_done");
     if let Err(e) = shared.tx.send(&ToDriver::CallDone {
         call,
         result,

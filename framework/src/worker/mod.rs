@@ -2013,6 +2013,9 @@ fn on_deliver_straight_inline(
                 shared.store.insert(object, slot);
             }
         }
+        // Tests hold the acknowledgement back (past the deadline).
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("rdt::straight_ack");
         let _ = shared.tx.send(&ToDriver::Received {
             object,
             xfer,
