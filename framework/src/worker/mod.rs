@@ -1551,10 +1551,10 @@ async fn control_loop<A: RdtActor>(
                 // before its abort on this connection, and a finished
                 // receive stored its value or error before its Free).
                 None if shared.store.get(object).is_none()
-                    && !shared.receiving.lock().contains_key(&object) =>
+                    && !shared.receiving.lock().contains_key(&object)
+                    && shared.peer.give_up(xfer) =>
                 {
                     tracing::debug!(xfer, object, "straight delivery given up: {error}");
-                    shared.peer.give_up(xfer);
                     shared.store.insert(object, Slot::Failed(error));
                 }
                 None => tracing::trace!(xfer, object, "abort of a finished transfer"),

@@ -40,9 +40,12 @@
 //!   transfer whose producer died or whose deadline passed; a consumer
 //!   that gets the abort before the delivery stores the error for the
 //!   object (the call waiting for it fails) and drops the delivery if it
-//!   comes after all.
+//!   comes after all. An abort for a delivery that already came (it
+//!   crossed the acknowledgement, and the call may have released the copy
+//!   since, WK-13) is no such case: it is dropped. Both records are
+//!   bounded ([`RECENT`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,7 +80,9 @@ pub(super) struct PeerDelivery {
     links: Arc<Mutex<HashMap<u64, Link>>>,
     /// Straight transfers the driver aborted before their delivery came
     /// (PD-5).
-    given_up: Mutex<HashSet<u64>>,
+    given_up: Mutex<Recent>,
+    /// Straight transfers whose delivery came (PD-5).
+    arrived: Mutex<Recent>,
     /// Deliveries this worker received straight from producers.
     received: AtomicU64,
     /// Whether values through the driver of [`STRAIGHT_LARGE_FROM`] bytes
@@ -111,6 +116,40 @@ fn straight_large_default() -> bool {
     }
 }
 
+/// How many transfers each of PD-5's records keeps. An abort comes within
+/// a transfer deadline of its delivery, and a late delivery within one of
+/// its abort; thousands of straight transfers in between would be a pass
+/// rate no worker reaches.
+const RECENT: usize = 4096;
+
+/// The latest [`RECENT`] transfers of a kind, oldest out first.
+#[derive(Default)]
+struct Recent {
+    order: VecDeque<u64>,
+    set: HashSet<u64>,
+}
+
+impl Recent {
+    fn insert(&mut self, xfer: u64) {
+        if self.set.insert(xfer) {
+            self.order.push_back(xfer);
+            if self.order.len() > RECENT {
+                let oldest = self.order.pop_front().expect("not empty");
+                self.set.remove(&oldest);
+            }
+        }
+    }
+
+    fn contains(&self, xfer: u64) -> bool {
+        self.set.contains(&xfer)
+    }
+
+    /// Takes `xfer` out (its place in the order goes when it is oldest).
+    fn remove(&mut self, xfer: u64) -> bool {
+        self.set.remove(&xfer)
+    }
+}
+
 /// An order to deliver a result to a consumer.
 struct Order {
     xfer: u64,
@@ -139,7 +178,8 @@ impl PeerDelivery {
             max_frame,
             orders: Mutex::new(HashMap::new()),
             links: Arc::default(),
-            given_up: Mutex::new(HashSet::new()),
+            given_up: Mutex::default(),
+            arrived: Mutex::default(),
             received: AtomicU64::new(0),
             straight_large: straight_large.unwrap_or_else(straight_large_default),
         }
@@ -161,10 +201,15 @@ impl PeerDelivery {
         self.links.lock().remove(&actor);
     }
 
-    /// The driver aborted straight transfer `xfer` before its delivery
-    /// came (PD-5).
-    pub(super) fn give_up(&self, xfer: u64) {
+    /// The driver aborted straight transfer `xfer`, whose delivery had not
+    /// come (its object is not here): it is given up unless it came before
+    /// (PD-5). Returns whether it was.
+    pub(super) fn give_up(&self, xfer: u64) -> bool {
+        if self.arrived.lock().contains(xfer) {
+            return false;
+        }
         self.given_up.lock().insert(xfer);
+        true
     }
 
     /// How many deliveries this worker received straight from producers.
@@ -386,11 +431,12 @@ async fn serve_link(mut s: UnixStream, shared: Arc<WorkerShared>) {
             Ok(Some(ToWorker::Deliver { object, value })) => {
                 if let Ok(d) = &value {
                     rdt_transport::cuda::timeline("straight delivery received", d.xfer);
-                    if shared.peer.given_up.lock().remove(&d.xfer) {
+                    if shared.peer.given_up.lock().remove(d.xfer) {
                         // PD-5: the call already failed with the abort.
                         tracing::debug!(xfer = d.xfer, object, "late straight delivery dropped");
                         continue;
                     }
+                    shared.peer.arrived.lock().insert(d.xfer);
                 }
                 shared.peer.received.fetch_add(1, Ordering::Relaxed);
                 // The call waiting for it is in the actor's mailbox
