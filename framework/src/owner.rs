@@ -483,6 +483,10 @@ pub(crate) struct OwnerTable {
     /// waited for it. A getter handed the value itself is woken at once
     /// (OW-14).
     woken: Vec<Woken>,
+    /// Tensors the driver held itself of objects freed (OW-1), dropped
+    /// (and their transport's release run) once the driver's lock is
+    /// released, like `woken`: a release may take its time.
+    freed_held: Vec<DriverHeld>,
     /// Getters handed their value as it was stored (OW-14): for tests.
     pub handed_values: u64,
     /// Copies consumers dropped themselves (OW-12), and those of them a
@@ -572,6 +576,12 @@ impl OwnerTable {
     /// `woken`).
     pub fn take_woken(&mut self) -> Vec<Woken> {
         std::mem::take(&mut self.woken)
+    }
+
+    /// The driver-held tensors of objects freed since the last call (see
+    /// `freed_held`).
+    pub fn take_freed_held(&mut self) -> Vec<DriverHeld> {
+        std::mem::take(&mut self.freed_held)
     }
 
     /// Transfers started and ended since the last call: `(started,
@@ -1217,7 +1227,8 @@ impl OwnerTable {
             if !free {
                 continue;
             }
-            let e = self.objects.remove(&id).expect("checked above");
+            let mut e = self.objects.remove(&id).expect("checked above");
+            self.freed_held.extend(e.held.take());
             let direct =
                 e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
             if direct {

@@ -354,6 +354,11 @@ impl Drop for StateGuard<'_> {
         let mut woken = (self.guard.as_mut())
             .map(|st| st.table.take_woken())
             .unwrap_or_default();
+        // OW-1: released after the unlock (a transport's release may take
+        // its time, or ask the runtime).
+        let freed_held = (self.guard.as_mut())
+            .map(|st| st.table.take_freed_held())
+            .unwrap_or_default();
         if !WAKE_AFTER_UNLOCK.on() {
             wake(std::mem::take(&mut woken));
         }
@@ -367,6 +372,7 @@ impl Drop for StateGuard<'_> {
         drop(self.guard.take());
         rdt_transport::cuda::timeline("driver unlocked", 0);
         wake(woken);
+        drop(freed_held);
         rdt_transport::cuda::timeline("driver getters woken", 0);
         protocol::flush_deferred();
     }
