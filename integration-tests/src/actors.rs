@@ -1371,6 +1371,13 @@ impl GpuConsumer {
         Ok((early, t.sum().map_err(tensor_err)?))
     }
 
+    /// Panics while `t`'s bytes may still be on their way; says whether
+    /// they were, in the panic's message.
+    async fn early_panic(&mut self, t: Tensor) -> rdt::Result<f64> {
+        let early = !t.ready_event_passed().map_err(tensor_err)?;
+        panic!("panicked with the bytes still on their way: {early}");
+    }
+
     /// Exits while `t`'s bytes are still on their way (a receiver that dies
     /// mid-transfer); returns `false` (and lives) if they already landed.
     async fn die_mid_transfer(&mut self, t: Tensor) -> rdt::Result<bool> {

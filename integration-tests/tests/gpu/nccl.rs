@@ -129,6 +129,43 @@ gpu_test2!(nccl_method_starts_before_the_bytes_land, async {
 });
 
 gpu_test2!(
+    xf_5_a_method_that_panics_before_its_bytes_land_replies_after_them,
+    async {
+        // XF-5, WK-5: a `CallDone` past argument resolution settles the call's
+        // receives in the driver, so it must come after their landing, also
+        // when the method panicked: before, the panic's reply went out at once
+        // and the driver freed memory the receive was still writing.
+        let (rt, p, c, _) = nccl_pair().await;
+        warm_up(&rt, &p, &c).await;
+        let n = 256 << 20;
+        // How long the same value takes to land, read by a method that waits
+        // for it on the GPU.
+        let t0 = std::time::Instant::now();
+        let r = p.make_busy(7.0, n, 1000).transport(NCCL).remote();
+        let (early, s) = rt.get(c.early_sum(&r).remote()).await.unwrap();
+        let landing = t0.elapsed();
+        assert!(early && s == 7.0 * n as f64);
+        let t0 = std::time::Instant::now();
+        let r = p.make_busy(7.0, n, 1000).transport(NCCL).remote();
+        let e = rt.get(c.early_panic(&r).remote()).await.unwrap_err();
+        let replied = t0.elapsed();
+        assert!(matches!(e, Error::Panic { .. }), "{e}");
+        assert!(
+            e.to_string().contains("still on their way: true"),
+            "the method panicked before the landing: {e}"
+        );
+        // Before the fix the panic's reply came in a few ms, long before the
+        // hundreds of ms the bytes take.
+        assert!(
+            replied * 2 >= landing,
+            "the reply ({replied:?}) waited for the landing ({landing:?})"
+        );
+        rt.transfers_settled().await;
+        assert_eq!(rt.transfers_in_flight(), 0);
+    }
+);
+
+gpu_test2!(
     nccl_a_long_method_on_an_early_value_outlives_the_transfer_deadline,
     async {
         // WK-9 bound: a call that took its value before the bytes landed
