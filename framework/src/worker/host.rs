@@ -412,16 +412,15 @@ async fn run_call<A: RdtActor>(
         dispatch(A::__dispatch_shared(&a, msg.method, call_args), false).await
     };
     rdt_transport::cuda::timeline("method returned", msg.call);
-    let payload = match ran {
-        Ok(r) => r,
-        Err(p) => {
-            return Err(Error::Panic {
-                actor: shared.name.to_string(),
-                method: method.to_string(),
-                message: panic_message(&p),
-            })
-        }
-    };
+    // A panic is the call's result once its landings are waited for, as
+    // any other (XF-5: its `CallDone` settles their receives).
+    let payload = ran.unwrap_or_else(|p| {
+        Err(Error::Panic {
+            actor: shared.name.to_string(),
+            method: method.to_string(),
+            message: panic_message(&p),
+        })
+    });
     let mut failed = None;
     for (object, l, _) in &landing {
         if let Err(e) = l.landing.clone().await {
