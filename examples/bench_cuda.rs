@@ -47,7 +47,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use rdt::prelude::*;
-use rdt_examples::{arg_value, median_of, us_since, Kind, Row};
+use rdt_examples::{arg_value, median_of, us_since, BenchError, Kind, Row};
 
 // ANCHOR: source
 #[rdt::actor]
@@ -67,7 +67,7 @@ impl CudaSource {
 
     /// Makes the tensor of `bytes` bytes now (allocated, filled and
     /// finished on the GPU), so that passes do not time it.
-    async fn prepare(&mut self, bytes: usize) -> rdt::Result<usize> {
+    async fn prepare(&mut self, bytes: usize) -> Result<usize, BenchError> {
         let t = Tensor::cuda_full(1u8, &[bytes], 0)?;
         t.cuda_ready().await?;
         self.kept.insert(bytes, t);
@@ -82,10 +82,10 @@ impl CudaSource {
     }
 
     /// The kept tensor of `bytes` bytes (see `prepare`).
-    async fn tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
+    async fn tensor(&mut self, bytes: usize) -> Result<Tensor, BenchError> {
         match self.kept.get(&bytes) {
             Some(t) => Ok(t.clone()),
-            None => Err(Error::Protocol(format!("prepare({bytes}) first"))),
+            None => Err(BenchError::new(format!("prepare({bytes}) first"))),
         }
     }
 
@@ -96,11 +96,11 @@ impl CudaSource {
 
     /// `n` tensors of `each` bytes, made once (a model's parameters) and
     /// handed out again.
-    async fn many(&mut self, n: usize, each: usize) -> rdt::Result<Vec<Tensor>> {
+    async fn many(&mut self, n: usize, each: usize) -> Result<Vec<Tensor>, BenchError> {
         if self.many.len() != n {
             self.many = (0..n)
                 .map(|_| Tensor::cuda_full(1u8, &[each], 0))
-                .collect::<rdt::Result<_, _>>()?;
+                .collect::<Result<_, _>>()?;
             for t in &self.many {
                 t.cuda_ready().await?;
             }
@@ -121,7 +121,7 @@ impl CudaSink {
 
     // ANCHOR: touch
     /// Waits until `t` is usable on this process's GPU.
-    async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
+    async fn touch(&mut self, t: Tensor) -> Result<usize, BenchError> {
         t.cuda_ready().await?;
         Ok(t.nbytes())
     }
@@ -129,14 +129,14 @@ impl CudaSink {
 
     /// Copy mode: makes a copy of `t` in this process's own memory and
     /// waits until it is done.
-    async fn touch_copy(&mut self, t: Tensor) -> rdt::Result<usize> {
+    async fn touch_copy(&mut self, t: Tensor) -> Result<usize, BenchError> {
         let own = t.deep_copy()?;
         own.cuda_ready().await?;
         Ok(own.nbytes())
     }
 
     /// Waits until every tensor is usable here; their bytes.
-    async fn touch_all(&mut self, ts: Vec<Tensor>) -> rdt::Result<usize> {
+    async fn touch_all(&mut self, ts: Vec<Tensor>) -> Result<usize, BenchError> {
         let mut n = 0;
         for t in &ts {
             t.cuda_ready().await?;
@@ -152,7 +152,7 @@ impl CudaSink {
 
     /// Starts CUDA in this process (context and stream of its GPU), so
     /// that the first pass does not time it.
-    async fn warm(&mut self) -> rdt::Result<String> {
+    async fn warm(&mut self) -> Result<String, BenchError> {
         let g = rdt::data::cuda::gpu(0).map_err(cuda_err)?;
         Ok(g.uuid().to_string())
     }
@@ -188,7 +188,7 @@ async fn pass(
     c: &CudaSinkHandle,
     bytes: usize,
     t: Transport,
-) -> rdt::Result<f64> {
+) -> Result<f64, BenchError> {
     let t0 = Instant::now();
     let r = p.tensor(bytes).transport(t).remote();
     let n = rt.get(c.touch(&r).remote()).await?;
@@ -234,8 +234,8 @@ async fn kill_and_wait(ps: &[&CudaSourceHandle], cs: &[&CudaSinkHandle]) {
     );
 }
 
-fn cuda_err(e: impl std::fmt::Display) -> Error {
-    Error::Protocol(e.to_string())
+fn cuda_err(e: impl std::fmt::Display) -> BenchError {
+    BenchError::new(e.to_string())
 }
 
 /// The median of `placement`'s row for (`case`, `transport`, `bytes`).
@@ -247,7 +247,7 @@ fn median(rows: &[Row], placement: &str, case: &str, transport: &str, bytes: usi
 }
 
 #[rdt::main]
-async fn main() -> rdt::Result<()> {
+async fn main() -> Result<(), BenchError> {
     let args: Vec<String> = std::env::args().collect();
     let json = arg_value("--json");
     let quick = args.iter().any(|a| a == "--quick");

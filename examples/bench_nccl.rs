@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 
 use rdt::data::nccl::{Communicator, P2p, UniqueId};
 use rdt::prelude::*;
-use rdt_examples::{arg_value, median_of, us_since, Kind, Row};
+use rdt_examples::{arg_value, median_of, us_since, BenchError, Kind, Row};
 use serde::Serialize;
 
 /// Side of the overlap workload's matrices.
@@ -72,7 +72,7 @@ impl NcclSource {
     }
 
     /// Makes the tensor of `bytes` bytes now (filled, finished on the GPU).
-    async fn prepare(&mut self, bytes: usize) -> rdt::Result<usize> {
+    async fn prepare(&mut self, bytes: usize) -> Result<usize, BenchError> {
         let t = Tensor::cuda_full(1u8, &[bytes], 0)?;
         t.cuda_ready().await?;
         self.kept.insert(bytes, t);
@@ -80,15 +80,15 @@ impl NcclSource {
     }
 
     /// The kept tensor of `bytes` bytes.
-    async fn tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
+    async fn tensor(&mut self, bytes: usize) -> Result<Tensor, BenchError> {
         self.kept
             .get(&bytes)
             .cloned()
-            .ok_or_else(|| Error::Protocol(format!("prepare({bytes}) first")))
+            .ok_or_else(|| BenchError::new(format!("prepare({bytes}) first")))
     }
 
     /// Makes `n` tensors totalling `total` bytes.
-    async fn prepare_many(&mut self, n: usize, total: usize) -> rdt::Result<usize> {
+    async fn prepare_many(&mut self, n: usize, total: usize) -> Result<usize, BenchError> {
         self.many = (0..n)
             .map(|_| Tensor::cuda_full(2u8, &[total / n], 0))
             .collect::<std::result::Result<_, _>>()?;
@@ -104,9 +104,9 @@ impl NcclSource {
     }
 
     /// Makes the overlap workload's N×N f16 matrix (every element 0.01).
-    async fn prepare_matrix(&mut self) -> rdt::Result<usize> {
+    async fn prepare_matrix(&mut self) -> Result<usize, BenchError> {
         let t = Tensor::cuda_empty(DType::F16, &[N, N], 0)?;
-        t.with_device_buffer(|d| -> rdt::Result<()> {
+        t.with_device_buffer(|d| -> Result<(), BenchError> {
             d.gpu().bind().map_err(cuda_err)?;
             // SAFETY: the tensor's own range, N*N 16-bit elements, on its
             // stream.
@@ -126,7 +126,7 @@ impl NcclSource {
     }
 
     /// The overlap workload's matrix.
-    async fn matrix(&mut self) -> rdt::Result<Tensor> {
+    async fn matrix(&mut self) -> Result<Tensor, BenchError> {
         self.tensor(usize::MAX).await
     }
 
@@ -152,7 +152,7 @@ const SMS_FOR_TRANSFERS: u32 = 0;
 /// under one waits for its end whatever its stream's priority; leaving it
 /// SMs (`cublasSetSmCountTarget`) is how compute and communication overlap
 /// there. `T_c` is timed with the same handle.
-fn blas_sms(g: &rdt::data::cuda::Gpu) -> rdt::Result<(u32, u32)> {
+fn blas_sms(g: &rdt::data::cuda::Gpu) -> Result<(u32, u32), BenchError> {
     let all = g.multiprocessors().map_err(cuda_err)?;
     let free = std::env::var("RDT_BENCH_SMS_FOR_TRANSFERS")
         .ok()
@@ -180,7 +180,7 @@ impl NcclSink {
     }
 
     /// Waits until `t` is usable on this process's GPU.
-    async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
+    async fn touch(&mut self, t: Tensor) -> Result<usize, BenchError> {
         rdt::data::cuda::timeline("touch start", 0);
         t.cuda_ready().await?;
         rdt::data::cuda::timeline("touch ready", 0);
@@ -189,7 +189,7 @@ impl NcclSink {
 
     /// Waits until every tensor of `ts` is usable here: rdt's stream takes
     /// each tensor's ready event over, then one wait for the stream.
-    async fn touch_all(&mut self, ts: Vec<Tensor>) -> rdt::Result<usize> {
+    async fn touch_all(&mut self, ts: Vec<Tensor>) -> Result<usize, BenchError> {
         for t in &ts {
             t.with_device_buffer(|_| ())?;
         }
@@ -216,12 +216,12 @@ impl NcclSink {
     }
 
     /// (SMs the multiplies may use, SMs of the GPU).
-    async fn blas_sms(&mut self) -> rdt::Result<(u32, u32)> {
+    async fn blas_sms(&mut self) -> Result<(u32, u32), BenchError> {
         blas_sms(&*rdt::data::cuda::gpu(0).map_err(cuda_err)?)
     }
 
     /// Starts CUDA and cuBLAS here and runs one multiply (untimed).
-    async fn warm(&mut self) -> rdt::Result<String> {
+    async fn warm(&mut self) -> Result<String, BenchError> {
         let g = rdt::data::cuda::gpu(0).map_err(cuda_err)?;
         let a = Tensor::cuda_zeros(DType::F16, &[N, N], 0)?;
         self.multiply(&a)?;
@@ -231,20 +231,20 @@ impl NcclSink {
 
     /// Overlap on: multiplies `t` by itself at once; the multiply waits on
     /// the GPU for `t`'s transfer. Returns one element of the product.
-    async fn mm(&mut self, t: Tensor) -> rdt::Result<u16> {
+    async fn mm(&mut self, t: Tensor) -> Result<u16, BenchError> {
         self.multiply(&t)?;
         self.read_one().await
     }
 
     /// Overlap off: waits until `t` landed (host sync), then multiplies.
-    async fn mm_sync(&mut self, t: Tensor) -> rdt::Result<u16> {
+    async fn mm_sync(&mut self, t: Tensor) -> Result<u16, BenchError> {
         t.cuda_ready().await?;
         self.multiply(&t)?;
         self.read_one().await
     }
 
     /// One multiply alone, on a local matrix: median of `reps`, in µs.
-    async fn time_mm(&mut self, reps: usize) -> rdt::Result<f64> {
+    async fn time_mm(&mut self, reps: usize) -> Result<f64, BenchError> {
         let a = Tensor::cuda_zeros(DType::F16, &[N, N], 0)?;
         a.cuda_ready().await?;
         let mut us = Vec::new();
@@ -270,13 +270,13 @@ impl NcclSink {
 impl NcclSink {
     /// Enqueues `out = t × t` (N×N f16, f32 accumulation) on rdt's stream,
     /// after `t`'s ready event.
-    fn multiply(&mut self, t: &Tensor) -> rdt::Result<()> {
+    fn multiply(&mut self, t: &Tensor) -> Result<(), BenchError> {
         use cudarc::cublas::{result as blas, sys as bsys};
         if self.blas.is_none() {
             // SAFETY: only checks that the library loads.
             if !unsafe { bsys::is_culib_present() } {
-                return Err(Error::Protocol(
-                    "cuBLAS (libcublas.so) was not found on the loader path".into(),
+                return Err(BenchError::new(
+                    "cuBLAS (libcublas.so) was not found on the loader path",
                 ));
             }
             let g = rdt::data::cuda::gpu(0).map_err(cuda_err)?;
@@ -330,7 +330,7 @@ impl NcclSink {
 
     /// Waits for the product (without blocking the thread) and reads its
     /// first element (f16 bits).
-    async fn read_one(&self) -> rdt::Result<u16> {
+    async fn read_one(&self) -> Result<u16, BenchError> {
         let out = self.out.as_ref().expect("a multiply ran");
         out.cuda_ready().await?;
         let ptr = out.with_device_buffer(|d| d.device_ptr())?;
@@ -349,7 +349,7 @@ struct Ctx {
 
 impl Ctx {
     /// GPU 0 to GPU 1, as every row of this benchmark runs.
-    fn across_gpus(commit: String) -> rdt::Result<Ctx> {
+    fn across_gpus(commit: String) -> Result<Ctx, BenchError> {
         let (g0, g1) = (
             rdt::data::cuda::gpu(0).map_err(cuda_err)?,
             rdt::data::cuda::gpu(1).map_err(cuda_err)?,
@@ -372,8 +372,8 @@ fn row(cx: &Ctx, case: &str, transport: &str, kind: Kind, bytes: usize, us: Vec<
     r
 }
 
-fn cuda_err(e: impl std::fmt::Debug) -> Error {
-    Error::Protocol(format!("{e:?}"))
+fn cuda_err(e: impl std::fmt::Debug) -> BenchError {
+    BenchError::new(format!("{e:?}"))
 }
 
 /// The raw baseline's cases: (name, tensors, bytes each).
@@ -405,7 +405,7 @@ async fn raw_side(
     rank: usize,
     sizes: &[usize],
     quick: bool,
-) -> rdt::Result<RawResult> {
+) -> Result<RawResult, BenchError> {
     let gpu = rdt::data::cuda::gpu(0).map_err(cuda_err)?;
     let t0 = Instant::now();
     let comm = Communicator::start(&id, 2, rank, gpu.clone()).map_err(cuda_err)?;
@@ -431,7 +431,7 @@ async fn raw_side(
                     P2p::Recv { peer, ptr, len }
                 })
             })
-            .collect::<rdt::Result<_>>()?;
+            .collect::<Result<_, BenchError>>()?;
         let iters = iters_for(n * each, quick);
         let mut us = Vec::new();
         for i in 0..iters + 3 {
@@ -469,7 +469,7 @@ async fn raw_side(
 
 /// The raw baseline: a child process (GPU 1) receives, this one (GPU 0)
 /// sends.
-async fn raw_baseline(cx: &Ctx, sizes: &[usize], quick: bool) -> rdt::Result<Vec<Row>> {
+async fn raw_baseline(cx: &Ctx, sizes: &[usize], quick: bool) -> Result<Vec<Row>, BenchError> {
     let id = UniqueId::new().map_err(cuda_err)?;
     let exe = std::env::current_exe()?;
     let gpu1 = std::env::var("CUDA_VISIBLE_DEVICES")
@@ -489,14 +489,14 @@ async fn raw_baseline(cx: &Ctx, sizes: &[usize], quick: bool) -> rdt::Result<Vec
     tokio::io::AsyncReadExt::read_to_string(&mut stdout, &mut text).await?;
     let status = child.wait().await?;
     if !status.success() {
-        return Err(Error::Protocol(format!(
+        return Err(BenchError::new(format!(
             "the raw NCCL peer failed: {status}"
         )));
     }
     let line = text
         .lines()
         .find_map(|l| l.strip_prefix("RAW "))
-        .ok_or_else(|| Error::Protocol(format!("the raw NCCL peer said: {text}")))?;
+        .ok_or_else(|| BenchError::new(format!("the raw NCCL peer said: {text}")))?;
     let (cases, init1, first): RawResult = serde_json::from_str(line).map_err(cuda_err)?;
     let mut rows = vec![
         row(
@@ -541,7 +541,7 @@ fn sizes(quick: bool) -> Vec<usize> {
 }
 
 #[rdt::main]
-async fn main() -> rdt::Result<()> {
+async fn main() -> Result<(), BenchError> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     if let Some(i) = args.iter().position(|a| a == "--raw-peer") {
@@ -820,7 +820,7 @@ async fn overlap(
     cx: &Ctx,
     rows: &mut Vec<Row>,
     iters: usize,
-) -> rdt::Result<Overlap> {
+) -> Result<Overlap, BenchError> {
     let recv = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;
     rt.get(recv.warm().remote()).await?;
     let blas_sms = rt.get(recv.blas_sms().remote()).await?;
@@ -924,7 +924,7 @@ async fn overlap(
 /// `--overlap-only`: the overlap workload alone, its summary line on
 /// stdout (no rows): for comparing settings run after run on one
 /// machine.
-async fn overlap_only(quick: bool) -> rdt::Result<()> {
+async fn overlap_only(quick: bool) -> Result<(), BenchError> {
     if rdt::data::cuda::device_count() < 2 {
         println!("== bench_nccl --overlap-only: needs two GPUs: skipped");
         return Ok(());
@@ -952,7 +952,7 @@ async fn overlap_only(quick: bool) -> rdt::Result<()> {
 /// `--timeline`: tiny calls, then passes at 4 KiB and 1 GiB, with `RDT_TIMELINE` on in
 /// the driver and both workers (every step of every pass on one clock);
 /// no rows.
-async fn timeline_passes() -> rdt::Result<()> {
+async fn timeline_passes() -> Result<(), BenchError> {
     // Before any worker starts: they inherit it.
     std::env::set_var("RDT_TIMELINE", "1");
     let rt = Runtime::start().await?;
@@ -988,7 +988,7 @@ async fn timeline_passes() -> rdt::Result<()> {
 /// control loop on one tokio thread (`RDT_CONTROL_THREADS=1`), one on two
 /// (the default); N rounds of a tiny call and a 4 KiB pass to each pair,
 /// in turns.
-async fn ab_control_threads(n: usize) -> rdt::Result<()> {
+async fn ab_control_threads(n: usize) -> Result<(), BenchError> {
     let cx = Ctx::across_gpus(std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()))?;
     let raw = raw_baseline(&cx, &sizes(true), true).await?;
     let raw4k = median_of(&raw, "pass", "raw", 4 << 10);
@@ -1043,7 +1043,7 @@ async fn ab_control_threads(n: usize) -> rdt::Result<()> {
 /// `--small-passes N`: raw NCCL at 4 KiB (and 1 MiB), then N tiny calls
 /// and N rdt passes of 4 KiB across the two GPUs, in one run; prints the
 /// medians and the pass's excess over raw + call (no rows).
-async fn small_passes(n: usize) -> rdt::Result<()> {
+async fn small_passes(n: usize) -> Result<(), BenchError> {
     let cx = Ctx::across_gpus(std::env::var("RDT_COMMIT").unwrap_or_else(|_| "unknown".into()))?;
     let raw = raw_baseline(&cx, &sizes(true), true).await?;
     let raw4k = median_of(&raw, "pass", "raw", 4 << 10);

@@ -39,7 +39,7 @@ use std::time::Instant;
 
 use rdt::data::nixl::raw::{Memory, RawAgent};
 use rdt::prelude::*;
-use rdt_examples::{arg_value, us_since, Kind, Row};
+use rdt_examples::{arg_value, us_since, BenchError, Kind, Row};
 use serde::{Deserialize, Serialize};
 
 #[rdt::actor]
@@ -60,7 +60,7 @@ impl NixlSource {
     }
 
     /// Makes the tensor of `bytes` bytes now (finished on the GPU).
-    async fn prepare(&mut self, bytes: usize) -> rdt::Result<usize> {
+    async fn prepare(&mut self, bytes: usize) -> Result<usize, BenchError> {
         let t = Tensor::cuda_full(1u8, &[bytes], 0)?;
         t.cuda_ready().await?;
         self.kept.insert(bytes, t);
@@ -68,11 +68,11 @@ impl NixlSource {
     }
 
     /// The kept tensor of `bytes` bytes.
-    async fn tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
+    async fn tensor(&mut self, bytes: usize) -> Result<Tensor, BenchError> {
         self.kept
             .get(&bytes)
             .cloned()
-            .ok_or_else(|| Error::Protocol(format!("no tensor of {bytes} B prepared")))
+            .ok_or_else(|| BenchError::new(format!("no tensor of {bytes} B prepared")))
     }
 
     /// Makes the host tensor of `bytes` bytes now.
@@ -82,14 +82,14 @@ impl NixlSource {
     }
 
     /// The host tensor.
-    async fn host_tensor(&mut self) -> rdt::Result<Tensor> {
+    async fn host_tensor(&mut self) -> Result<Tensor, BenchError> {
         self.host
             .clone()
-            .ok_or_else(|| Error::Protocol("no host tensor prepared".into()))
+            .ok_or_else(|| BenchError::new("no host tensor prepared"))
     }
 
     /// Makes `n` tensors of `each` bytes.
-    async fn prepare_many(&mut self, n: usize, each: usize) -> rdt::Result<usize> {
+    async fn prepare_many(&mut self, n: usize, each: usize) -> Result<usize, BenchError> {
         self.many = (0..n)
             .map(|_| Tensor::cuda_full(2u8, &[each], 0))
             .collect::<std::result::Result<_, _>>()?;
@@ -130,7 +130,7 @@ impl NixlSink {
 
     /// Makes its parameters: `n` views of `each` bytes of one flat CUDA
     /// buffer (a model's weights, laid out as trainers do).
-    async fn make_params(&mut self, n: usize, each: usize) -> rdt::Result<usize> {
+    async fn make_params(&mut self, n: usize, each: usize) -> Result<usize, BenchError> {
         let flat = Tensor::cuda_zeros(DType::U8, &[n * each], 0)?;
         self.params = (0..n)
             .map(|i| flat.view(i * each, DType::U8, &[each]))
@@ -141,7 +141,7 @@ impl NixlSink {
 
     /// A weight update: the object behind `r` read into the parameters
     /// (`get_into`), usable once this returns.
-    async fn update(&mut self, r: ObjectRef<Vec<Tensor>>) -> rdt::Result<usize> {
+    async fn update(&mut self, r: ObjectRef<Vec<Tensor>>) -> Result<usize, BenchError> {
         let got: Vec<Tensor> = rdt::runtime().get_into(&r, &self.params).await?;
         if let Some(t) = got.last() {
             t.cuda_ready().await?;
@@ -151,7 +151,7 @@ impl NixlSink {
 
     /// A weight update that needs no value back (`load_into`): the
     /// parameters hold the new weights, usable once this returns.
-    async fn load(&mut self, r: ObjectRef<Vec<Tensor>>) -> rdt::Result<usize> {
+    async fn load(&mut self, r: ObjectRef<Vec<Tensor>>) -> Result<usize, BenchError> {
         rdt::runtime().load_into(&r, &self.params).await?;
         if let Some(t) = self.params.last() {
             t.cuda_ready().await?;
@@ -160,7 +160,7 @@ impl NixlSink {
     }
 
     /// The tensors are usable here once the read returned.
-    async fn touch(&mut self, t: Tensor) -> rdt::Result<usize> {
+    async fn touch(&mut self, t: Tensor) -> Result<usize, BenchError> {
         rdt::data::cuda::timeline("touch start", 0);
         t.cuda_ready().await?;
         rdt::data::cuda::timeline("touch ready", 0);
@@ -171,7 +171,7 @@ impl NixlSink {
     }
 
     /// All of them.
-    async fn touch_all(&mut self, ts: Vec<Tensor>) -> rdt::Result<usize> {
+    async fn touch_all(&mut self, ts: Vec<Tensor>) -> Result<usize, BenchError> {
         rdt::data::cuda::timeline("touch_all start", ts.len() as u64);
         if let Some(t) = ts.last() {
             t.cuda_ready().await?;
@@ -189,7 +189,7 @@ impl NixlSink {
     }
 
     /// Starts CUDA here (untimed).
-    async fn warm(&mut self) -> rdt::Result<usize> {
+    async fn warm(&mut self) -> Result<usize, BenchError> {
         let t = Tensor::cuda_zeros(DType::U8, &[4096], 0)?;
         t.cuda_ready().await?;
         Ok(t.nbytes())
@@ -216,8 +216,8 @@ impl NixlSink {
     }
 }
 
-fn err(e: impl std::fmt::Display) -> Error {
-    Error::Protocol(e.to_string())
+fn err(e: impl std::fmt::Display) -> BenchError {
+    BenchError::new(e.to_string())
 }
 
 struct Ctx {
@@ -228,7 +228,7 @@ struct Ctx {
 
 impl Ctx {
     /// This run's GPU 0 and commit (`RDT_COMMIT`, set by `run.sh`).
-    fn of_this_run() -> rdt::Result<Ctx> {
+    fn of_this_run() -> Result<Ctx, BenchError> {
         let g0 = rdt::data::cuda::gpu(0).map_err(err)?;
         Ok(Ctx {
             device: format!("cuda ({})", g0.uuid()),
@@ -398,7 +398,7 @@ fn raw_reader(plan: RawPlan) -> Result<RawResult, String> {
 /// with the same single-GPU view as an rdt worker): registers one buffer
 /// per case on its GPU 0, prints the plan, and keeps everything until its
 /// stdin closes.
-async fn raw_holder(sizes: &[usize], quick: bool, host: bool, pin: bool) -> rdt::Result<()> {
+async fn raw_holder(sizes: &[usize], quick: bool, host: bool, pin: bool) -> Result<(), BenchError> {
     // As in an rdt worker: the process's CUDA context exists before the
     // agent is made.
     Tensor::cuda_zeros(DType::U8, &[4096], 0)?
@@ -477,7 +477,7 @@ async fn raw_baseline(
     holder_gpu: &str,
     reader_gpu: &str,
     quick: bool,
-) -> rdt::Result<Vec<Row>> {
+) -> Result<Vec<Row>, BenchError> {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let exe = std::env::current_exe()?;
     let mut holder = tokio::process::Command::new(&exe)
@@ -598,7 +598,7 @@ async fn rdt_passes(
     c: &NixlSinkHandle,
     sizes: &[usize],
     quick: bool,
-) -> rdt::Result<Vec<Row>> {
+) -> Result<Vec<Row>, BenchError> {
     let mut rows = Vec::new();
     let mut first = true;
     let mut all: Vec<usize> = sizes.to_vec();
@@ -738,7 +738,7 @@ async fn rdt_passes(
 
 /// `iters` passes of the object of 10 000 tensors of 4 KiB after 3
 /// untimed ones; each `pass` returns the bytes the consumer saw. µs each.
-async fn timed_passes<F, Fut>(iters: usize, mut pass: F) -> rdt::Result<Vec<f64>>
+async fn timed_passes<F, Fut>(iters: usize, mut pass: F) -> Result<Vec<f64>, BenchError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = rdt::Result<usize>>,
@@ -756,7 +756,12 @@ where
 
 /// `n` + 3 passes of the object of 10 000 tensors of 4 KiB, numbered from
 /// `first` on the timeline; prints the median as `what`.
-async fn timeline_of<F, Fut>(what: &str, first: u64, n: usize, mut pass: F) -> rdt::Result<()>
+async fn timeline_of<F, Fut>(
+    what: &str,
+    first: u64,
+    n: usize,
+    mut pass: F,
+) -> Result<(), BenchError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = rdt::Result<usize>>,
@@ -799,7 +804,7 @@ fn sizes(quick: bool) -> Vec<usize> {
 }
 
 #[rdt::main]
-async fn main() -> rdt::Result<()> {
+async fn main() -> Result<(), BenchError> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     if args.iter().any(|a| a == "--raw-holder") {
@@ -923,7 +928,7 @@ async fn main() -> rdt::Result<()> {
 /// `--timeline`: a few 4 KiB passes (across GPUs where two are visible)
 /// with `RDT_TIMELINE` on in the driver and both workers (every step of
 /// every pass on one clock); no rows.
-async fn timeline_passes(n: usize) -> rdt::Result<()> {
+async fn timeline_passes(n: usize) -> Result<(), BenchError> {
     // Before any worker starts: they inherit it.
     std::env::set_var("RDT_TIMELINE", "1");
     small_passes(n, 0).await
@@ -932,7 +937,7 @@ async fn timeline_passes(n: usize) -> rdt::Result<()> {
 /// `--timeline-many`: passes of the object of 10 000 tensors of 4 KiB
 /// (across GPUs where two are visible) with `RDT_TIMELINE` on everywhere;
 /// no rows, the median on stdout.
-async fn timeline_many(n: usize) -> rdt::Result<()> {
+async fn timeline_many(n: usize) -> Result<(), BenchError> {
     std::env::set_var("RDT_TIMELINE", "1");
     let (rt, p, c) = producer_and_consumer().await?;
     rt.get(p.prepare_many(10_000, 4096).remote()).await?;
@@ -971,7 +976,7 @@ async fn timeline_many(n: usize) -> rdt::Result<()> {
 /// spin). Prints, per
 /// round: the median pass and, per READ, the post, post to end, and how
 /// many asks of NIXL it took (after a yield / in all).
-async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
+async fn small_passes(n: usize, spin_us: u64) -> Result<(), BenchError> {
     // The raw baselines first, in the same run: host memory, and device
     // memory as the consumer below reads it.
     let cx = Ctx::of_this_run()?;
@@ -1111,7 +1116,7 @@ async fn small_passes(n: usize, spin_us: u64) -> rdt::Result<()> {
 /// (`RDT_CONTROL_THREADS=1`) and one on two (the default), fed by one
 /// producer; N rounds of a tiny call and a 4 KiB pass to each, then N/4
 /// rounds of a pass of 10 000 tensors of 4 KiB to each, in turns.
-async fn ab_control_threads(n: usize) -> rdt::Result<()> {
+async fn ab_control_threads(n: usize) -> Result<(), BenchError> {
     let cx = Ctx::of_this_run()?;
     let visible = visible_gpus();
     let reader_gpu = visible.get(1).unwrap_or(&visible[0]);
@@ -1190,7 +1195,8 @@ async fn ab_control_threads(n: usize) -> rdt::Result<()> {
 
 /// A runtime, a producer on GPU 0 and a warmed-up consumer (on GPU 1
 /// where two are visible, else on GPU 0): the single-case modes' pair.
-async fn producer_and_consumer() -> rdt::Result<(Runtime, NixlSourceHandle, NixlSinkHandle)> {
+async fn producer_and_consumer() -> Result<(Runtime, NixlSourceHandle, NixlSinkHandle), BenchError>
+{
     let rt = Runtime::start().await?;
     let consumer_gpu = if rdt::data::cuda::device_count() >= 2 {
         1

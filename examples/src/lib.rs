@@ -256,3 +256,62 @@ where
     );
     Ok(())
 }
+
+/// What a benchmark program's own steps fail with: a missing preparation,
+/// a raw peer that failed, a library that is not there. The runtime's
+/// errors convert into it; a method that returns it fails its call with
+/// [`rdt::Error::Application`], as any application error does.
+#[derive(Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct BenchError(pub String);
+
+impl BenchError {
+    /// An error saying `what`.
+    pub fn new(what: impl std::fmt::Display) -> BenchError {
+        BenchError(what.to_string())
+    }
+}
+
+impl std::fmt::Display for BenchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// As `Display`: `main` prints it when it returns one.
+impl std::fmt::Debug for BenchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BenchError {}
+
+impl From<rdt::Error> for BenchError {
+    fn from(e: rdt::Error) -> BenchError {
+        BenchError::new(e)
+    }
+}
+
+impl From<rdt::TensorError> for BenchError {
+    fn from(e: rdt::TensorError) -> BenchError {
+        BenchError::new(e)
+    }
+}
+
+impl From<std::io::Error> for BenchError {
+    fn from(e: std::io::Error) -> BenchError {
+        BenchError::new(e)
+    }
+}
+
+impl From<rdt::data::cuda::CudaError> for BenchError {
+    fn from(e: rdt::data::cuda::CudaError) -> BenchError {
+        BenchError::new(e)
+    }
+}
+
+impl From<serde_json::Error> for BenchError {
+    fn from(e: serde_json::Error) -> BenchError {
+        BenchError::new(e)
+    }
+}
