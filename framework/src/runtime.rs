@@ -681,7 +681,7 @@ impl Runtime {
             rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
                 // NIXL: read straight into this process, no worker involved.
                 Some(inst) => {
-                    let tensors = self.get_direct(r.id, &wv, inst, Target::Any).await?;
+                    let tensors = self.get_direct(r.id, &wv, inst, Target::Any, None).await?;
                     decode_in_driver(&self.inner, &wv, r.id, &tensors)
                 }
                 None => self.get_via_object_store(r).await,
@@ -710,10 +710,10 @@ impl Runtime {
     /// gate the drop closes (a copy under way ends first), or in this future
     /// itself. Over `nixl` and `nccl`, which write into the targets as the
     /// bytes come, the drop aborts the receive (over `nccl`, like any failed
-    /// transfer, that aborts the group); a NIXL READ already posted is
-    /// cancelled at NIXL's next poll and may still complete into the targets
-    /// until then, so do not read them as the old values after a dropped
-    /// `get_into` over `nixl`. Either way the object stays readable.
+    /// transfer, that aborts the group); a NIXL READ already posted ends or
+    /// is cancelled a moment after the drop, and writes into the targets
+    /// until then: [`Targets::idle`](crate::Targets::idle) waits for it.
+    /// Either way the object stays readable.
     pub async fn get_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,
@@ -778,7 +778,10 @@ impl Runtime {
                         })?;
                     crate::client::check_targets(id, metas, &ordered)?;
                     let target = Target::Tensors(ordered.clone());
-                    let tensors = self.get_direct(id, &wv, inst, target).await?;
+                    // TG-4: a READ that outlives this future counts as the
+                    // targets' writer (`Targets::idle`).
+                    let gate = Arc::new(targets.gate());
+                    let tensors = self.get_direct(id, &wv, inst, target, Some(gate)).await?;
                     let copied = crate::client::into_targets(id, &ordered, &tensors)?;
                     return Ok((wv, tensors, copied));
                 }
@@ -812,7 +815,7 @@ impl Runtime {
         wv.arrived().await?;
         match driver_transport(wv.transport) {
             Some(inst) => {
-                let tensors = self.get_direct(r.id, &wv, inst, Target::Host).await?;
+                let tensors = self.get_direct(r.id, &wv, inst, Target::Host, None).await?;
                 decode_in_driver(&self.inner, &wv, r.id, &tensors)
             }
             None => Err(Error::TransportUnavailable {
@@ -848,6 +851,7 @@ impl Runtime {
         wv: &WireValue,
         inst: Arc<dyn rdt_transport::TensorTransport>,
         target: Target,
+        gate: Option<Arc<rdt_transport::TargetGate>>,
     ) -> Result<Vec<rdt_transport::Tensor>> {
         let (from, producer) = {
             let st = self.inner.lock();
@@ -884,6 +888,7 @@ impl Runtime {
         let exported = wv.exported.get()?;
         let cx = rdt_transport::TransferCtx {
             target,
+            gate,
             layout: wv.exported.layout(),
             ..rdt_transport::TransferCtx::new(0)
         };

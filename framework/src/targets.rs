@@ -75,6 +75,8 @@ struct Inner {
     keys: Option<Box<[String]>>,
     /// The last resolution (TG-3).
     kept: Mutex<Option<Resolved>>,
+    /// Receives that may still write into the tensors (TG-4).
+    writers: Arc<rdt_transport::TargetWriters>,
 }
 
 /// Targets resolved against one value's bytes.
@@ -101,7 +103,31 @@ impl Targets {
             tensors,
             keys: None,
             kept: Mutex::new(None),
+            writers: Arc::default(),
         }))
+    }
+
+    /// Waits until no receive writes into these targets (this list and
+    /// its clones).
+    ///
+    /// A `get_into` or `load_into` dropped before it completes writes
+    /// nothing more into the targets once the drop returns, except over a
+    /// transport that writes them itself as the bytes come (`nixl`: a READ
+    /// already posted ends, or is cancelled, a moment later). Wait for
+    /// this before reading targets whose receive was dropped, or before
+    /// handing them to another receive.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only waits.
+    pub async fn idle(&self) {
+        self.0.writers.idle().await
+    }
+
+    /// An open gate for a receive into these targets, its writers counted
+    /// in theirs.
+    pub(crate) fn gate(&self) -> rdt_transport::TargetGate {
+        rdt_transport::TargetGate::new(self.0.writers.clone())
     }
 
     /// Keyed targets from `(key, tensor)` pairs; two tensors under one key
@@ -123,6 +149,7 @@ impl Targets {
             tensors: tensors.into(),
             keys: Some(keys.into()),
             kept: Mutex::new(None),
+            writers: Arc::default(),
         })))
     }
 
@@ -390,7 +417,10 @@ impl Registered {
         Registered {
             targets: targets.clone(),
             resolve: Targets::resolve::<T>,
-            landing: Arc::default(),
+            landing: Arc::new(Landing {
+                gate: Arc::new(targets.gate()),
+                in_place: Mutex::default(),
+            }),
         }
     }
 

@@ -786,6 +786,13 @@ impl Consumer {
         )
         .await
         .is_err();
+        // A READ posted into them ends or is cancelled a moment later.
+        tokio::time::timeout(std::time::Duration::from_secs(10), targets.idle())
+            .await
+            .map_err(|_| rdt::Error::Timeout {
+                what: "the dropped receive's writes into the targets to end".into(),
+                after_ms: 10_000,
+            })?;
         let after_drop = total(&targets)?;
         let whole: Vec<Tensor> = rdt::runtime().get(&r).await?;
         drop(whole);

@@ -703,9 +703,8 @@ pub async fn tg_4_a_dropped_get_into_writes_nothing_after_the_drop(t: Transport)
             .await
             .unwrap();
         // A `nixl` READ writes into the targets as its bytes come: the
-        // drop aborts it, but NIXL cancels a posted READ only at its
-        // poller's next round, and one under way may still finish (see
-        // `get_into`'s cancel safety). The object stays readable (the
+        // drop aborts it, and `Targets::idle` waits for a READ already
+        // posted to end or be cancelled. The object stays readable (the
         // `get` after the drop returned it whole).
         if timed_out {
             assert_eq!(

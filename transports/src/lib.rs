@@ -50,7 +50,7 @@ pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError
 pub use tensor_list::{MakeTensors, TensorList};
 pub use transport::{
     Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, ReceiveStart, Sidedness, Target,
-    TargetGate, TensorTransport, TransferCtx, TransferId, TransportError,
+    TargetGate, TargetWriters, TensorTransport, TransferCtx, TransferId, TransportError, Writing,
 };
 pub use wire::Blob;
 

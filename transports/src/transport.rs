@@ -282,20 +282,38 @@ pub struct TransferCtx {
 /// Closing it waits for a copy into the targets under way and keeps any
 /// later one out: once [`close`](Self::close) returns, no copy through
 /// [`TransferCtx::place`] writes into the targets.
+///
+/// A transport that writes into the targets itself as bytes come (a
+/// one-sided READ posted into them) holds a [`Writing`] from
+/// [`writing`](Self::writing) for as long as its writes may land, past
+/// the receive future's drop where the transport finishes or cancels
+/// them later: [`TargetWriters::idle`] waits for it.
 #[derive(Debug)]
 pub struct TargetGate {
     open: parking_lot::Mutex<bool>,
+    writers: Arc<TargetWriters>,
 }
 
 impl Default for TargetGate {
     fn default() -> Self {
-        TargetGate {
-            open: parking_lot::Mutex::new(true),
-        }
+        TargetGate::new(Arc::default())
     }
 }
 
 impl TargetGate {
+    /// An open gate whose writers count in `writers` (the target list's).
+    pub fn new(writers: Arc<TargetWriters>) -> TargetGate {
+        TargetGate {
+            open: parking_lot::Mutex::new(true),
+            writers,
+        }
+    }
+
+    /// Counts a writer of the targets until the guard drops.
+    pub fn writing(&self) -> Writing {
+        Writing::new(self.writers.clone())
+    }
+
     /// Nothing is written into the targets from now on.
     pub fn close(&self) {
         *self.open.lock() = false;
@@ -304,6 +322,53 @@ impl TargetGate {
     /// Whether it is still open.
     pub fn is_open(&self) -> bool {
         *self.open.lock()
+    }
+}
+
+/// The receives that may still write into a list of target tensors (see
+/// [`TargetGate::writing`]).
+#[derive(Debug)]
+pub struct TargetWriters(tokio::sync::watch::Sender<usize>);
+
+impl Default for TargetWriters {
+    fn default() -> Self {
+        TargetWriters(tokio::sync::watch::Sender::new(0))
+    }
+}
+
+impl TargetWriters {
+    /// Waits until no receive writes into the targets.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only waits.
+    pub async fn idle(&self) {
+        let mut rx = self.0.subscribe();
+        // The sender lives in `self`: the wait ends only by the count.
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    /// How many write now.
+    pub fn count(&self) -> usize {
+        *self.0.borrow()
+    }
+}
+
+/// A writer of target tensors, counted in its [`TargetWriters`] until it
+/// drops.
+#[derive(Debug)]
+pub struct Writing(Arc<TargetWriters>);
+
+impl Writing {
+    fn new(writers: Arc<TargetWriters>) -> Writing {
+        writers.0.send_modify(|n| *n += 1);
+        Writing(writers)
+    }
+}
+
+impl Drop for Writing {
+    fn drop(&mut self) {
+        self.0 .0.send_modify(|n| *n -= 1);
     }
 }
 

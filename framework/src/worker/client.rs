@@ -372,10 +372,10 @@ impl ActorRuntime {
     /// gate the drop closes (a copy under way ends first), or in this future
     /// itself. Over `nixl` and `nccl`, which write into the targets as the
     /// bytes come, the drop aborts the receive (over `nccl`, like any failed
-    /// transfer, that aborts the group); a NIXL READ already posted is
-    /// cancelled at NIXL's next poll and may still complete into the targets
-    /// until then, so do not read them as the old values after a dropped
-    /// `get_into` over `nixl`. Either way the object stays readable.
+    /// transfer, that aborts the group); a NIXL READ already posted ends or
+    /// is cancelled a moment after the drop, and writes into the targets
+    /// until then: [`Targets::idle`](crate::Targets::idle) waits for it.
+    /// Either way the object stays readable.
     pub async fn get_into<T: Serialize + DeserializeOwned + 'static>(
         &self,
         r: impl Borrow<ObjectRef<T>>,

@@ -944,9 +944,13 @@ fn land_gated(
     landing: &crate::targets::Landing,
     transport: Transport,
     xfer: u64,
-) -> (Target, Option<Arc<rdt_transport::TargetGate>>) {
+) -> (
+    Target,
+    Option<Arc<rdt_transport::TargetGate>>,
+    Option<rdt_transport::Writing>,
+) {
     if !matches!(target, Target::Tensors(_)) {
-        return (target, None);
+        return (target, None, None);
     }
     let copies = [
         Transport::Tcp,
@@ -960,10 +964,15 @@ fn land_gated(
         // finds it and aborts the receive.
         *landing.in_place.lock() = Some(xfer);
     }
+    // A receive that writes in place is the targets' writer until it ends
+    // (`Targets::idle`; the transport counts what outlives it): counted
+    // before the gate is read, so that a wait that begins after the drop
+    // sees it.
+    let writing = (!copies).then(|| landing.gate.writing());
     if !landing.gate.is_open() {
-        return (Target::Any, None);
+        return (Target::Any, None, None);
     }
-    (target, Some(landing.gate.clone()))
+    (target, Some(landing.gate.clone()), writing)
 }
 
 /// A registered target list found to fit a layout over a transport
@@ -1730,8 +1739,8 @@ fn on_deliver(
                 // Targets are ordered by the value's bytes (TG-1), which
                 // may still be arriving: they come before the receive
                 // writes into anything.
-                let (target, gate) = match shared.take_targets(object) {
-                    None => (Target::Any, None),
+                let (target, gate, _writing) = match shared.take_targets(object) {
+                    None => (Target::Any, None, None),
                     Some(registered) => {
                         let landing = registered.landing.clone();
                         let target = match d.value.data.arrived().await {

@@ -999,6 +999,8 @@ enum Kept {
     /// The device range a receive's new tensors are slices of.
     Range(#[allow(dead_code)] Arc<crate::cuda::alloc::SlabRange>),
     Slab(#[allow(dead_code)] Arc<Registered>),
+    /// The receive as a writer of its targets (TG-4).
+    Writing(#[allow(dead_code)] crate::Writing),
 }
 
 impl std::fmt::Debug for NixlTransport {
@@ -1376,7 +1378,11 @@ impl NixlTransport {
         }
         let (into, mut target_keep) = match &cx.target {
             Target::Tensors(ts) => {
-                let (plan, keep) = self.target_plan(&agent, exported, ts, cx.layout, from)?;
+                let (plan, mut keep) = self.target_plan(&agent, exported, ts, cx.layout, from)?;
+                // TG-4: a READ posted into the targets writes them until it
+                // ends, also after this receive was dropped (the poller
+                // cancels it later): counted as their writer until then.
+                keep.extend(cx.gate.as_ref().map(|g| Kept::Writing(g.writing())));
                 (Into::Targets(ts, plan), keep)
             }
             t => (
