@@ -1,9 +1,10 @@
 //! What runs under the driver's state lock: nothing a transport does.
 //!
 //! A transport's `release` of an object the driver held itself
-//! (`put_with`) may take its time (NIXL deregisters memory) or call back
-//! into the runtime; run under the state lock, it stalls every message the
-//! driver handles meanwhile, and one that takes the lock deadlocks.
+//! (`put_with`) and its `peer_gone` of a dead actor may take their time
+//! (NIXL deregisters memory, UCX disconnects) or call back into the
+//! runtime; run under the state lock, they stall every message the driver
+//! handles meanwhile, and one that takes the lock deadlocks.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -15,7 +16,8 @@ use rdt::data::{Exported, Peer, Sidedness, TensorTransport, TransportError};
 use rdt::prelude::*;
 use rdt_integration_tests::deadline;
 
-/// A one-sided transport whose `release` asks the runtime a question.
+/// A one-sided transport whose `release` and `peer_gone` ask the runtime a
+/// question.
 const ASKS_ON_RELEASE: Transport = Transport::named("asks_on_release");
 
 rdt::register_transport!(Registration {
@@ -32,6 +34,18 @@ static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 /// Releases that found the state lock taken (they ran under it).
 static UNDER_LOCK: AtomicBool = AtomicBool::new(false);
 static RELEASED: AtomicUsize = AtomicUsize::new(0);
+/// The same for `peer_gone`.
+static PEER_GONE_UNDER_LOCK: AtomicBool = AtomicBool::new(false);
+static PEER_GONE: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Whether the runtime's state lock is taken now: another thread asks it
+/// a question (asked here, a release under the lock would deadlock).
+fn state_locked() -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let rt = RUNTIME.get().expect("set by the test").clone();
+    std::thread::spawn(move || tx.send(rt.live_objects()));
+    rx.recv_timeout(Duration::from_secs(2)).is_err()
+}
 
 struct AsksOnRelease;
 
@@ -75,24 +89,31 @@ impl TensorTransport for AsksOnRelease {
     }
 
     fn release(&self, _: ObjectKey) -> futures::future::BoxFuture<'_, Result<(), TransportError>> {
-        // Another thread asks, so that a release under the lock is seen,
-        // not deadlocked on.
-        let (tx, rx) = std::sync::mpsc::channel();
-        let rt = RUNTIME.get().expect("set by the test").clone();
-        std::thread::spawn(move || tx.send(rt.live_objects()));
-        if rx.recv_timeout(Duration::from_secs(2)).is_err() {
+        if state_locked() {
             UNDER_LOCK.store(true, Ordering::SeqCst);
         }
         RELEASED.fetch_add(1, Ordering::SeqCst);
         Box::pin(async { Ok(()) })
     }
+
+    fn peer_gone(&self, _: u64) {
+        // Workers call it too; only the driver has a runtime to ask.
+        if RUNTIME.get().is_some() {
+            if state_locked() {
+                PEER_GONE_UNDER_LOCK.store(true, Ordering::SeqCst);
+            }
+            PEER_GONE.notify_one();
+        }
+    }
 }
 
-/// OW-1: an object the driver held itself is released after the state
-/// lock is given back. At d5ce7c1 `DriverHeld`'s drop ran the transport's
-/// release inside the owner table's free, under the lock.
+/// OW-1, OW-5: an object the driver held itself is released, and the
+/// transports forget a dead actor, after the state lock is given back. At
+/// d5ce7c1 `DriverHeld`'s drop ran the transport's release inside the
+/// owner table's free, under the lock; before 64d9a46 `on_death` called
+/// `peer_gone` under it.
 #[tokio::test]
-async fn ow_1_a_driver_held_object_is_released_outside_the_state_lock() {
+async fn ow_1_ow_5_transport_work_runs_outside_the_state_lock() {
     deadline(60, async {
         rdt_integration_tests::logs();
         let rt = Runtime::start().await.unwrap();
@@ -108,6 +129,18 @@ async fn ow_1_a_driver_held_object_is_released_outside_the_state_lock() {
         assert!(
             !UNDER_LOCK.load(Ordering::SeqCst),
             "the transport's release ran under the driver's state lock"
+        );
+        // An actor's death: the driver's transports forget it.
+        let p = rt
+            .spawn::<rdt_integration_tests::actors::Producer>(())
+            .await
+            .unwrap();
+        assert_eq!(rt.get(p.echo(7).remote()).await.unwrap(), 7);
+        p.kill();
+        PEER_GONE.notified().await;
+        assert!(
+            !PEER_GONE_UNDER_LOCK.load(Ordering::SeqCst),
+            "the transport's peer_gone ran under the driver's state lock"
         );
     })
     .await
