@@ -85,6 +85,11 @@ impl TensorTransport for ObjectStoreTransport {
         Sidedness::ThroughDriver
     }
 
+    /// Received tensors are copied into targets through `TransferCtx::place`.
+    fn copies_into_targets(&self) -> bool {
+        true
+    }
+
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {
         match device {
             // CUDA tensors go through the host (see the module docs).

@@ -455,6 +455,11 @@ impl TensorTransport for TcpTransport {
         Sidedness::TwoSided
     }
 
+    /// Received tensors are copied into targets through `TransferCtx::place`.
+    fn copies_into_targets(&self) -> bool {
+        true
+    }
+
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {
         match device {
             Device::Cpu => Ok(()),

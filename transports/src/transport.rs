@@ -668,6 +668,17 @@ pub trait TensorTransport: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Whether a receive into [`Target::Tensors`] copies into them only
+    /// through [`TransferCtx::place`] (under the [`TransferCtx::gate`]),
+    /// rather than writing into them itself as bytes come. A dropped
+    /// `get_into` then closes the gate and lets the receive finish; a
+    /// transport that writes in place has its receive aborted instead.
+    /// The default, `false`, is the safe answer for a transport that does
+    /// not say.
+    fn copies_into_targets(&self) -> bool {
+        false
+    }
+
     /// Can the driver read this transport's objects itself (`Runtime::get`
     /// with no worker involved) and hold objects of its own
     /// (`Runtime::put_with`)? One-sided transports whose receive needs no

@@ -942,7 +942,7 @@ const DROP_ASIDE_BYTES: usize = 1 << 20;
 fn land_gated(
     target: Target,
     landing: &crate::targets::Landing,
-    transport: Transport,
+    transport: &dyn rdt_transport::TensorTransport,
     xfer: u64,
 ) -> (
     Target,
@@ -952,13 +952,7 @@ fn land_gated(
     if !matches!(target, Target::Tensors(_)) {
         return (target, None, None);
     }
-    let copies = [
-        Transport::Tcp,
-        Transport::Shm,
-        Transport::ObjectStore,
-        Transport::CudaIpc,
-    ]
-    .contains(&transport);
+    let copies = transport.copies_into_targets();
     if !copies {
         // Noted before the gate is read: a getter dropped after the read
         // finds it and aborts the receive.
@@ -1754,7 +1748,7 @@ fn on_deliver(
                             ),
                             Err(_) => Target::Any,
                         };
-                        land_gated(target, &landing, transport.0, xfer)
+                        land_gated(target, &landing, transport.1.as_ref(), xfer)
                     }
                 };
                 let cx = rdt_transport::TransferCtx {

@@ -921,6 +921,11 @@ impl TensorTransport for CudaIpcTransport {
         Sidedness::OneSided
     }
 
+    /// Received tensors are copied into targets through `TransferCtx::place`.
+    fn copies_into_targets(&self) -> bool {
+        true
+    }
+
     /// It opens a published memory and returns: nothing to wait for.
     fn receive_start(&self, _exported: &Exported) -> crate::ReceiveStart {
         crate::ReceiveStart::Now
