@@ -19,6 +19,7 @@ mod client;
 mod deadlines;
 mod error;
 mod heap;
+pub mod metrics;
 mod object_ref;
 mod owner;
 mod protocol;

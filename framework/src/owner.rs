@@ -119,6 +119,7 @@ use rdt_transport::{GroupRef, Peer, Sidedness};
 use tokio::sync::oneshot;
 
 use crate::error::Error;
+use crate::metrics::{Counts, Outcome};
 use crate::protocol::{Delivery, Sender, ToWorker, WireValue};
 use crate::transport::Transport;
 
@@ -346,6 +347,11 @@ pub(crate) struct InFlight {
     pub large: bool,
     /// The call it was delivered for, where known (OW-15).
     pub call: Option<u64>,
+    /// Its tensor bytes and tensors, as the producer exported them.
+    pub bytes: u64,
+    pub tensors: u64,
+    /// Its `transfer` span, from its start to its end (`outcome`).
+    pub span: tracing::Span,
 }
 
 impl InFlight {
@@ -487,6 +493,8 @@ pub(crate) struct OwnerTable {
     /// (and their transport's release run) once the driver's lock is
     /// released, like `woken`: a release may take its time.
     freed_held: Vec<DriverHeld>,
+    /// What `Runtime::metrics` reports.
+    pub counts: Counts,
     /// Getters handed their value as it was stored (OW-14): for tests.
     pub handed_values: u64,
     /// Copies consumers dropped themselves (OW-12), and those of them a
@@ -597,9 +605,12 @@ impl OwnerTable {
     /// Takes `xfer` out of the transfers in flight, noting that it ended;
     /// the end of a large one sends the next held send to its consumer
     /// (OW-15).
-    fn end_transfer(&mut self, xfer: u64, actors: &Actors) -> Option<InFlight> {
+    fn end_transfer(&mut self, xfer: u64, outcome: Outcome, actors: &Actors) -> Option<InFlight> {
         let t = self.transfers.remove(&xfer)?;
         self.ended.push(xfer);
+        t.span.record("outcome", outcome.as_str());
+        self.counts
+            .transfer_ended(t.transport.name(), t.bytes, t.tensors, outcome);
         if t.large {
             self.send_next_held(t.consumer, actors);
         }
@@ -782,6 +793,9 @@ impl OwnerTable {
                 two_sided: false,
                 large: false,
                 call: None,
+                bytes: e_bytes(e) as u64,
+                tensors: e_tensors(e),
+                span: transfer_span(xfer, id, e, Some(producer), consumer, actors, true),
             },
         );
         true
@@ -966,7 +980,7 @@ impl OwnerTable {
                         self.ended.push(xfer);
                         continue;
                     }
-                    self.end_transfer(xfer, actors);
+                    self.end_transfer(xfer, Outcome::NotSent, actors);
                     let e = self.objects.get_mut(&result).expect("looked up above");
                     if e.copies.get(&c) == Some(&Copy::Receiving(xfer)) {
                         e.copies.remove(&c);
@@ -993,7 +1007,7 @@ impl OwnerTable {
                     .get(&a)
                     .and_then(|e| e.copies.get(&consumer).copied());
                 if let Some(Copy::Receiving(xfer)) = copy {
-                    if let Some(t) = self.end_transfer(xfer, actors) {
+                    if let Some(t) = self.end_transfer(xfer, Outcome::Done, actors) {
                         self.settle(&t, actors);
                     }
                 }
@@ -1017,7 +1031,7 @@ impl OwnerTable {
                 .and_then(|e| e.copies.remove(&consumer));
             if let Some(Copy::Receiving(xfer)) = copy {
                 // Received (the call ran with it): settled with it.
-                self.end_transfer(xfer, actors);
+                self.end_transfer(xfer, Outcome::Done, actors);
             }
             self.released_by_callees += u64::from(copy.is_some());
         }
@@ -1086,7 +1100,14 @@ impl OwnerTable {
         }
         // A producer whose send is still held never heard of it (OW-15).
         let held = self.send_is_held(from, xfer);
-        let t = self.end_transfer(xfer, actors).expect("looked up above");
+        let outcome = if result.is_ok() {
+            Outcome::Done
+        } else {
+            Outcome::Failed
+        };
+        let t = self
+            .end_transfer(xfer, outcome, actors)
+            .expect("looked up above");
         // TG-4: a receive its getter gave up stored nothing either.
         let cancelled = matches!(result, Err(Error::Cancelled { .. }));
         if result.is_err() && self.deliver_again(&t, cancelled, actors, groups) {
@@ -1175,7 +1196,7 @@ impl OwnerTable {
             .transfers
             .get(&xfer)
             .is_some_and(|t| self.send_is_held(t.consumer, xfer));
-        let t = self.end_transfer(xfer, actors)?;
+        let t = self.end_transfer(xfer, Outcome::Aborted, actors)?;
         if held {
             // Neither end heard of it (OW-15): the consumer, whose call
             // may wait for it, gets the error as the value.
@@ -1440,6 +1461,9 @@ fn start_direct(
             two_sided,
             large,
             call,
+            bytes: e_bytes(e) as u64,
+            tensors: e_tensors(e),
+            span: transfer_span(xfer, id, e, e.producer, consumer, actors, false),
         },
     ))
 }
@@ -1489,4 +1513,51 @@ fn e_bytes(e: &Entry) -> usize {
         ObjState::Ready(v) => v.exported.nbytes(),
         _ => 0,
     }
+}
+
+/// The tensors of an entry's value, where its metadata is here.
+fn e_tensors(e: &Entry) -> u64 {
+    match &e.state {
+        ObjState::Ready(v) => v.exported.get().map_or(0, |x| x.metas.len() as u64),
+        _ => 0,
+    }
+}
+
+/// An actor's name, for messages and spans.
+pub(crate) fn actor_name(actors: &Actors, a: ActorId) -> String {
+    actors
+        .get(&a)
+        .map(|i| i.name.clone())
+        .unwrap_or_else(|| format!("actor {a}"))
+}
+
+/// A transfer's span in the driver, from its start to its end, where its
+/// `outcome` is recorded (the field vocabulary of the book's
+/// Observability section).
+fn transfer_span(
+    xfer: u64,
+    object: u64,
+    e: &Entry,
+    producer: Option<ActorId>,
+    consumer: ActorId,
+    actors: &Actors,
+    straight: bool,
+) -> tracing::Span {
+    let name = |a: Option<ActorId>| match a {
+        Some(a) => actor_name(actors, a),
+        None => "driver".to_string(),
+    };
+    tracing::info_span!(
+        parent: None,
+        "transfer",
+        xfer,
+        object,
+        transport = e.transport.name(),
+        bytes = e_bytes(e),
+        tensors = e_tensors(e),
+        producer = %name(producer),
+        consumer = %name(Some(consumer)),
+        straight,
+        outcome = tracing::field::Empty,
+    )
 }

@@ -39,7 +39,7 @@ use crate::actor::Actor;
 use crate::client::Client;
 use crate::error::{Error, Result};
 use crate::object_ref::{ActorId, ArgOut, ObjectRef, RawHandle};
-use crate::owner::{ActorInfo, Actors, GroupLookup, ObjState, OwnerTable};
+use crate::owner::{actor_name, ActorInfo, Actors, GroupLookup, ObjState, OwnerTable};
 use crate::protocol::{
     self, CallMsg, SubmitMsg, ToDriver, ToWorker, WireArg, WireExported, WireValue,
 };
@@ -420,6 +420,9 @@ struct PendingCall {
     /// Objects whose refs are in the arguments passed by value: held until
     /// the call ends (CL-2).
     nested: Vec<u64>,
+    /// Its `call` span in the driver, from its submission to its end
+    /// (`outcome`).
+    span: tracing::Span,
 }
 
 /// Calls in flight, by call id, and how many each actor has (its reader
@@ -1415,6 +1418,13 @@ impl Runtime {
         (st.table.released_by_callees, st.table.delivered_again)
     }
 
+    /// What the driver has counted since it started: transfers, their
+    /// bytes and outcomes per transport, and calls (see [`crate::metrics`],
+    /// which also names what goes to a `metrics` recorder).
+    pub fn metrics(&self) -> crate::metrics::DriverMetrics {
+        self.inner.lock().table.counts.snapshot()
+    }
+
     /// Number of objects the owner table holds (for tests and leak checks).
     pub fn live_objects(&self) -> usize {
         self.inner.lock().table.len()
@@ -1923,6 +1933,15 @@ impl Inner {
                 result: id,
                 args: arg_ids,
                 nested,
+                span: tracing::info_span!(
+                    parent: None,
+                    "call",
+                    call,
+                    actor = %actor_name(&st.actors, actor),
+                    method = method_name,
+                    result = id,
+                    outcome = tracing::field::Empty,
+                ),
             },
         );
         tracing::trace!(call, method = method_name, "submit");
@@ -2544,6 +2563,9 @@ fn end_call(
         groups: &st.groups,
         actors: &st.actors,
     };
+    pc.span
+        .record("outcome", if outcome.is_ok() { "ok" } else { "err" });
+    st.table.counts.call_ended(outcome.is_ok());
     let ended = crate::owner::CallEnd {
         outcome,
         resolved,
@@ -2632,13 +2654,6 @@ fn group_error(actors: &Actors, actor: u64, group: u64, e: Error) -> Error {
         "{} could not take part in group {group}: {e}",
         actor_name(actors, actor)
     ))
-}
-
-fn actor_name(actors: &Actors, a: u64) -> String {
-    actors
-        .get(&a)
-        .map(|i| i.name.clone())
-        .unwrap_or_else(|| format!("actor {a}"))
 }
 
 /// A failed transfer on a collective transport tears down the group its

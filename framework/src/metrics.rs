@@ -1,0 +1,126 @@
+//! What the driver counts: read by a program with
+//! [`Runtime::metrics`](crate::Runtime::metrics), and sent through the
+//! [`metrics`] facade to whatever recorder the program installed (names
+//! below; labels `transport` and `outcome`).
+//!
+//! | name | kind | what |
+//! | --- | --- | --- |
+//! | `rdt_transfers` | counter | transfers that ended, by `transport` and `outcome` (`done`, `failed`, `aborted`, `not_sent`) |
+//! | `rdt_rx_bytes` | counter | tensor bytes of the transfers that arrived, by `transport` (NIXL's `rx_bytes`) |
+//! | `rdt_calls` | counter | calls that ended, by `outcome` (`ok`, `err`) |
+
+use std::collections::BTreeMap;
+
+/// How a transfer ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Its bytes arrived.
+    Done,
+    /// It failed (the consumer said so).
+    Failed,
+    /// The driver aborted it (its deadline, a death).
+    Aborted,
+    /// A straight delivery its producer did not make: the driver
+    /// delivered the value instead.
+    NotSent,
+}
+
+impl Outcome {
+    /// As spans and metric labels say it.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Done => "done",
+            Outcome::Failed => "failed",
+            Outcome::Aborted => "aborted",
+            Outcome::NotSent => "not_sent",
+        }
+    }
+}
+
+/// What the driver has counted since it started ([`Runtime::metrics`]).
+///
+/// [`Runtime::metrics`]: crate::Runtime::metrics
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DriverMetrics {
+    /// Transfers of direct transports, by transport name.
+    pub transports: BTreeMap<String, TransportMetrics>,
+    /// Calls that ended with a value.
+    pub calls_ok: u64,
+    /// Calls that ended with an error.
+    pub calls_failed: u64,
+}
+
+impl DriverMetrics {
+    /// The counts of `transport` (zero where it moved nothing).
+    pub fn transport(&self, transport: &str) -> TransportMetrics {
+        self.transports.get(transport).copied().unwrap_or_default()
+    }
+}
+
+/// The transfers of one transport that ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TransportMetrics {
+    /// Transfers whose bytes arrived.
+    pub transfers: u64,
+    /// Their tensor bytes.
+    pub bytes: u64,
+    /// Their tensors.
+    pub tensors: u64,
+    /// Transfers that failed.
+    pub failed: u64,
+    /// Transfers the driver aborted (deadline, death).
+    pub aborted: u64,
+}
+
+/// The driver's counts, kept in its state.
+#[derive(Default)]
+pub(crate) struct Counts {
+    metrics: DriverMetrics,
+}
+
+impl Counts {
+    /// A transfer over `transport` of `bytes` in `tensors` ended.
+    pub(crate) fn transfer_ended(
+        &mut self,
+        transport: &'static str,
+        bytes: u64,
+        tensors: u64,
+        outcome: Outcome,
+    ) {
+        metrics::counter!("rdt_transfers", "transport" => transport, "outcome" => outcome.as_str())
+            .increment(1);
+        let m = self
+            .metrics
+            .transports
+            .entry(transport.to_string())
+            .or_default();
+        match outcome {
+            Outcome::Done => {
+                metrics::counter!("rdt_rx_bytes", "transport" => transport).increment(bytes);
+                m.transfers += 1;
+                m.bytes += bytes;
+                m.tensors += tensors;
+            }
+            Outcome::Failed => m.failed += 1,
+            Outcome::Aborted => m.aborted += 1,
+            Outcome::NotSent => {}
+        }
+    }
+
+    /// A call ended, with a value or not.
+    pub(crate) fn call_ended(&mut self, ok: bool) {
+        metrics::counter!("rdt_calls", "outcome" => if ok { "ok" } else { "err" }).increment(1);
+        if ok {
+            self.metrics.calls_ok += 1;
+        } else {
+            self.metrics.calls_failed += 1;
+        }
+    }
+
+    /// A copy of the counts.
+    pub(crate) fn snapshot(&self) -> DriverMetrics {
+        self.metrics.clone()
+    }
+}

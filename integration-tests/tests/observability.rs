@@ -1,0 +1,166 @@
+//! What a program's own subscriber and recorder see of the driver: a
+//! `call` span per call and a `transfer` span per transfer, with their
+//! fields, and the driver's counters, through `tracing` and the `metrics`
+//! facade, and in `Runtime::metrics()`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use rdt::prelude::*;
+use rdt_integration_tests::deadline;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing_subscriber::layer::{Context, Layer};
+use tracing_subscriber::prelude::*;
+
+/// A span's fields, by name, as text.
+type FieldValues = HashMap<String, String>;
+
+/// Each span's name and fields, by id.
+#[derive(Default, Clone)]
+struct Spans(Arc<Mutex<HashMap<u64, (String, FieldValues)>>>);
+
+struct Fields<'a>(&'a mut FieldValues);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(
+            field.name().to_string(),
+            format!("{value:?}").trim_matches('"').to_string(),
+        );
+    }
+
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_string(), value.to_string());
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for Spans {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _: Context<'_, S>) {
+        let mut fields = HashMap::new();
+        attrs.record(&mut Fields(&mut fields));
+        self.0
+            .lock()
+            .unwrap()
+            .insert(id.into_u64(), (attrs.metadata().name().to_string(), fields));
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, _: Context<'_, S>) {
+        if let Some((_, fields)) = self.0.lock().unwrap().get_mut(&id.into_u64()) {
+            values.record(&mut Fields(fields));
+        }
+    }
+}
+
+impl Spans {
+    /// The fields of every span named `name`.
+    fn named(&self, name: &str) -> Vec<FieldValues> {
+        (self.0.lock().unwrap().values())
+            .filter(|(n, _)| n == name)
+            .map(|(_, f)| f.clone())
+            .collect()
+    }
+}
+
+/// Counters by name and labels (`name{k=v,...}`).
+#[derive(Default, Clone)]
+struct Counters(Arc<Mutex<HashMap<String, Arc<AtomicU64>>>>);
+
+impl Counters {
+    fn get(&self, key: &str) -> u64 {
+        (self.0.lock().unwrap().get(key)).map_or(0, |c| c.load(Ordering::SeqCst))
+    }
+}
+
+impl Recorder for Counters {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        let mut labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        let name = format!("{}{{{}}}", key.name(), labels.join(","));
+        let c = self.0.lock().unwrap().entry(name).or_default().clone();
+        Counter::from_arc(c)
+    }
+
+    fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+        Gauge::noop()
+    }
+
+    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::noop()
+    }
+}
+
+#[tokio::test]
+async fn a_pass_is_seen_as_spans_and_counted() {
+    let spans = Spans::default();
+    tracing_subscriber::registry()
+        .with(
+            spans
+                .clone()
+                .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
+        )
+        .init();
+    let counters = Counters::default();
+    metrics::set_global_recorder(counters.clone()).expect("the test's recorder");
+    deadline(60, async {
+        let rt = Runtime::start().await.unwrap();
+        let (p, c, _) = rdt_integration_tests::tcp_pair(&rt).await;
+        let n = 1 << 18;
+        let r = p.make(1.0, n).transport(Transport::Tcp).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), n as f64);
+        drop(r);
+        rt.transfers_settled().await;
+
+        let calls = spans.named("call");
+        let sum = calls
+            .iter()
+            .find(|f| f.get("method").map(String::as_str) == Some("sum"))
+            .unwrap_or_else(|| panic!("a call span for the sum: {calls:?}"));
+        assert!(sum["actor"].starts_with("Consumer"), "{sum:?}");
+        assert!(
+            sum.contains_key("call") && sum.contains_key("result"),
+            "{sum:?}"
+        );
+        assert_eq!(
+            sum.get("outcome").map(String::as_str),
+            Some("ok"),
+            "{sum:?}"
+        );
+
+        let transfers = spans.named("transfer");
+        let t = transfers
+            .iter()
+            .find(|f| f.get("transport").map(String::as_str) == Some("tcp"))
+            .unwrap_or_else(|| panic!("a transfer span over tcp: {transfers:?}"));
+        assert_eq!(t["bytes"], (4 * n).to_string(), "{t:?}");
+        assert_eq!(t["tensors"], "1", "{t:?}");
+        assert!(t["producer"].starts_with("Producer"), "{t:?}");
+        assert!(t["consumer"].starts_with("Consumer"), "{t:?}");
+        assert!(t.contains_key("xfer") && t.contains_key("object"), "{t:?}");
+        assert_eq!(t.get("outcome").map(String::as_str), Some("done"), "{t:?}");
+
+        let m = rt.metrics();
+        let tcp = m.transport("tcp");
+        assert_eq!(tcp.transfers, 1, "{m:?}");
+        assert_eq!(tcp.bytes, 4 * n as u64, "{m:?}");
+        assert_eq!((tcp.tensors, tcp.failed, tcp.aborted), (1, 0, 0), "{m:?}");
+        assert!(m.calls_ok >= 2, "the make and the sum: {m:?}");
+        assert_eq!(
+            counters.get("rdt_transfers{outcome=done,transport=tcp}"),
+            1,
+            "the recorder saw the transfer"
+        );
+        assert_eq!(counters.get("rdt_rx_bytes{transport=tcp}"), 4 * n as u64);
+        assert_eq!(counters.get("rdt_calls{outcome=ok}"), m.calls_ok);
+    })
+    .await
+}
