@@ -129,15 +129,6 @@ impl NcclSource {
     async fn matrix(&mut self) -> Result<Tensor, BenchError> {
         self.tensor(usize::MAX).await
     }
-
-    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
-    /// in this worker.
-    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
-        for k in &knobs {
-            rdt::data::switch::set(k, on);
-        }
-        on
-    }
 }
 
 /// A cuBLAS handle bound to rdt's stream of this process's GPU.
@@ -255,15 +246,6 @@ impl NcclSink {
             us.push(us_since(t0));
         }
         Ok(rdt_examples::median(&mut us))
-    }
-
-    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
-    /// in this worker.
-    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
-        for k in &knobs {
-            rdt::data::switch::set(k, on);
-        }
-        on
     }
 }
 
@@ -1066,28 +1048,6 @@ async fn small_passes(n: usize) -> Result<(), BenchError> {
     rt.get(p.prepare(bytes).remote()).await?;
     let r = p.tensor(bytes).transport(Transport::Nccl).remote();
     rt.wait(&r).await?;
-    if let Some(knobs) = rdt_examples::ab_knobs() {
-        // `--ab KNOB`: a tiny call, then a pass with the knobs on and one
-        // with them off (in turns first), N times.
-        let (rt, p, c, knobs) = (&rt, &p, &c, &knobs);
-        rdt_examples::ab_rounds(
-            "nccl 4 KiB",
-            knobs,
-            raw4k,
-            n,
-            20,
-            |i| async move { rt.get(c.ping(i).remote()).await.map(drop) },
-            |arm| async move {
-                rt.get(p.set_switch(knobs.clone(), arm).remote()).await?;
-                rt.get(c.set_switch(knobs.clone(), arm).remote()).await?;
-                Ok(())
-            },
-            || async { rt.get(c.touch(&r).remote()).await.map(drop) },
-        )
-        .await?;
-        rt.shutdown().await;
-        return Ok(());
-    }
     let mut us = Vec::with_capacity(n);
     for i in 0..n + 20 {
         let t0 = Instant::now();

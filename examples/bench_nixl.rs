@@ -103,15 +103,6 @@ impl NixlSource {
     async fn many(&mut self) -> Vec<Tensor> {
         self.many.clone()
     }
-
-    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
-    /// in this worker.
-    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
-        for k in &knobs {
-            rdt::data::switch::set(k, on);
-        }
-        on
-    }
 }
 
 #[rdt::actor]
@@ -204,15 +195,6 @@ impl NixlSink {
     /// This worker's NIXL counters.
     async fn nixl_stats(&mut self) -> rdt::data::nixl::NixlStats {
         rdt::data::nixl::stats()
-    }
-
-    /// Turns the measurement knobs `knobs` (`rdt::data::switch`) on or off
-    /// in this worker.
-    async fn set_switch(&mut self, knobs: Vec<String>, on: bool) -> bool {
-        for k in &knobs {
-            rdt::data::switch::set(k, on);
-        }
-        on
     }
 }
 
@@ -982,9 +964,9 @@ async fn small_passes(n: usize, spin_us: u64) -> Result<(), BenchError> {
     let cx = Ctx::of_this_run()?;
     let visible = visible_gpus();
     let reader_gpu = visible.get(1).unwrap_or(&visible[0]);
-    let host_rows = raw_baseline(&cx, "host", &visible[0], &visible[0], true).await?;
+    raw_baseline(&cx, "host", &visible[0], &visible[0], true).await?;
     raw_baseline(&cx, "host_pinned", &visible[0], &visible[0], true).await?;
-    let device_rows = raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
+    raw_baseline(&cx, "device", &visible[0], reader_gpu, true).await?;
     let (rt, p, c) = producer_and_consumer().await?;
     // Tiny calls to the same consumer first, on the same timeline (id 0):
     // the budget a pass is held to, step by step.
@@ -1001,63 +983,6 @@ async fn small_passes(n: usize, spin_us: u64) -> Result<(), BenchError> {
     let bytes = 4usize << 10;
     rt.get(p.prepare(bytes).remote()).await?;
     rt.get(p.prepare_host(bytes).remote()).await?;
-    if let Some(knobs) = rdt_examples::ab_knobs() {
-        // `--ab KNOB`: a tiny call, then a device pass with the knobs on
-        // and one with them off (in turns first), N times.
-        // `--ab-host`: the 4 KiB tensor in the producer's host memory (on
-        // a one-GPU host, whose same-GPU READ is slow and noisy).
-        let on_host = std::env::args().any(|a| a == "--ab-host");
-        let raw = match on_host {
-            true => rdt_examples::median_of(&host_rows, "pass_host", "raw", 4096),
-            false => rdt_examples::median_of(&device_rows, "pass_device", "raw", 4096),
-        };
-        let r = match on_host {
-            true => p.host_tensor().transport(Transport::Nixl).remote(),
-            false => p.tensor(bytes).transport(Transport::Nixl).remote(),
-        };
-        rt.wait(&r).await?;
-        rt.get(c.touch(&r).remote()).await?;
-        // `--ab-many`: the passes are of 10 000 tensors of 4 KiB (the
-        // weights-sync case; "over" is then meaningless).
-        let many = std::env::args().any(|a| a == "--ab-many");
-        if many {
-            rt.get(p.prepare_many(10_000, 4 << 10).remote()).await?;
-        }
-        let m = p.many().transport(Transport::Nixl).remote();
-        rt.wait(&m).await?;
-        if many {
-            rt.get(c.touch_all(&m).remote()).await?;
-        }
-        let (rt, p, c, knobs, r, m) = (&rt, &p, &c, &knobs, &r, &m);
-        rdt_examples::ab_rounds(
-            if many {
-                "nixl 10 000 x 4 KiB device"
-            } else if on_host {
-                "nixl 4 KiB host"
-            } else {
-                "nixl 4 KiB device"
-            },
-            knobs,
-            raw,
-            n,
-            10,
-            |i| async move { rt.get(c.ping(i).remote()).await.map(drop) },
-            |arm| async move {
-                rt.get(p.set_switch(knobs.clone(), arm).remote()).await?;
-                rt.get(c.set_switch(knobs.clone(), arm).remote()).await?;
-                Ok(())
-            },
-            || async move {
-                if many {
-                    rt.get(c.touch_all(m).remote()).await.map(drop)
-                } else {
-                    rt.get(c.touch(r).remote()).await.map(drop)
-                }
-            },
-        )
-        .await?;
-        return Ok(());
-    }
     // `None`: the default spin, left as it is.
     let spins: Vec<Option<u64>> = if spin_us == 0 {
         vec![None]

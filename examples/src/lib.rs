@@ -138,12 +138,6 @@ pub fn arg_value(name: &str) -> Option<String> {
         .cloned()
 }
 
-/// The knobs of `--ab KNOB[,KNOB..]` (`rdt::data::switch` names), if
-/// given: passes with them on and off alternate one by one.
-pub fn ab_knobs() -> Option<Vec<String>> {
-    arg_value("--ab").map(|v| v.split(',').map(|k| k.trim().to_string()).collect())
-}
-
 /// Microseconds since `t0`.
 pub fn us_since(t0: std::time::Instant) -> f64 {
     t0.elapsed().as_secs_f64() * 1e6
@@ -153,108 +147,6 @@ pub fn us_since(t0: std::time::Instant) -> f64 {
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
-/// `--ab`'s rounds: `warm` untimed, then `n` timed, each a tiny call
-/// (`ping`), then a pass (`pass`) with `knobs` on and one with them off,
-/// in turns first; the knobs are set in this process and, by `set`, in
-/// the workers before each pass, and each arm's passes are followed by
-/// tiny calls of its own (a knob may change what a call costs too).
-/// Prints the medians on one line, with each arm's excess over `raw` +
-/// that arm's tiny call.
-///
-/// With `--ab-block K` (K > 1), each of those is K back to back, the
-/// first untimed, as the full benchmark times them: what one pass leaves
-/// behind (a copy to free, an acknowledgement to settle) then lands on
-/// the next pass of the same arm, not on the switch calls between arms.
-#[allow(clippy::too_many_arguments)]
-pub async fn ab_rounds<P, PF, S, SF, T, TF>(
-    what: &str,
-    knobs: &[String],
-    raw: f64,
-    n: usize,
-    warm: usize,
-    mut ping: P,
-    mut set: S,
-    mut pass: T,
-) -> rdt::Result<()>
-where
-    P: FnMut(u64) -> PF,
-    PF: std::future::Future<Output = rdt::Result<()>>,
-    S: FnMut(bool) -> SF,
-    SF: std::future::Future<Output = rdt::Result<()>>,
-    T: FnMut() -> TF,
-    TF: std::future::Future<Output = rdt::Result<()>>,
-{
-    let block: usize = arg_value("--ab-block")
-        .and_then(|b| b.parse().ok())
-        .unwrap_or(1)
-        .max(1);
-    // In blocks, the first of each block is not timed.
-    let timed = |k: usize| block == 1 || k > 0;
-    let (mut tiny, mut on, mut off) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut tiny_on, mut tiny_off) = (Vec::new(), Vec::new());
-    for i in 0..n + warm {
-        let mut calls = Vec::new();
-        for k in 0..block {
-            let t0 = std::time::Instant::now();
-            ping((i * block + k) as u64).await?;
-            if timed(k) {
-                calls.push(us_since(t0));
-            }
-        }
-        let arms = if i % 2 == 0 {
-            [true, false]
-        } else {
-            [false, true]
-        };
-        for arm in arms {
-            for knob in knobs {
-                rdt::data::switch::set(knob, arm);
-            }
-            set(arm).await?;
-            let (passes, calls) = if arm {
-                (&mut on, &mut tiny_on)
-            } else {
-                (&mut off, &mut tiny_off)
-            };
-            for k in 0..block {
-                let t0 = std::time::Instant::now();
-                pass().await?;
-                let took = us_since(t0);
-                if i >= warm && timed(k) {
-                    passes.push(took);
-                }
-            }
-            for k in 0..block {
-                let t0 = std::time::Instant::now();
-                ping((i * block + k) as u64).await?;
-                let took = us_since(t0);
-                if i >= warm && timed(k) {
-                    calls.push(took);
-                }
-            }
-        }
-        if i >= warm {
-            tiny.extend(calls);
-        }
-    }
-    let (tiny, on, off) = (median(&mut tiny), median(&mut on), median(&mut off));
-    let (tiny_on, tiny_off) = (median(&mut tiny_on), median(&mut tiny_off));
-    let blocks = if block > 1 {
-        format!(" in blocks of {block}")
-    } else {
-        String::new()
-    };
-    println!(
-        "ab {what} {}: {n} rounds{blocks}; tiny call {tiny:.1} us, raw {raw:.1} us; on {on:.1} us ({:.1} over raw + call), off {off:.1} us ({:.1} over); each arm's own tiny call: on {tiny_on:.1} us ({:.1} over), off {tiny_off:.1} us ({:.1} over)",
-        knobs.join(","),
-        on - raw - tiny,
-        off - raw - tiny,
-        on - raw - tiny_on,
-        off - raw - tiny_off
-    );
-    Ok(())
 }
 
 /// What a benchmark program's own steps fail with: a missing preparation,

@@ -54,17 +54,8 @@ impl<T> ObjectRef<T> {
     }
 }
 
-/// `RDT_SHARED_REF_COUNT=0` gives every clone a count of its own in the
-/// owner table again, as before (a measurement knob).
-static SHARED_REF_COUNT: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_SHARED_REF_COUNT", true);
-
 impl<T> Clone for ObjectRef<T> {
     fn clone(&self) -> Self {
-        if !SHARED_REF_COUNT.on() {
-            self.client().clone_ref(self.id);
-            return ObjectRef::adopt(self.id, self.client().clone());
-        }
         ObjectRef {
             id: self.id,
             held: self.held.clone(),

@@ -126,15 +126,6 @@ use crate::transport::Transport;
 /// Driver-side id of an actor.
 pub(crate) type ActorId = u64;
 
-/// `RDT_HAND_VALUES=0` wakes getters after the unlock, as before OW-14.
-static HAND_VALUES: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_HAND_VALUES", true);
-
-/// `RDT_LARGE_SENDS_IN_ORDER=0` sends every two-sided transfer at once
-/// (OW-15 off).
-static LARGE_SENDS_IN_ORDER: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_LARGE_SENDS_IN_ORDER", true);
-
 /// The size from which two-sided transfers to one consumer go one at a
 /// time (OW-15) unless the runtime was built with another: 128 MiB, about
 /// 0.35 ms over NVLink at 370 GB/s, so that the round trip that releases
@@ -171,14 +162,10 @@ pub(crate) enum Getter {
     Value(oneshot::Sender<Result<WireValue, Error>>),
 }
 
-/// A getter to wake once the driver's lock is released; one handed the
-/// value holds what the object settled to.
+/// A getter to wake once the driver's lock is released (a getter handed
+/// the value is woken at once, OW-14).
 pub(crate) enum Woken {
     Signal(oneshot::Sender<()>),
-    Value(
-        oneshot::Sender<Result<WireValue, Error>>,
-        Result<WireValue, Error>,
-    ),
 }
 
 impl Woken {
@@ -187,9 +174,6 @@ impl Woken {
         match self {
             Woken::Signal(tx) => {
                 let _ = tx.send(());
-            }
-            Woken::Value(tx, settled) => {
-                let _ = tx.send(settled);
             }
         }
     }
@@ -863,8 +847,7 @@ impl OwnerTable {
                 // another call, a large one's send waits (those of one call
                 // are all needed at once: they go together).
                 let large = sided == Sidedness::TwoSided
-                    && value.exported.nbytes() >= self.large_transfer_bytes.0
-                    && LARGE_SENDS_IN_ORDER.on();
+                    && value.exported.nbytes() >= self.large_transfer_bytes.0;
                 let behind = large
                     && self
                         .transfers
@@ -950,11 +933,10 @@ impl OwnerTable {
                 let settled = || e.state.settled().expect("set above");
                 for g in std::mem::take(&mut e.getters) {
                     match g {
-                        Getter::Value(tx) if HAND_VALUES.on() => {
+                        Getter::Value(tx) => {
                             self.handed_values += 1;
                             let _ = tx.send(settled());
                         }
-                        Getter::Value(tx) => self.woken.push(Woken::Value(tx, settled())),
                         Getter::Signal(tx) => self.woken.push(Woken::Signal(tx)),
                     }
                 }

@@ -157,7 +157,7 @@ impl WireExported {
         let recent = match head.len() {
             _ if !self.inline.is_empty() => None,
             n if n >= RecentHeads::MIN_HEAD => Some(&RECENT_HEADS),
-            n if n > 0 && SMALL_HEADS.on() => Some(&RECENT_SMALL_HEADS),
+            n if n > 0 => Some(&RECENT_SMALL_HEADS),
             _ => None,
         };
         if let Some(recent) = recent {
@@ -255,11 +255,6 @@ impl RecentHeads {
 
 static RECENT_HEADS: Heads = Heads::new(RecentHeads::KEEP);
 static RECENT_SMALL_HEADS: Heads = Heads::new(RecentHeads::KEEP);
-
-/// `RDT_SMALL_HEADS=0`: heads under [`RecentHeads::MIN_HEAD`] bytes are
-/// decoded every time (a measurement knob).
-static SMALL_HEADS: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_SMALL_HEADS", true);
 
 /// How a [`WireExported`]'s head travels: small ones inside the frame's
 /// header, large ones as a blob beside it.
@@ -1150,7 +1145,7 @@ impl Sender {
     /// takes the held ones along anyway. Called once per arming
     /// (`soon_armed`), so a connection is listed once.
     fn arm_soon(&self) {
-        wake_after_flush(Wake::WriterSoon(self.clone()), &DEFER_SOON);
+        wake_after_flush(Wake::WriterSoon(self.clone()));
     }
 
     /// Whether `other` sends on the same connection.
@@ -1225,7 +1220,7 @@ impl Sender {
             // it takes this one too. Waking the writer task instead cost
             // a system call on the call's path (the task slept) and raced
             // the flush for the socket.
-            Some(true) if was_empty || DEFER_FOLLOWING.on() => return Ok(()),
+            Some(true) => return Ok(()),
             // Queued in order now, written by the flush once the lock is
             // released.
             Some(false) if was_empty => {
@@ -1249,11 +1244,6 @@ impl Sender {
         Ok(())
     }
 }
-
-/// `RDT_DEFER_FOLLOWING=0` wakes a connection's writer task for a frame
-/// queued behind deferred ones, as before (a measurement knob).
-static DEFER_FOLLOWING: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_DEFER_FOLLOWING", true);
 
 thread_local! {
     /// Senders with frames queued while this thread defers writes (see
@@ -1283,18 +1273,13 @@ impl Wake {
 
 /// Does `wake` once this thread's deferred writes ([`defer_writes`]) are
 /// written, if `knob` is on and the thread defers writes; else now.
-fn wake_after_flush(wake: Wake, knob: &'static rdt_transport::switch::Switch) {
-    if knob.on() && DEFERRED.with(|d| d.borrow().is_some()) {
+fn wake_after_flush(wake: Wake) {
+    if DEFERRED.with(|d| d.borrow().is_some()) {
         DEFERRED_WAKES.with(|d| d.borrow_mut().push(wake));
     } else {
         wake.now();
     }
 }
-
-/// `RDT_NOTIFY_AFTER_FLUSH=0` notifies at once, under the driver's lock,
-/// as before (a measurement knob).
-static NOTIFY_AFTER_FLUSH: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_NOTIFY_AFTER_FLUSH", true);
 
 /// Notifies `task` once this thread's deferred writes ([`defer_writes`])
 /// are written, or now if it defers none. The driver wakes a worker's
@@ -1302,13 +1287,8 @@ static NOTIFY_AFTER_FLUSH: rdt_transport::switch::Switch =
 /// is a system call (2-3 µs on the GPU hosts), and the call's frames
 /// should not wait for it; the reply comes long after.
 pub fn notify_after_flush(task: &Arc<tokio::sync::Notify>) {
-    wake_after_flush(Wake::Task(task.clone()), &NOTIFY_AFTER_FLUSH);
+    wake_after_flush(Wake::Task(task.clone()));
 }
-
-/// `RDT_DEFER_SOON=0` wakes a connection's writer for held frames at
-/// once, under the driver's lock, as before (a measurement knob).
-static DEFER_SOON: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_DEFER_SOON", true);
 
 /// From now until [`flush_deferred`] on this thread, [`Sender::send`] queues
 /// its frame in order and leaves the socket write for later. The driver
@@ -2561,19 +2541,6 @@ mod tests {
         }
         let f = arrived(metas(300, 4));
         assert!(std::ptr::eq(a.get().unwrap(), f.get().unwrap()));
-        // Without them (RDT_SMALL_HEADS=0) each small head decodes, and
-        // each decode is a layout of its own (equal content, but not known
-        // to be).
-        rdt_transport::switch::set("RDT_SMALL_HEADS", false);
-        let (g, h) = (arrived(metas(2, 4322)), arrived(metas(2, 4322)));
-        let (eq, layouts) = (
-            std::ptr::eq(g.get().unwrap(), h.get().unwrap()),
-            (g.layout(), h.layout()),
-        );
-        rdt_transport::switch::set("RDT_SMALL_HEADS", true);
-        assert!(!eq);
-        assert_eq!(g.get().unwrap().metas, h.get().unwrap().metas);
-        assert_ne!(layouts.0, layouts.1);
     }
 
     #[test]

@@ -313,8 +313,8 @@ pub(crate) struct Inner {
     settled: tokio::sync::Notify,
     /// Wakes the deadline keeper (DL-1).
     deadline_wake: Arc<tokio::sync::Notify>,
-    /// Calls whose transfer orders were written before them
-    /// (`ORDERS_FIRST`; for tests and benchmarks).
+    /// Calls whose transfer orders were written before them (for tests
+    /// and benchmarks).
     orders_first: AtomicU64,
 }
 
@@ -351,7 +351,7 @@ impl Drop for StateGuard<'_> {
                 g.wake();
             }
         };
-        let mut woken = (self.guard.as_mut())
+        let woken = (self.guard.as_mut())
             .map(|st| st.table.take_woken())
             .unwrap_or_default();
         // OW-1: released after the unlock (a transport's release may take
@@ -359,9 +359,6 @@ impl Drop for StateGuard<'_> {
         let freed_held = (self.guard.as_mut())
             .map(|st| st.table.take_freed_held())
             .unwrap_or_default();
-        if !WAKE_AFTER_UNLOCK.on() {
-            wake(std::mem::take(&mut woken));
-        }
         // Unlock first, then wake the getters whose values settled (a
         // getter's first step is to take the lock: woken under it, it
         // waited there, parked, while this thread finished the message;
@@ -377,21 +374,6 @@ impl Drop for StateGuard<'_> {
         protocol::flush_deferred();
     }
 }
-
-/// `RDT_WAKE_AFTER_UNLOCK=0` wakes getters under the driver's lock again
-/// (a measurement knob).
-pub(crate) static WAKE_AFTER_UNLOCK: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_WAKE_AFTER_UNLOCK", true);
-
-/// `RDT_CONSUMER_RELEASE=0` has the driver free every argument copy with
-/// a `Free` again, as before OW-12 (a measurement knob).
-pub(crate) static CONSUMER_RELEASE: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_CONSUMER_RELEASE", true);
-
-/// `RDT_ORDERS_FIRST=0` writes a driver call's transfer orders together
-/// with the call, once it is queued, as before (a measurement knob).
-pub(crate) static ORDERS_FIRST: rdt_transport::switch::Switch =
-    rdt_transport::switch::Switch::new("RDT_ORDERS_FIRST", true);
 
 /// A call whose result and arguments are recorded, not sent yet
 /// ([`Inner::stage_call`]).
@@ -1827,12 +1809,11 @@ impl Inner {
         let mut guard = self.lock();
         let mut staged = self.stage_call(&mut guard, msg, method_name);
         let orders_to_others = staged.as_ref().is_some_and(|s| {
-            ORDERS_FIRST.on()
-                && guard
-                    .actors
-                    .get(&s.actor)
-                    .and_then(|a| a.conn.as_ref())
-                    .is_some_and(protocol::deferred_besides)
+            guard
+                .actors
+                .get(&s.actor)
+                .and_then(|a| a.conn.as_ref())
+                .is_some_and(protocol::deferred_besides)
         });
         if orders_to_others {
             self.orders_first.fetch_add(1, Ordering::Relaxed);
@@ -1917,15 +1898,11 @@ impl Inner {
         rdt_transport::cuda::timeline("driver arguments needed", call);
         // OW-12: the callee drops these copies itself when the call ends
         // (no `Free` on the next call's path).
-        let release: Vec<u64> = if CONSUMER_RELEASE.on() {
-            arg_ids
-                .iter()
-                .copied()
-                .filter(|&a| st.table.releasable(a, actor))
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let release: Vec<u64> = arg_ids
+            .iter()
+            .copied()
+            .filter(|&a| st.table.releasable(a, actor))
+            .collect();
         st.calls.insert(
             call,
             PendingCall {

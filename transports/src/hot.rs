@@ -139,11 +139,9 @@ thread_local! {
 /// another thread writes the runtime's eventfd, a system call of 1–2 µs
 /// on the GPU hosts' VMs, paid on the waking thread's path (the worker's
 /// control loop, storing a received value that the actor's call waits
-/// for). A thread that spins needs no wake-up. `RDT_HOT_ASKS=0` turns
-/// this off (a measurement knob).
+/// for). A thread that spins needs no wake-up.
 pub fn polled_hot() -> bool {
-    static ASKS: crate::switch::Switch = crate::switch::Switch::new("RDT_HOT_ASKS", true);
-    POLLED_HOT.with(|p| p.get()) && ASKS.on()
+    POLLED_HOT.with(|p| p.get())
 }
 
 /// A future that is pending once, without waking anyone, then ready: for

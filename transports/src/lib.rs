@@ -30,7 +30,6 @@ pub mod recent;
 pub mod registry;
 mod shape;
 pub mod shm;
-pub mod switch;
 pub mod tcp;
 mod tensor;
 pub mod tensor_list;

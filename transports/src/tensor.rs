@@ -1430,18 +1430,11 @@ mod tests {
             unsafe { cudarc::driver::result::event::destroy(e).unwrap() };
         });
         let busy = Tensor::cuda_zeros(DType::U8, &[1 << 20], 0).unwrap();
-        for pool in [true, false] {
-            crate::switch::set("RDT_EVENT_POOL", pool);
-            time(
-                &format!("fill 1 MiB + completion + wait (event pool {pool})"),
-                &mut || {
-                    busy.fill_(1u8).unwrap();
-                    let c = g.completion().unwrap();
-                    rt.block_on(c.wait()).unwrap();
-                },
-            );
-        }
-        crate::switch::set("RDT_EVENT_POOL", true);
+        time("fill 1 MiB + completion + wait", &mut || {
+            busy.fill_(1u8).unwrap();
+            let c = g.completion().unwrap();
+            rt.block_on(c.wait()).unwrap();
+        });
     }
 
     /// Not a test: times making 10 000 views of one storage, as a

@@ -239,12 +239,8 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
     let restore = Restore(prev);
     // Serialized into this thread's kept buffer: no allocation, and none
     // of the doublings a fresh `Vec` goes through, per frame.
-    let keep = ENCODE_SCRATCH.on();
-    let scratch = match keep {
-        true => SCRATCH.take(),
-        false => Vec::new(),
-    };
-    let header = postcard::to_extend(msg, scratch).map_err(|e| FrameError::Header(e.to_string()));
+    let header =
+        postcard::to_extend(msg, SCRATCH.take()).map_err(|e| FrameError::Header(e.to_string()));
     let blobs = match CTX.with(|c| c.borrow_mut().take()) {
         Some(Ctx::Sink(b)) => b,
         _ => Vec::new(),
@@ -281,7 +277,7 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
     for b in &blobs {
         head.put_u64_le(b.len() as u64);
     }
-    if keep && header.capacity() <= SCRATCH_KEPT {
+    if header.capacity() <= SCRATCH_KEPT {
         header.clear();
         SCRATCH.set(header);
     }
@@ -291,11 +287,6 @@ fn to_frame_prefixed<T: Serialize>(msg: &T, with_length: bool) -> Result<Frame, 
         status,
     })
 }
-
-/// `RDT_ENCODE_SCRATCH=0` serializes every frame's header into a new
-/// buffer, as before the kept one (to compare both in one run).
-static ENCODE_SCRATCH: crate::switch::Switch =
-    crate::switch::Switch::new("RDT_ENCODE_SCRATCH", true);
 
 /// The largest serialization buffer a thread keeps for its next frame.
 const SCRATCH_KEPT: usize = 64 << 10;

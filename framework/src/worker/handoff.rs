@@ -27,16 +27,12 @@
 //! * **HF-3 (the mailbox's limit):** a call moved by a listener goes
 //!   through `try_send` as a straight one does; a full or closed mailbox
 //!   fails the call at once with the same `CallDone`.
-//!
-//! `RDT_CALL_HANDOFF=0` sends every call straight (a measurement knob;
-//! the listener then only keeps the thread awake, as before).
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::Addr;
 use parking_lot::Mutex;
-use rdt_transport::switch::Switch;
 
 use super::host::{Host, Invoke};
 use super::WorkerShared;
@@ -44,8 +40,6 @@ use crate::actor::Actor as RdtActor;
 use crate::error::Error;
 use crate::protocol::{CallMsg, ToDriver};
 use rdt_transport::Sidedness;
-
-static CALL_HANDOFF: Switch = Switch::new("RDT_CALL_HANDOFF", true);
 
 /// Calls on their way to a listening actor's thread.
 #[derive(Default)]
@@ -80,7 +74,7 @@ impl HandOff {
 pub(super) fn hand_over<A: RdtActor>(shared: &WorkerShared, addr: &Addr<Host<A>>, call: CallMsg) {
     let mut s = shared.handoff.state.lock();
     s.arrived += 1;
-    if s.listeners > 0 && CALL_HANDOFF.on() {
+    if s.listeners > 0 {
         s.calls.push_back(call);
         s.queued += 1;
         return;

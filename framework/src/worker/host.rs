@@ -384,10 +384,7 @@ async fn run_call<A: RdtActor>(
         let l = shared.landing.lock();
         args.refs
             .iter()
-            .filter_map(|id| {
-                l.get(id)
-                    .map(|f| (*id, f.clone(), super::ACKS_BY_CALLS.on() && f.take_ack()))
-            })
+            .filter_map(|id| l.get(id).map(|f| (*id, f.clone(), f.take_ack())))
             .collect()
     };
     // However the call ends, the receives it took on are its to

@@ -65,7 +65,6 @@ use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
-use rdt_transport::switch::Switch;
 use rdt_transport::{object_store, Peer, ReceiveStart, Sidedness, Target, Tensor, TensorList};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};
@@ -629,15 +628,6 @@ impl Landed {
     }
 }
 
-/// `RDT_ACK_BOUND=0` leaves a taken acknowledgement to its call however
-/// long it runs (WK-9 without its bound: only to show, on a GPU host, the
-/// failure the bound prevents).
-static ACK_BOUND: Switch = Switch::new("RDT_ACK_BOUND", true);
-
-/// `RDT_ACK_WAIT_ON_CONTROL=0` keeps a receive's bounded wait for its
-/// call's end on the group's runtime, as before WK-12 (a measurement knob).
-static ACK_WAIT_ON_CONTROL: Switch = Switch::new("RDT_ACK_WAIT_ON_CONTROL", true);
-
 /// How long the receive's task leaves the acknowledgement to a call that
 /// took it on, once the bytes landed, before it sends one itself (WK-9):
 /// an eighth of the transfer deadline, at most 10 ms. A method that runs
@@ -646,10 +636,6 @@ static ACK_WAIT_ON_CONTROL: Switch = Switch::new("RDT_ACK_WAIT_ON_CONTROL", true
 fn ack_wait(transfer_timeout: Duration) -> Duration {
     (transfer_timeout / 8).min(Duration::from_millis(10))
 }
-
-/// Is a group's runtime built with an I/O driver (`RDT_GROUP_RUNTIME_IO=1`,
-/// for measurements; default: timers only)?
-static GROUP_RUNTIME_IO: Switch = Switch::new("RDT_GROUP_RUNTIME_IO", false);
 
 /// A transfer waiting its turn in a group's queue.
 type Job = futures::future::BoxFuture<'static, ()>;
@@ -664,14 +650,9 @@ fn start_group_queue(group: u64) -> std::io::Result<tokio::sync::mpsc::Unbounded
     // driver every yield of this thread's hot waits (its next transfer, a
     // landing) was an `epoll_wait` system call, so each round of those
     // waits saw what it waited for microseconds late.
-    // `RDT_GROUP_RUNTIME_IO=1` builds it with I/O, to measure.
-    let mut builder = tokio::runtime::Builder::new_current_thread();
-    if GROUP_RUNTIME_IO.on() {
-        builder.enable_all();
-    } else {
-        builder.enable_time();
-    }
-    let rt = builder.build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()?;
     std::thread::Builder::new()
         .name(format!("rdt-group-{group}"))
         .spawn(move || {
@@ -686,10 +667,6 @@ fn start_group_queue(group: u64) -> std::io::Result<tokio::sync::mpsc::Unbounded
         })?;
     Ok(tx)
 }
-
-/// `RDT_GROUP_TIGHT_PICKUP=0` waits for a group's next job with the
-/// plain hot wait only, as before GQ-2 (a measurement knob).
-static GROUP_TIGHT_PICKUP: Switch = Switch::new("RDT_GROUP_TIGHT_PICKUP", true);
 
 /// How long the group's thread asks its queue in a tight loop between
 /// yields while it has nothing else to run (GQ-2).
@@ -710,7 +687,7 @@ async fn next_job(
     window: Duration,
 ) -> Option<Job> {
     use tokio::sync::mpsc::error::TryRecvError;
-    if !GROUP_TIGHT_PICKUP.on() || window.is_zero() {
+    if window.is_zero() {
         return hot(rx.recv()).await;
     }
     let metrics = tokio::runtime::Handle::current().metrics();
@@ -1130,11 +1107,6 @@ pub fn receives_started_after_frames() -> u64 {
 pub fn calls_handed_to_listener() -> u64 {
     WORKER.get().map(|w| w.handoff.queued()).unwrap_or(0)
 }
-
-/// Do calls acknowledge the receives they took before the landing
-/// (WK-9; `RDT_ACK_BY_CALLS=0` leaves every one to its task, for
-/// measurements)?
-pub(crate) static ACKS_BY_CALLS: Switch = Switch::new("RDT_ACK_BY_CALLS", true);
 
 /// Inside an actor: how many stream-ordered receives (`nccl`) a call
 /// that took the value acknowledged with its `CallDone`, instead of the
@@ -1850,7 +1822,7 @@ fn on_deliver(
                             // acknowledgement goes now, well before the
                             // transfer deadline (a failed landing is the
                             // call's to report, with `Dependency`).
-                            if landed.is_err() || l.call_ended() || !ACK_BOUND.on() {
+                            if landed.is_err() || l.call_ended() {
                                 return;
                             }
                             if ack_at_landing {
@@ -1882,11 +1854,7 @@ fn on_deliver(
                             // runtime, not on the group's: a group runtime
                             // with no task of its own takes its next job in
                             // a tight loop (GQ-2).
-                            if ACK_WAIT_ON_CONTROL.on() {
-                                shared.control.spawn(bounded.in_current_span());
-                            } else {
-                                bounded.await;
-                            }
+                            shared.control.spawn(bounded.in_current_span());
                             return;
                         }
                         landed.and(ack)

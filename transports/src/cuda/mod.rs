@@ -54,9 +54,6 @@
 //!   stream to other code (cuBLAS, a user's kernel), what it enqueues is
 //!   not counted: from then on the stream is always asked.
 //!
-//! `RDT_STREAM_IDLE_KNOWN=0` turns this off (every question asks CUDA),
-//! for measurements.
-//!
 //! # Free marks (what another stream may write)
 //! Memory freed while rdt's stream may still use it is safe for rdt's
 //! stream at once (its later work runs after the earlier), but not for
@@ -425,8 +422,6 @@ pub(crate) struct EventPool {
 /// EP-2's bound: more than a pass ever has in flight per device.
 const POOLED_EVENTS: usize = 64;
 
-static EVENT_POOL: crate::switch::Switch = crate::switch::Switch::new("RDT_EVENT_POOL", true);
-
 static EVENTS_CREATED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// How many CUDA events rdt's completions and stream events created in
@@ -447,10 +442,8 @@ impl EventPool {
     /// An event without timing, from the pool or new. The caller has
     /// bound the pool's context.
     fn take(&self) -> Result<Event, CudaError> {
-        if EVENT_POOL.on() {
-            if let Some(e) = self.free.lock().pop() {
-                return Ok(e);
-            }
+        if let Some(e) = self.free.lock().pop() {
+            return Ok(e);
         }
         EVENTS_CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         cu::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
@@ -461,13 +454,12 @@ impl EventPool {
     /// Takes back an event nobody holds any more (EP-1). The caller has
     /// bound the pool's context.
     fn give(&self, e: Event) {
-        if EVENT_POOL.on() {
-            let mut free = self.free.lock();
-            if free.len() < POOLED_EVENTS {
-                free.push(e);
-                return;
-            }
+        let mut free = self.free.lock();
+        if free.len() < POOLED_EVENTS {
+            free.push(e);
+            return;
         }
+        drop(free);
         // SAFETY: our event, unused from here on; destroying one still
         // pending is allowed (an enqueued wait on it is not cancelled).
         unsafe {
@@ -698,10 +690,6 @@ static IDLE_KNOWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::
 pub fn idle_known_count() -> u64 {
     IDLE_KNOWN.load(std::sync::atomic::Ordering::Relaxed)
 }
-
-/// Is "known idle" on (`RDT_STREAM_IDLE_KNOWN`, default on)?
-static IDLE_KNOWN_ON: crate::switch::Switch =
-    crate::switch::Switch::new("RDT_STREAM_IDLE_KNOWN", true);
 
 /// One visible device of this process: its primary context and rdt's stream.
 pub struct Gpu {
@@ -1016,10 +1004,7 @@ impl Gpu {
         let mark = self.marks.take();
         // IK-2: read before the query it may be stored for.
         let upto = self.enqueued.load(SeqCst);
-        if IDLE_KNOWN_ON.on()
-            && !self.stream_lent.load(SeqCst)
-            && self.idle_upto.load(SeqCst) == upto
-        {
+        if !self.stream_lent.load(SeqCst) && self.idle_upto.load(SeqCst) == upto {
             self.marks.passed(mark);
             IDLE_KNOWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Ok(true);

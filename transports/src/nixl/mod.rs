@@ -397,11 +397,6 @@ fn make_agent(name: &str) -> Result<Arc<Agent>, NixlError> {
     made
 }
 
-/// Whether this process's agent is closed at exit (on by default;
-/// `RDT_NIXL_CLOSE_AT_EXIT=0` leaves it to the C library's teardown).
-static CLOSE_AT_EXIT: crate::switch::Switch =
-    crate::switch::Switch::new("RDT_NIXL_CLOSE_AT_EXIT", true);
-
 /// How long the exit waits for the agent's lock, then for its teardown,
 /// before it goes on without it (a worker's exit must not hang on a
 /// peer).
@@ -415,9 +410,6 @@ const CLOSE_AT_EXIT_WAIT: std::time::Duration = std::time::Duration::from_millis
 /// [`CLOSE_AT_EXIT_WAIT`] (the lock, then the teardown). A process
 /// killed, or ended by `_exit`, skips it.
 extern "C" fn close_agent_at_exit() {
-    if !CLOSE_AT_EXIT.on() {
-        return;
-    }
     let Some(Ok(agent)) = STARTED_AGENT.get() else {
         return;
     };
@@ -2383,10 +2375,6 @@ impl NixlTransport {
 /// The largest object whose next destination is made ahead (NX-11).
 const READY_MAX_BYTES: usize = 64 << 10;
 
-/// `RDT_NIXL_READY_DEST=0` makes every destination at its receive, as
-/// before NX-11 (a measurement knob).
-static READY_DEST: crate::switch::Switch = crate::switch::Switch::new("RDT_NIXL_READY_DEST", true);
-
 /// Where a READ lands: the tensors it fills, its (local, remote)
 /// descriptor lists, what keeps that memory registered and alive, and the
 /// GPUs whose memory was not clean (NX-9).
@@ -2470,16 +2458,12 @@ impl ReadPlan {
         (self.host_len > 0 || !self.lanes.is_empty())
             && self.nbytes <= READY_MAX_BYTES
             && self.at.len() < PLAN_MIN_TENSORS
-            && READY_DEST.on()
     }
 }
 
 impl NixlTransport {
     /// The destination made ahead for `plan`, if there is one (NX-11).
     fn take_ready(&self, plan: &Arc<ReadPlan>) -> Option<Destination> {
-        if !READY_DEST.on() {
-            return None;
-        }
         let mut ready = self.ready.lock();
         let at = ready.iter().position(|r| Arc::ptr_eq(&r.plan, plan))?;
         bump(&COUNTERS.dests_taken_ready, 1);
@@ -2822,17 +2806,13 @@ impl TensorTransport for NixlTransport {
     /// offered to the call's thread, WK-8, and making them holds the loop),
     /// and not a first read from a producer (loading its metadata and
     /// connecting take milliseconds that would hold the loop).
-    /// `RDT_NIXL_RECEIVE_IN_TASK=1` starts every receive in a task of its
-    /// own instead (a measurement knob).
     fn receive_start(&self, exported: &Exported) -> crate::ReceiveStart {
-        static IN_TASK: crate::switch::Switch =
-            crate::switch::Switch::new("RDT_NIXL_RECEIVE_IN_TASK", false);
         let small_from_known = || {
             exported.metas.len() < PLAN_MIN_TENSORS
                 && HandlesWire::agent_of(&exported.handles)
                     .is_some_and(|a| self.remotes.lock().contains_key(a))
         };
-        if !IN_TASK.on() && small_from_known() {
+        if small_from_known() {
             crate::ReceiveStart::AfterFramesInHand
         } else {
             crate::ReceiveStart::Task
