@@ -17,6 +17,7 @@
 mod actor;
 mod client;
 mod deadlines;
+mod env;
 mod error;
 mod heap;
 pub mod metrics;

@@ -78,9 +78,9 @@ impl Default for RuntimeBuilder {
             heartbeat_timeout: Duration::from_secs(10),
             tls: None,
             hot_window: None,
-            peer_delivery: std::env::var("RDT_PEER_DELIVERY").map_or(true, |v| v.trim() != "0"),
+            peer_delivery: crate::env::var("RDT_PEER_DELIVERY").map_or(true, |v| v.trim() != "0"),
             straight_large_values: None,
-            large_transfer_bytes: std::env::var("RDT_LARGE_TRANSFER_BYTES")
+            large_transfer_bytes: crate::env::var("RDT_LARGE_TRANSFER_BYTES")
                 .ok()
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(crate::owner::DEFAULT_LARGE_TRANSFER_BYTES),
@@ -3124,12 +3124,12 @@ fn gpu_pool() -> Vec<String> {
             .filter(|s| !s.is_empty())
             .collect()
     };
-    std::env::var("RDT_GPUS")
+    crate::env::var("RDT_GPUS")
         .ok()
         .map(list)
         .filter(|l| !l.is_empty())
         .or_else(|| {
-            std::env::var("CUDA_VISIBLE_DEVICES")
+            crate::env::var("CUDA_VISIBLE_DEVICES")
                 .ok()
                 .map(list)
                 .filter(|l| !l.is_empty())

@@ -108,7 +108,7 @@ impl MicrosSetting {
     }
 
     fn in_env(&self) -> Option<Duration> {
-        let v = std::env::var(self.env).ok()?;
+        let v = crate::env::var(self.env).ok()?;
         match v.trim().parse::<u64>() {
             Ok(us) => Some(Duration::from_micros(us)),
             Err(_) => {

@@ -15,6 +15,7 @@ mod device;
 mod dtype;
 #[cfg(any(feature = "nccl", feature = "nixl"))]
 mod dynlib;
+mod env;
 mod free_list;
 pub mod host_pool;
 pub mod hot;

@@ -1403,7 +1403,7 @@ mod tests {
     /// does nothing unless that test started it.
     #[test]
     fn child_producer() {
-        if std::env::var_os(CHILD).is_none() {
+        if crate::env::var_os(CHILD).is_none() {
             return;
         }
         // Never outlive a parent that failed: our exit ends its wait on

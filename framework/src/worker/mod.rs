@@ -146,17 +146,17 @@ pub fn boot_before_main() {
 }
 
 fn is_worker() -> bool {
-    std::env::var_os(env::SOCKET).is_some() || cmdline_flag("--rdt-connect").is_some()
+    crate::env::var_os(env::SOCKET).is_some() || cmdline_flag("--rdt-connect").is_some()
 }
 
 fn boot_if_worker() {
-    let (link, secret, worker) = if let Ok(socket) = std::env::var(env::SOCKET) {
+    let (link, secret, worker) = if let Ok(socket) = crate::env::var(env::SOCKET) {
         match local_boot(socket) {
             Ok(b) => b,
             Err(e) => fail_boot(&e),
         }
     } else if let Some(addr) = cmdline_flag("--rdt-connect") {
-        let token = std::env::var(env::TOKEN)
+        let token = crate::env::var(env::TOKEN)
             .ok()
             .or_else(|| cmdline_flag("--rdt-token"))
             .unwrap_or_else(|| {
@@ -166,7 +166,7 @@ fn boot_if_worker() {
             });
         let secret =
             hex::decode(token.trim()).unwrap_or_else(|_| fail_boot("the token is not hex"));
-        let ca = std::env::var(env::TLS_CA)
+        let ca = crate::env::var(env::TLS_CA)
             .ok()
             .or_else(|| cmdline_flag("--rdt-tls-ca"));
         let link = match ca {
@@ -202,7 +202,7 @@ fn boot_if_worker() {
     // `nixl` pass in three of four, `nccl` in three of four, 10 000
     // tensors in all three), as it was for `nixl` in session 31; pairs
     // differ by as much (see the benchmark page of 2026-11-27).
-    let threads = match std::env::var("RDT_CONTROL_THREADS") {
+    let threads = match crate::env::var("RDT_CONTROL_THREADS") {
         Err(_) => 1,
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if n > 0 => n,
@@ -263,7 +263,7 @@ fn cmdline_flag(flag: &str) -> Option<String> {
 }
 
 fn local_boot(socket: String) -> std::result::Result<(Link, Vec<u8>, u64), String> {
-    let var = |k: &str| std::env::var(k).map_err(|_| format!("missing environment variable {k}"));
+    let var = |k: &str| crate::env::var(k).map_err(|_| format!("missing environment variable {k}"));
     let secret = hex::decode(var(env::SECRET)?).map_err(|_| "bad secret")?;
     let worker = var(env::WORKER_ID)?.parse().map_err(|_| "bad worker id")?;
     let parent: i32 = var(env::PARENT_PID)?

@@ -103,7 +103,7 @@ pub const STRAIGHT_LARGE_FROM: usize = 1 << 20;
 /// The default of `straight_large`: the environment's `RDT_STRAIGHT_LARGE`
 /// (`0` or `1`), else whether this machine has the cores.
 fn straight_large_default() -> bool {
-    match std::env::var("RDT_STRAIGHT_LARGE")
+    match crate::env::var("RDT_STRAIGHT_LARGE")
         .as_deref()
         .map(str::trim)
     {

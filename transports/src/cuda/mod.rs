@@ -127,7 +127,7 @@ impl CudaError {
 pub fn tracing_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
-        std::env::var("RDT_CUDA_TRACE")
+        crate::env::var("RDT_CUDA_TRACE")
             .map(|v| !v.is_empty() && v != "0")
             .unwrap_or(false)
     })
@@ -149,7 +149,7 @@ pub fn tracing_enabled() -> bool {
 pub fn timeline_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
-        std::env::var("RDT_TIMELINE")
+        crate::env::var("RDT_TIMELINE")
             .map(|v| !v.is_empty() && v != "0")
             .unwrap_or(false)
     })
@@ -361,7 +361,7 @@ pub fn available() -> Result<(), CudaError> {
             if n <= 0 {
                 return Err(CudaError(format!(
                     "no CUDA device is visible (CUDA_VISIBLE_DEVICES={})",
-                    std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+                    crate::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
                 )));
             }
             Ok(())
@@ -818,7 +818,7 @@ pub fn gpu_by_uuid(uuid: &GpuUuid) -> Result<Arc<Gpu>, CudaError> {
         Some(i) => gpu(i),
         None => Err(CudaError(format!(
             "device {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES={})",
-            std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+            crate::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
         ))),
     }
 }

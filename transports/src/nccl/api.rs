@@ -78,7 +78,7 @@ pub(crate) struct Api {
 /// The library names tried, in order.
 fn candidates() -> Vec<String> {
     let mut c = Vec::new();
-    if let Ok(p) = std::env::var(LIBRARY_VAR) {
+    if let Ok(p) = crate::env::var(LIBRARY_VAR) {
         if !p.is_empty() {
             c.push(p);
         }

@@ -148,10 +148,10 @@ pub(crate) struct Api {
 /// The folder `scripts/install-nixl.sh` installs into when given none:
 /// `$XDG_CACHE_HOME/rdt/nixl-cu13-<release>` (or under `~/.cache`).
 pub fn default_dir() -> Option<PathBuf> {
-    let cache = std::env::var_os("XDG_CACHE_HOME")
+    let cache = crate::env::var_os("XDG_CACHE_HOME")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+        .or_else(|| crate::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
     Some(
         cache
             .join("rdt")
@@ -167,10 +167,10 @@ fn candidates() -> Vec<String> {
             c.push(p);
         }
     };
-    if let Ok(p) = std::env::var(LIBRARY_VAR) {
+    if let Ok(p) = crate::env::var(LIBRARY_VAR) {
         push(p);
     }
-    let dirs = std::env::var_os(DIR_VAR)
+    let dirs = crate::env::var_os(DIR_VAR)
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
         .into_iter()
