@@ -127,6 +127,7 @@ impl CudaSink {
     }
     // ANCHOR_END: touch
 
+    // ANCHOR: touch_copy
     /// Copy mode: makes a copy of `t` in this process's own memory and
     /// waits until it is done.
     async fn touch_copy(&mut self, t: Tensor) -> Result<usize, BenchError> {
@@ -134,6 +135,7 @@ impl CudaSink {
         own.cuda_ready().await?;
         Ok(own.nbytes())
     }
+    // ANCHOR_END: touch_copy
 
     /// Waits until every tensor is usable here; their bytes.
     async fn touch_all(&mut self, ts: Vec<Tensor>) -> Result<usize, BenchError> {

@@ -937,11 +937,13 @@ async fn overlap_only(quick: bool) -> Result<(), BenchError> {
 async fn timeline_passes() -> Result<(), BenchError> {
     // Before any worker starts: they inherit it.
     std::env::set_var("RDT_TIMELINE", "1");
+    // ANCHOR: nccl_group
     let rt = Runtime::start().await?;
     let p = rt.spawn::<NcclSource>(()).on_gpus([0]).await?;
     let c = rt.spawn::<NcclSink>(()).on_gpus([1]).await?;
     rt.create_collective_group(&[p.id(), c.id()], Transport::Nccl)
         .await?;
+    // ANCHOR_END: nccl_group
     // Tiny calls to the consumer first, on the same timeline (id 0): the
     // budget a 4 KiB pass is held to, step by step.
     for i in 0..20u64 {

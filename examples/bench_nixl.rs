@@ -130,6 +130,7 @@ impl NixlSink {
         Ok(n)
     }
 
+    // ANCHOR: sink_update
     /// A weight update: the object behind `r` read into the parameters
     /// (`get_into`), usable once this returns.
     async fn update(&mut self, r: ObjectRef<Vec<Tensor>>) -> Result<usize, BenchError> {
@@ -149,6 +150,7 @@ impl NixlSink {
         }
         Ok(self.params.len() * self.params.first().map_or(0, Tensor::nbytes))
     }
+    // ANCHOR_END: sink_update
 
     /// The tensors are usable here once the read returned.
     async fn touch(&mut self, t: Tensor) -> Result<usize, BenchError> {
@@ -863,9 +865,11 @@ async fn main() -> Result<(), BenchError> {
         rt.get(c1.warm().remote()).await?;
         rows.extend(rdt_passes(&cx, &rt, "cross", &p, &c1, &sizes, quick).await?);
     }
+    // ANCHOR: nixl_call
     // The driver reads a 1 GiB GPU object.
     let r = p.tensor(big).transport(Transport::Nixl).remote();
     rt.wait(&r).await?;
+    // ANCHOR_END: nixl_call
     let iters = if quick { 3 } else { 10 };
     for (case, host) in [("driver_get_host", true), ("driver_get_gpu", false)] {
         let mut us = Vec::new();

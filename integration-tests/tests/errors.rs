@@ -17,11 +17,13 @@ async fn a_typed_error_round_trips_to_the_driver_and_through_a_dependency() {
 
         let oom = p.oops(1).remote();
         let e = rt.get(&oom).await.unwrap_err();
+        // ANCHOR: typed_error
         // The caller matches on the method's own error type.
         match e.application_error::<Oops>() {
             Some(Oops::OutOfMemory { needed }) => assert_eq!(needed, 1 << 30),
             other => panic!("expected Oops::OutOfMemory, got {other:?} from {e}"),
         }
+        // ANCHOR_END: typed_error
         // The message is still the error's Display.
         assert!(
             matches!(&e, Error::Application { method, message, .. }
