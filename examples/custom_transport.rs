@@ -172,7 +172,7 @@ impl Reader {
 
     /// Sum of the tensor, and how many objects came in over `files`.
     async fn sum(&mut self, t: Tensor) -> rdt::Result<(f64, u64)> {
-        Ok((t.sum()?, rdt::received_objects(FILES)))
+        Ok((t.sum()?, rdt::runtime().metrics().received_over(FILES)))
     }
 }
 // ANCHOR_END: actors

@@ -40,9 +40,7 @@ pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
 pub use targets::Targets;
 pub use transport::Transport;
 pub use worker::{
-    calls_handed_to_listener, group_memberships, init, local_objects, received_in_place,
-    received_objects, receives_acknowledged_by_calls, receives_started_after_frames, runtime,
-    straight_deliveries, try_runtime, wait_tensor_freed, wait_tensor_freed_timeout, ActorRuntime,
+    init, runtime, try_runtime, wait_tensor_freed, wait_tensor_freed_timeout, ActorRuntime,
     GroupMembership,
 };
 

@@ -124,3 +124,41 @@ impl Counts {
         self.metrics.clone()
     }
 }
+
+/// What an actor's worker has counted since it started
+/// ([`ActorRuntime::metrics`](crate::ActorRuntime::metrics)). Tests and
+/// benchmarks read it to tell which path a value took.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WorkerMetrics {
+    /// Objects in this worker's store (produced with a direct transport,
+    /// or received).
+    pub local_objects: usize,
+    /// Objects received, by transport name (object-store deliveries under
+    /// `object_store`).
+    pub received: BTreeMap<String, u64>,
+    /// Values received straight from the actor that produced them, on a
+    /// link between the two workers, not through the driver
+    /// (`RuntimeBuilder::peer_delivery`).
+    pub straight_deliveries: u64,
+    /// `get_into` calls whose tensors the receive wrote into the targets
+    /// itself (`nccl`, `nixl`; `tcp`, `shm`, `cuda_ipc` copy into them as
+    /// they receive), not received elsewhere and copied in afterwards.
+    pub received_in_place: u64,
+    /// Receives the control loop started itself once the frames it had
+    /// read were handled (a small `nixl` read from a known producer).
+    pub receives_started_after_frames: u64,
+    /// Calls handed to the actor's thread through the hand-off queue,
+    /// found listening after an earlier call.
+    pub calls_handed_to_listener: u64,
+    /// Stream-ordered receives (`nccl`) a call that took the value
+    /// acknowledged with its `CallDone` (WK-9).
+    pub receives_acknowledged_by_calls: u64,
+}
+
+impl WorkerMetrics {
+    /// Objects received over `transport`.
+    pub fn received_over(&self, transport: crate::Transport) -> u64 {
+        self.received.get(transport.name()).copied().unwrap_or(0)
+    }
+}

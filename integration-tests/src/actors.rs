@@ -241,7 +241,7 @@ impl Producer {
 
     /// Objects in this worker's store.
     async fn stored(&mut self) -> usize {
-        rdt::local_objects()
+        rdt::runtime().metrics().local_objects
     }
 
     /// Writes `v` into the kept tensor `i` (to observe sharing).
@@ -289,7 +289,8 @@ impl Producer {
 
     /// The collective groups this worker is in: (group, rank, size).
     async fn memberships(&mut self) -> Vec<(u64, u32, usize)> {
-        rdt::group_memberships()
+        rdt::runtime()
+            .group_memberships()
             .into_iter()
             .map(|m| (m.group.0, m.rank, m.size))
             .collect()
@@ -476,7 +477,7 @@ impl Consumer {
 
     /// Objects in this worker's store.
     async fn stored(&mut self) -> usize {
-        rdt::local_objects()
+        rdt::runtime().metrics().local_objects
     }
 
     /// Adds 1 to every element and returns the result.
@@ -487,7 +488,8 @@ impl Consumer {
 
     /// The collective groups this worker is in: (group, rank, size).
     async fn memberships(&mut self) -> Vec<(u64, u32, usize)> {
-        rdt::group_memberships()
+        rdt::runtime()
+            .group_memberships()
             .into_iter()
             .map(|m| (m.group.0, m.rank, m.size))
             .collect()
@@ -496,7 +498,7 @@ impl Consumer {
     /// Objects this worker received over `transport` (which path a value
     /// took).
     async fn received(&mut self, transport: String) -> rdt::Result<u64> {
-        Ok(rdt::received_objects(transport.parse()?))
+        Ok(rdt::runtime().metrics().received_over(transport.parse()?))
     }
 
     /// This worker's hot window, in microseconds (`rdt::data::hot`).
@@ -547,9 +549,9 @@ impl Consumer {
     }
 
     /// Receives this worker's control loop started after the frames in
-    /// hand (see `rdt::receives_started_after_frames`).
+    /// hand (see `rdt::metrics::WorkerMetrics`).
     async fn started_after_frames(&mut self) -> u64 {
-        rdt::receives_started_after_frames()
+        rdt::runtime().metrics().receives_started_after_frames
     }
 
     /// Sum of the tensor, `ms` milliseconds after the call started (a
@@ -607,9 +609,9 @@ impl Consumer {
             .collect::<Result<_, _>>()?)
     }
 
-    /// `get_into` calls received in place (see `rdt::received_in_place`).
+    /// `get_into` calls received in place (see `rdt::metrics::WorkerMetrics`).
     async fn in_place(&mut self) -> u64 {
-        rdt::received_in_place()
+        rdt::runtime().metrics().received_in_place
     }
 
     /// Each tensor's sum.
@@ -618,9 +620,9 @@ impl Consumer {
     }
 
     /// Values this worker received straight from their producers (see
-    /// `rdt::straight_deliveries`).
+    /// `rdt::metrics::WorkerMetrics`).
     async fn straight(&mut self) -> u64 {
-        rdt::straight_deliveries()
+        rdt::runtime().metrics().straight_deliveries
     }
 
     /// Forgets the parameters: the next `update_params` makes new ones.
@@ -820,9 +822,9 @@ impl Consumer {
     }
 
     /// Calls that reached this actor's thread through the hand-off queue
-    /// (see `rdt::calls_handed_to_listener`).
+    /// (see `rdt::metrics::WorkerMetrics`).
     async fn handed_over(&mut self) -> u64 {
-        rdt::calls_handed_to_listener()
+        rdt::runtime().metrics().calls_handed_to_listener
     }
 
     // New methods go last: tests call some of the others by index.
@@ -1214,7 +1216,7 @@ impl GpuProducer {
 
     /// Objects in its store.
     async fn stored(&mut self) -> usize {
-        rdt::local_objects()
+        rdt::runtime().metrics().local_objects
     }
 
     /// Returns unused slabs to the driver (`alloc::trim`): (bytes freed now,
@@ -1516,19 +1518,19 @@ impl GpuConsumer {
         ts.iter().map(|t| t.sum().map_err(tensor_err)).collect()
     }
 
-    /// Objects received over `transport` (see `rdt::received_objects`).
+    /// Objects received over `transport` (see `rdt::metrics::WorkerMetrics`).
     async fn received(&mut self, transport: String) -> rdt::Result<u64> {
-        Ok(rdt::received_objects(transport.parse()?))
+        Ok(rdt::runtime().metrics().received_over(transport.parse()?))
     }
 
     /// Objects in its store.
     async fn stored(&mut self) -> usize {
-        rdt::local_objects()
+        rdt::runtime().metrics().local_objects
     }
 
-    /// `get_into` calls received in place (see `rdt::received_in_place`).
+    /// `get_into` calls received in place (see `rdt::metrics::WorkerMetrics`).
     async fn in_place(&mut self) -> u64 {
-        rdt::received_in_place()
+        rdt::runtime().metrics().received_in_place
     }
 
     /// Answers (to tell whether it lives).
@@ -1627,15 +1629,15 @@ impl GpuConsumer {
         (s.hits, s.misses, s.pinned_bytes)
     }
     /// Values this worker received straight from their producers (see
-    /// `rdt::straight_deliveries`).
+    /// `rdt::metrics::WorkerMetrics`).
     async fn straight(&mut self) -> u64 {
-        rdt::straight_deliveries()
+        rdt::runtime().metrics().straight_deliveries
     }
 
     /// Receives this worker's calls acknowledged with their `CallDone`
-    /// (see `rdt::receives_acknowledged_by_calls`).
+    /// (see `rdt::metrics::WorkerMetrics`).
     async fn acks_by_calls(&mut self) -> u64 {
-        rdt::receives_acknowledged_by_calls()
+        rdt::runtime().metrics().receives_acknowledged_by_calls
     }
 
     /// [`early_sum`](Self::early_sum) of a method that then runs on for
@@ -1664,7 +1666,7 @@ impl Relay {
 
     /// Objects in this worker's store.
     async fn stored(&mut self) -> usize {
-        rdt::local_objects()
+        rdt::runtime().metrics().local_objects
     }
 
     /// Puts small values until it is killed, keeping every ref: a `Put`
@@ -1756,9 +1758,9 @@ impl Relay {
         Ok((done.len(), pending.len()))
     }
 
-    /// Objects received over `transport` (see `rdt::received_objects`).
+    /// Objects received over `transport` (see `rdt::metrics::WorkerMetrics`).
     async fn received(&mut self, transport: String) -> rdt::Result<u64> {
-        Ok(rdt::received_objects(transport.parse()?))
+        Ok(rdt::runtime().metrics().received_over(transport.parse()?))
     }
 
     /// Gets the object, failing with its error (for error round trips).

@@ -315,6 +315,20 @@ impl Drop for TargetsGuard<'_> {
 }
 
 impl ActorRuntime {
+    /// What this actor's worker has counted since it started: objects in
+    /// its store, received per transport, straight, in place (see
+    /// [`WorkerMetrics`](crate::metrics::WorkerMetrics)).
+    pub fn metrics(&self) -> crate::metrics::WorkerMetrics {
+        self.w.metrics()
+    }
+
+    /// The collective groups this actor is a member of, as its worker
+    /// knows them (every member joins before `create_collective_group`
+    /// returns, and leaves before `destroy_collective_group` returns).
+    pub fn group_memberships(&self) -> Vec<super::GroupMembership> {
+        super::group_memberships(&self.w)
+    }
+
     /// Waits for an object and returns its value. Its tensors come over
     /// the object's transport, straight from the actor that holds them
     /// (a collective transport needs a group with that actor, as for a
@@ -428,7 +442,7 @@ impl ActorRuntime {
     /// Object `id` received into `targets` (AC-3): the stored value, and
     /// the targets as the value's tensors where they were copied in
     /// (`None`: the receive wrote into them itself, counted in
-    /// [`received_in_place`](crate::received_in_place)).
+    /// [`WorkerMetrics::received_in_place`](crate::metrics::WorkerMetrics::received_in_place)).
     async fn land_in<T: Serialize + DeserializeOwned + 'static>(
         &self,
         id: u64,

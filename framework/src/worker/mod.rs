@@ -724,14 +724,9 @@ pub struct GroupMembership {
     pub size: usize,
 }
 
-/// Inside an actor: the collective groups it is a member of, as its worker
-/// knows them (every member joins before `create_collective_group`
-/// returns, and leaves before `destroy_collective_group` returns).
-/// Outside an actor: none.
-pub fn group_memberships() -> Vec<GroupMembership> {
-    let Some(w) = WORKER.get() else {
-        return Vec::new();
-    };
+/// The collective groups this worker's actor is a member of (see
+/// [`ActorRuntime::group_memberships`]).
+fn group_memberships(w: &WorkerShared) -> Vec<GroupMembership> {
     let mut v: Vec<GroupMembership> = w
         .groups
         .lock()
@@ -1044,79 +1039,22 @@ pub async fn wait_tensor_freed(tensor: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// Inside an actor: how many objects this worker's store holds (produced
-/// with a direct transport, or received). Outside an actor: 0.
-pub fn local_objects() -> usize {
-    WORKER.get().map(|w| w.store.map.lock().len()).unwrap_or(0)
-}
-
-/// Inside an actor: how many objects this worker has received over
-/// `transport` (object-store deliveries count under
-/// [`Transport::ObjectStore`]). Tests use it to prove which path a value
-/// took; outside an actor it is 0.
-pub fn received_objects(transport: Transport) -> u64 {
-    WORKER
-        .get()
-        .and_then(|w| w.received.lock().get(&transport).copied())
-        .unwrap_or(0)
-}
-
-/// Inside an actor: how many values this worker received straight from
-/// the actor that produced them, on a link between the two workers, rather
-/// than through the driver (see [`RuntimeBuilder::peer_delivery`]). Tests
-/// use it to prove which path a value took; outside an actor it is 0.
-///
-/// [`RuntimeBuilder::peer_delivery`]: crate::RuntimeBuilder::peer_delivery
-pub fn straight_deliveries() -> u64 {
-    WORKER.get().map(|w| w.peer.received()).unwrap_or(0)
-}
-
-/// Inside an actor: how many of its `get_into` calls had their tensors
-/// written into the targets by the receive itself (`nccl` and `nixl` land
-/// the bytes there; `tcp`, `shm` and `cuda_ipc` copy into them as they
-/// receive), rather than received elsewhere and copied in afterwards (the
-/// object store, a value held already, targets the transport cannot write
-/// into). Tests use it to prove a weight update was received in place;
-/// outside an actor it is 0.
-pub fn received_in_place() -> u64 {
-    WORKER
-        .get()
-        .map(|w| w.in_place.load(std::sync::atomic::Ordering::Relaxed))
-        .unwrap_or(0)
-}
-
-/// Inside an actor: how many receives this worker's control loop started
-/// itself once the frames it had read were handled, the call behind the
-/// delivery already in the actor's mailbox (a small `nixl` read from a
-/// producer read before; see the book's Internals). Tests use it to prove
-/// which path a receive took; outside an actor it is 0.
-pub fn receives_started_after_frames() -> u64 {
-    WORKER
-        .get()
-        .map(|w| {
-            w.started_after_frames
-                .load(std::sync::atomic::Ordering::Relaxed)
-        })
-        .unwrap_or(0)
-}
-
-/// Inside an actor: how many calls reached its thread through the
-/// hand-off queue, found listening after an earlier call (no wake-up
-/// paid by the control loop; `handoff.rs`). Tests use it to prove the
-/// path ran; outside an actor it is 0.
-pub fn calls_handed_to_listener() -> u64 {
-    WORKER.get().map(|w| w.handoff.queued()).unwrap_or(0)
-}
-
-/// Inside an actor: how many stream-ordered receives (`nccl`) a call
-/// that took the value acknowledged with its `CallDone`, instead of the
-/// receive's own `Received` (WK-9). Tests use it to prove which path an
-/// acknowledgement took; outside an actor it is 0.
-pub fn receives_acknowledged_by_calls() -> u64 {
-    WORKER
-        .get()
-        .map(|w| w.acks_by_calls.load(std::sync::atomic::Ordering::Relaxed))
-        .unwrap_or(0)
+impl WorkerShared {
+    /// What this worker has counted (see [`ActorRuntime::metrics`]).
+    fn metrics(&self) -> crate::metrics::WorkerMetrics {
+        use std::sync::atomic::Ordering::Relaxed;
+        crate::metrics::WorkerMetrics {
+            local_objects: self.store.map.lock().len(),
+            received: (self.received.lock().iter())
+                .map(|(t, n)| (t.name().to_string(), *n))
+                .collect(),
+            straight_deliveries: self.peer.received(),
+            received_in_place: self.in_place.load(Relaxed),
+            receives_started_after_frames: self.started_after_frames.load(Relaxed),
+            calls_handed_to_listener: self.handoff.queued(),
+            receives_acknowledged_by_calls: self.acks_by_calls.load(Relaxed),
+        }
+    }
 }
 
 /// [`wait_tensor_freed`] with a deadline.
