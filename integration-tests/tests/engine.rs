@@ -633,30 +633,37 @@ async fn pd_5_a_straight_delivery_that_never_comes_fails_at_the_deadline() {
     .await;
 }
 
+/// A producer and a consumer under a transfer deadline of `deadline`, with
+/// the link for straight deliveries between them made (PD-3) by a first
+/// straight pass.
+async fn linked_pair(deadline: Duration) -> (Runtime, ProducerHandle, ConsumerHandle) {
+    rdt_integration_tests::logs();
+    let rt = Runtime::builder()
+        .transfer_timeout(deadline)
+        .start()
+        .await
+        .unwrap();
+    let p = rt.spawn::<Producer>(()).await.unwrap();
+    let c = rt.spawn::<Consumer>(()).await.unwrap();
+    {
+        let _busy = busy(&p, 200);
+        let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
+    }
+    assert!(rt.get(c.straight().remote()).await.unwrap() >= 1);
+    (rt, p, c)
+}
+
 /// PD-5, WK-13: a transfer deadline that passes after the consumer's call
 /// used and released its straight copy (its reply held back past the
-/// deadline, as is its receive's acknowledgement) leaves nothing in the consumer's store. At 4e1e27a the
-/// consumer took that abort for a delivery still to come (PD-5) and kept
+/// deadline, as is its receive's acknowledgement) leaves nothing in the
+/// consumer's store. At 4e1e27a the consumer took that abort for a delivery still to come (PD-5) and kept
 /// a failed slot, and the transfer in its given-up set, for its life.
 #[tokio::test]
 async fn pd_5_an_abort_after_the_call_released_its_copy_leaves_nothing() {
     deadline(60, async {
-        rdt_integration_tests::logs();
-        let rt = Runtime::builder()
-            .transfer_timeout(Duration::from_secs(1))
-            .start()
-            .await
-            .unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        // PD-3: the link between them, made by a first straight pass.
-        {
-            let _busy = busy(&p, 200);
-            let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
-            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
-        }
+        let (rt, p, c) = linked_pair(Duration::from_secs(1)).await;
         let straight = rt.get(c.straight().remote()).await.unwrap();
-        assert!(straight >= 1);
         // The receive's acknowledgement and the call's reply (not this
         // configuring call's) are held three times the transfer deadline.
         let fp = |n: &str, a: &str| c.failpoint(n.to_string(), a.to_string()).remote();
@@ -686,21 +693,7 @@ async fn pd_5_an_abort_after_the_call_released_its_copy_leaves_nothing() {
 #[tokio::test]
 async fn ow_11_a_straight_value_that_failed_before_its_reply_still_arrives() {
     deadline(60, async {
-        rdt_integration_tests::logs();
-        let rt = Runtime::builder()
-            .transfer_timeout(Duration::from_secs(5))
-            .start()
-            .await
-            .unwrap();
-        let p = rt.spawn::<Producer>(()).await.unwrap();
-        let c = rt.spawn::<Consumer>(()).await.unwrap();
-        // PD-3: the link between them, made by a first straight pass.
-        {
-            let _busy = busy(&p, 200);
-            let r = p.make(1.0, 4).transport(Transport::ObjectStore).remote();
-            assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 4.0);
-            assert!(rt.get(c.straight().remote()).await.unwrap() >= 1);
-        }
+        let (rt, p, c) = linked_pair(Duration::from_secs(5)).await;
         for v in [3.0f32, 4.0] {
             let fp = |n: &str, a: &str| (n.to_string(), a.to_string());
             let (n, a) = fp("rdt::straight_inline_receive", "1*return");
