@@ -74,10 +74,14 @@ pub struct TransportMetrics {
     pub aborted: u64,
 }
 
-/// The driver's counts, kept in its state.
+/// The driver's counts, kept in its state: by transport name as the
+/// registry holds it (no allocation per transfer), made a
+/// [`DriverMetrics`] when asked.
 #[derive(Default)]
 pub(crate) struct Counts {
-    metrics: DriverMetrics,
+    transports: BTreeMap<&'static str, TransportMetrics>,
+    calls_ok: u64,
+    calls_failed: u64,
 }
 
 impl Counts {
@@ -91,11 +95,7 @@ impl Counts {
     ) {
         metrics::counter!("rdt_transfers", "transport" => transport, "outcome" => outcome.as_str())
             .increment(1);
-        let m = self
-            .metrics
-            .transports
-            .entry(transport.to_string())
-            .or_default();
+        let m = self.transports.entry(transport).or_default();
         match outcome {
             Outcome::Done => {
                 metrics::counter!("rdt_rx_bytes", "transport" => transport).increment(bytes);
@@ -113,15 +113,21 @@ impl Counts {
     pub(crate) fn call_ended(&mut self, ok: bool) {
         metrics::counter!("rdt_calls", "outcome" => if ok { "ok" } else { "err" }).increment(1);
         if ok {
-            self.metrics.calls_ok += 1;
+            self.calls_ok += 1;
         } else {
-            self.metrics.calls_failed += 1;
+            self.calls_failed += 1;
         }
     }
 
     /// A copy of the counts.
     pub(crate) fn snapshot(&self) -> DriverMetrics {
-        self.metrics.clone()
+        DriverMetrics {
+            transports: (self.transports.iter())
+                .map(|(t, m)| (t.to_string(), *m))
+                .collect(),
+            calls_ok: self.calls_ok,
+            calls_failed: self.calls_failed,
+        }
     }
 }
 

@@ -401,7 +401,6 @@ pub(crate) struct Registered {
 /// dropped, the gate closes (no copy into the targets from then on) and a
 /// receive that writes into them in place as its bytes come (`nixl`,
 /// `nccl`) is aborted.
-#[derive(Default)]
 pub(crate) struct Landing {
     pub(crate) gate: Arc<rdt_transport::TargetGate>,
     /// The transfer of a receive that writes into the targets in place.

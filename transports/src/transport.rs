@@ -347,11 +347,6 @@ impl TargetWriters {
         // The sender lives in `self`: the wait ends only by the count.
         let _ = rx.wait_for(|n| *n == 0).await;
     }
-
-    /// How many write now.
-    pub fn count(&self) -> usize {
-        *self.0.borrow()
-    }
 }
 
 /// A writer of target tensors, counted in its [`TargetWriters`] until it

@@ -15,9 +15,15 @@ impl OwnerTable {
     ) -> Option<InFlight> {
         let t = self.transfers.remove(&xfer)?;
         self.ended.push(xfer);
+        // The object's value is in the table by now (a straight transfer
+        // was ordered while it was pending); it goes only after the end.
+        let (bytes, tensors) =
+            (self.objects.get(&t.object)).map_or((0, 0), |e| (e_bytes(e) as u64, e_tensors(e)));
+        t.span.record("bytes", bytes);
+        t.span.record("tensors", tensors);
         t.span.record("outcome", outcome.as_str());
         self.counts
-            .transfer_ended(t.transport.name(), t.bytes, t.tensors, outcome);
+            .transfer_ended(t.transport.name(), bytes, tensors, outcome);
         if t.large {
             self.send_next_held(t.consumer, actors);
         }
@@ -200,9 +206,15 @@ impl OwnerTable {
                 two_sided: false,
                 large: false,
                 call: None,
-                bytes: e_bytes(e) as u64,
-                tensors: e_tensors(e),
-                span: transfer_span(xfer, id, e, Some(producer), consumer, actors, true),
+                span: transfer_span(
+                    xfer,
+                    id,
+                    e.transport,
+                    Some(producer),
+                    consumer,
+                    actors,
+                    true,
+                ),
             },
         );
         true
@@ -494,9 +506,7 @@ pub(super) fn start_direct(
             two_sided,
             large,
             call,
-            bytes: e_bytes(e) as u64,
-            tensors: e_tensors(e),
-            span: transfer_span(xfer, id, e, e.producer, consumer, actors, false),
+            span: transfer_span(xfer, id, e.transport, e.producer, consumer, actors, false),
         },
     ))
 }

@@ -43,7 +43,7 @@ impl OwnerTable {
                             self.handed_values += 1;
                             let _ = tx.send(settled());
                         }
-                        Getter::Signal(tx) => self.woken.push(Woken::Signal(tx)),
+                        Getter::Signal(tx) => self.woken.push(Woken(tx)),
                     }
                 }
                 let nested = e.nested.clone();

@@ -168,18 +168,12 @@ pub(crate) enum Getter {
 
 /// A getter to wake once the driver's lock is released (a getter handed
 /// the value is woken at once, OW-14).
-pub(crate) enum Woken {
-    Signal(oneshot::Sender<()>),
-}
+pub(crate) struct Woken(oneshot::Sender<()>);
 
 impl Woken {
     /// Wakes it (a getter that went away is no one's concern).
     pub(crate) fn wake(self) {
-        match self {
-            Woken::Signal(tx) => {
-                let _ = tx.send(());
-            }
-        }
+        let _ = self.0.send(());
     }
 }
 
@@ -335,10 +329,8 @@ pub(crate) struct InFlight {
     pub large: bool,
     /// The call it was delivered for, where known (OW-15).
     pub call: Option<u64>,
-    /// Its tensor bytes and tensors, as the producer exported them.
-    pub bytes: u64,
-    pub tensors: u64,
-    /// Its `transfer` span, from its start to its end (`outcome`).
+    /// Its `transfer` span, from its start to its end (its bytes, tensors
+    /// and `outcome` recorded then).
     pub span: tracing::Span,
 }
 
@@ -603,10 +595,10 @@ fn e_bytes(e: &Entry) -> usize {
     }
 }
 
-/// The tensors of an entry's value, where its metadata is here.
+/// The tensors of an entry's value (0 while it is pending).
 fn e_tensors(e: &Entry) -> u64 {
     match &e.state {
-        ObjState::Ready(v) => v.exported.get().map_or(0, |x| x.metas.len() as u64),
+        ObjState::Ready(v) => v.exported.tensors() as u64,
         _ => 0,
     }
 }
@@ -620,12 +612,11 @@ pub(crate) fn actor_name(actors: &Actors, a: ActorId) -> String {
 }
 
 /// A transfer's span in the driver, from its start to its end, where its
-/// `outcome` is recorded (the field vocabulary of the book's
-/// Observability section).
+/// bytes, tensors and `outcome` are recorded (`end_transfer`).
 fn transfer_span(
     xfer: u64,
     object: u64,
-    e: &Entry,
+    transport: Transport,
     producer: Option<ActorId>,
     consumer: ActorId,
     actors: &Actors,
@@ -640,9 +631,9 @@ fn transfer_span(
         "transfer",
         xfer,
         object,
-        transport = e.transport.name(),
-        bytes = e_bytes(e),
-        tensors = e_tensors(e),
+        transport = transport.name(),
+        bytes = tracing::field::Empty,
+        tensors = tracing::field::Empty,
         producer = %name(producer),
         consumer = %name(Some(consumer)),
         straight,

@@ -76,6 +76,8 @@ pub struct WireExported {
     pub inline: Vec<Blob>,
     /// [`Exported::nbytes`], for accounting without decoding.
     nbytes: u64,
+    /// How many tensors it describes, for accounting without decoding.
+    tensors: u32,
     /// The decoded form, once read in this process.
     #[serde(skip)]
     decoded: std::sync::OnceLock<Arc<Decoded>>,
@@ -114,6 +116,7 @@ impl WireExported {
             head: Blob::new(Bytes::from(head)),
             inline,
             nbytes,
+            tensors: exported.metas.len() as u32,
             decoded: std::sync::OnceLock::from(Decoded::new(exported)),
         })
     }
@@ -186,6 +189,11 @@ impl WireExported {
     /// Total tensor bytes described.
     pub fn nbytes(&self) -> usize {
         self.nbytes as usize
+    }
+
+    /// How many tensors it describes (the head is not decoded for it).
+    pub fn tensors(&self) -> usize {
+        self.tensors as usize
     }
 }
 

@@ -80,9 +80,9 @@ pub(super) struct PeerDelivery {
     links: Arc<Mutex<HashMap<u64, Link>>>,
     /// Straight transfers the driver aborted before their delivery came
     /// (PD-5).
-    given_up: Mutex<Recent>,
+    given_up: Mutex<RecentTransfers>,
     /// Straight transfers whose delivery came (PD-5).
-    arrived: Mutex<Recent>,
+    arrived: Mutex<RecentTransfers>,
     /// Deliveries this worker received straight from producers.
     received: AtomicU64,
     /// Whether values through the driver of [`STRAIGHT_LARGE_FROM`] bytes
@@ -124,12 +124,12 @@ const RECENT: usize = 4096;
 
 /// The latest [`RECENT`] transfers of a kind, oldest out first.
 #[derive(Default)]
-struct Recent {
+struct RecentTransfers {
     order: VecDeque<u64>,
     set: HashSet<u64>,
 }
 
-impl Recent {
+impl RecentTransfers {
     fn insert(&mut self, xfer: u64) {
         if self.set.insert(xfer) {
             self.order.push_back(xfer);
