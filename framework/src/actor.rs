@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result, TypedError};
-use crate::object_ref::RawHandle;
+use crate::refs::object_ref::RawHandle;
 
 /// An actor type. Implemented by `#[rdt::actor]` on an `impl` block; you do
 /// not implement it by hand.
@@ -73,7 +73,7 @@ pub struct ActorRegistration {
     /// [`Actor::NAME`].
     pub name: &'static str,
     /// Runs the worker for this type; never returns.
-    pub run: fn(crate::worker::WorkerStart) -> !,
+    pub run: fn(crate::protocol::boot::WorkerStart) -> !,
 }
 
 #[doc(hidden)]
@@ -88,7 +88,7 @@ pub struct CallArgs {
     pub(crate) values: Vec<(Bytes, std::sync::Arc<TensorList>)>,
     /// The refs in the return value, held until its reply is queued
     /// (CL-2).
-    pub(crate) held: std::rc::Rc<std::cell::RefCell<Vec<crate::client::AnyRef>>>,
+    pub(crate) held: std::rc::Rc<std::cell::RefCell<Vec<crate::refs::client::AnyRef>>>,
 }
 
 impl CallArgs {
@@ -102,7 +102,7 @@ impl CallArgs {
                 self.values.len()
             ))
         })?;
-        crate::client::decode_list(None, data, tensors).map_err(|e| Error::Decode {
+        crate::refs::codec::decode_list(None, data, tensors).map_err(|e| Error::Decode {
             what: format!(
                 "argument {name} of {}.{} as {}",
                 self.actor,
@@ -169,7 +169,7 @@ impl<E> TypedViaNothing for &AppError<'_, E> {}
 /// Encodes a method's return value (generated code calls this).
 #[doc(hidden)]
 pub fn encode_return<T: Serialize>(v: &T, args: &CallArgs) -> Result<Payload> {
-    let encoded = crate::client::encode(v).map_err(|e| Error::Decode {
+    let encoded = crate::refs::codec::encode(v).map_err(|e| Error::Decode {
         what: format!("the return value of {}.{}", args.actor, args.method),
         message: e.to_string(),
     })?;

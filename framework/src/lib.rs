@@ -15,29 +15,29 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod actor;
-mod client;
 mod deadlines;
 mod env;
 mod error;
 mod heap;
+mod ids;
 pub mod metrics;
-mod object_ref;
 mod owner;
 mod protocol;
+mod refs;
 mod runtime;
 mod startup;
-mod targets;
 mod transport;
 mod worker;
 
 pub use actor::Actor;
 pub use error::{Error, Result, TransportError, TypedError, DEPENDENCY_VIA};
-pub use object_ref::{ActorId, Arg, Call, ObjectId, ObjectRef, RawHandle};
+pub use ids::{ActorId, GroupId, ObjectId};
 pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::register_transport;
 pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
-pub use runtime::{GroupId, Runtime, RuntimeBuilder, Spawn};
-pub use targets::Targets;
+pub use refs::object_ref::{Arg, Call, ObjectRef, RawHandle};
+pub use refs::targets::Targets;
+pub use runtime::{Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;
 pub use worker::{
     init, runtime, try_runtime, wait_tensor_freed, wait_tensor_freed_timeout, ActorRuntime,
@@ -79,7 +79,7 @@ pub mod __private {
         encode_return, ActorRegistration, AppError, CallArgs, Concurrency, MethodInfo,
         TypedViaNothing, TypedViaSerialize, ACTOR_TYPES,
     };
-    pub use crate::object_ref::{Call, RawHandle};
+    pub use crate::refs::object_ref::{Call, RawHandle};
     pub use crate::worker::{boot_before_main, run_worker, RDT_MAIN};
     #[cfg(feature = "failpoints")]
     pub use fail;

@@ -25,10 +25,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use crate::protocol::inline_value;
 use parking_lot::Mutex;
 use rdt_transport::hot::{self, hot};
 use rdt_transport::object_store;
-use rdt_transport::value::Payload;
 use rdt_transport::{Blob, Target};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -36,15 +36,17 @@ use tokio::net::UnixListener;
 use tokio::sync::{oneshot, watch};
 
 use crate::actor::Actor;
-use crate::client::Client;
 use crate::error::{Error, Result};
-use crate::object_ref::{ActorId, ArgOut, ObjectRef, RawHandle};
+use crate::ids::{ActorId, GroupId};
 use crate::owner::{actor_name, ActorInfo, Actors, GroupLookup, ObjState, OwnerTable};
+use crate::protocol::boot::{env as wenv, DEFAULT_MAX_FRAME};
 use crate::protocol::{
     self, CallMsg, SubmitMsg, ToDriver, ToWorker, WireArg, WireExported, WireValue,
 };
+use crate::refs::client::ArgOut;
+use crate::refs::client::{Client, SharedClient};
+use crate::refs::object_ref::{ObjectRef, RawHandle};
 use crate::transport::Transport;
-use crate::worker::env as wenv;
 
 /// Settings of a runtime. `Runtime::start()` uses the defaults.
 #[derive(Clone, Debug)]
@@ -62,9 +64,6 @@ pub struct RuntimeBuilder {
     straight_large_values: Option<bool>,
     large_transfer_bytes: usize,
 }
-
-/// Default control frame limit (8 GiB).
-pub(crate) const DEFAULT_MAX_FRAME: usize = 8 << 30;
 
 impl Default for RuntimeBuilder {
     fn default() -> Self {
@@ -590,16 +589,6 @@ impl Drop for UnfinishedSpawn<'_> {
     }
 }
 
-/// Identifies a collective group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct GroupId(pub u64);
-
-impl std::fmt::Display for GroupId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
 impl Runtime {
     /// Starts a runtime with the defaults (embedded, local).
     ///
@@ -761,13 +750,13 @@ impl Runtime {
                         targets.resolve::<T>(id, &wv.data_bytes()?, metas.len(), &|i| {
                             metas.get(i).cloned()
                         })?;
-                    crate::client::check_targets(id, metas, &ordered)?;
+                    crate::refs::wait::check_targets(id, metas, &ordered)?;
                     let target = Target::Tensors(ordered.clone());
                     // TG-4: a READ that outlives this future counts as the
                     // targets' writer (`Targets::idle`).
                     let gate = Arc::new(targets.gate());
                     let tensors = self.get_direct(id, &wv, inst, target, Some(gate)).await?;
-                    let copied = crate::client::into_targets(id, &ordered, &tensors)?;
+                    let copied = crate::refs::wait::into_targets(id, &ordered, &tensors)?;
                     return Ok((wv, tensors, copied));
                 }
                 None => self.fetch_via_object_store(id).await?,
@@ -778,7 +767,7 @@ impl Runtime {
         let ordered = targets.resolve::<T>(id, &wv.data_bytes()?, tensors.len(), &|i| {
             tensors.get(i).map(rdt_transport::Tensor::meta)
         })?;
-        let copied = crate::client::into_targets(id, &ordered, &tensors)?;
+        let copied = crate::refs::wait::into_targets(id, &ordered, &tensors)?;
         Ok((wv, tensors, copied))
     }
 
@@ -934,7 +923,7 @@ impl Runtime {
         num_returns: usize,
         timeout: Option<Duration>,
     ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
-        crate::client::wait_many(refs, num_returns, timeout, |id| async move {
+        crate::refs::wait::wait_many(refs, num_returns, timeout, |id| async move {
             self.inner.wait_value(id).await.map(|_| ())
         })
         .await
@@ -952,7 +941,7 @@ impl Runtime {
         deadline: Duration,
     ) -> Result<T> {
         let id = r.borrow().id;
-        crate::client::get_within(id, deadline, self.get(r)).await
+        crate::refs::wait::get_within(id, deadline, self.get(r)).await
     }
 
     /// Gets a value through the object-store path whatever its transport:
@@ -1004,7 +993,7 @@ impl Runtime {
     /// it, to pass to any actor. See [`Runtime::put_with`] for a direct
     /// transport.
     pub fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
-        let encoded = crate::client::encode(value).map_err(|e| Error::Decode {
+        let encoded = crate::refs::codec::encode(value).map_err(|e| Error::Decode {
             what: "the value given to put".into(),
             message: e.to_string(),
         })?;
@@ -1042,7 +1031,7 @@ impl Runtime {
             .insert_done(id, None, ObjState::Ready(wv));
         // CL-2: the table holds the refs in the value now.
         drop(encoded);
-        Ok(ObjectRef::adopt(id, Client::Driver(self.inner.clone())))
+        Ok(ObjectRef::adopt(id, self.inner.clone() as SharedClient))
     }
 
     /// Stores `value` in the driver, its tensors over `transport`, and
@@ -1078,7 +1067,7 @@ impl Runtime {
         if !inst.serves_driver() {
             return Err(refuse());
         }
-        let encoded = crate::client::encode(value).map_err(|e| Error::Decode {
+        let encoded = crate::refs::codec::encode(value).map_err(|e| Error::Decode {
             what: "the value given to put_with".into(),
             message: e.to_string(),
         })?;
@@ -1108,7 +1097,7 @@ impl Runtime {
             .table
             .insert_held(id, transport, wv, held);
         drop(encoded);
-        Ok(ObjectRef::adopt(id, Client::Driver(self.inner.clone())))
+        Ok(ObjectRef::adopt(id, self.inner.clone() as SharedClient))
     }
 
     /// Creates a collective group of `backend` (a collective transport:
@@ -1503,26 +1492,12 @@ fn decode_in_driver<T: DeserializeOwned + 'static>(
     id: u64,
     tensors: &[rdt_transport::Tensor],
 ) -> Result<T> {
-    let client = Client::Driver(inner.clone());
-    crate::client::decode(Some(&client), &wv.data_bytes()?, tensors).map_err(|e| Error::Decode {
-        what: format!("object {id} as {}", std::any::type_name::<T>()),
-        message: e.to_string(),
-    })
-}
-
-/// A value with its tensors inline (object-store path).
-pub(crate) fn inline_value(p: Payload, refs: Vec<u64>) -> Result<WireValue> {
-    // CUDA tensors go through the host: copied device to host here, and
-    // back to a device where they are received (object_store::unpack).
-    let exported = object_store::pack(&p.tensors).map_err(|e| Error::Decode {
-        what: "a tensor".into(),
-        message: e.message,
-    })?;
-    Ok(WireValue {
-        data: Blob::new(p.data),
-        transport: Transport::ObjectStore,
-        exported: WireExported::new(exported)?,
-        refs,
+    let client = inner.clone() as SharedClient;
+    crate::refs::codec::decode(Some(&client), &wv.data_bytes()?, tensors).map_err(|e| {
+        Error::Decode {
+            what: format!("object {id} as {}", std::any::type_name::<T>()),
+            message: e.to_string(),
+        }
     })
 }
 
@@ -1625,10 +1600,10 @@ impl<A: Actor> std::future::IntoFuture for Spawn<A> {
     type IntoFuture = futures::future::BoxFuture<'static, Result<A::Handle>>;
     fn into_future(self) -> Self::IntoFuture {
         Box::pin(async move {
-            crate::client::take_refused();
+            crate::refs::codec::take_refused();
             let args = postcard::to_stdvec(&self.args).map_err(|e| Error::Decode {
                 what: format!("constructor argument of {}", A::NAME),
-                message: if crate::client::take_refused() {
+                message: if crate::refs::codec::take_refused() {
                     "it holds an ObjectRef, which a constructor argument cannot carry (the \
                      spawn would not count it); pass the ref to a method of the spawned actor"
                         .into()
@@ -1789,7 +1764,7 @@ impl Inner {
     }
 
     pub(crate) fn submit(
-        self: &Arc<Self>,
+        &self,
         actor: u64,
         method: u32,
         method_name: &str,
@@ -1797,7 +1772,7 @@ impl Inner {
         transport: Transport,
     ) -> u64 {
         let id = self.next_id();
-        let (wire_args, early) = crate::object_ref::wire_args(&args);
+        let (wire_args, early) = crate::refs::object_ref::wire_args(&args);
         let msg = SubmitMsg {
             actor,
             method,
@@ -2064,7 +2039,7 @@ impl Inner {
             .map_err(|e| unfinished.fail(e))?;
         unfinished.why = None;
         Ok(RawHandle {
-            client: Client::Driver(self.clone()),
+            client: self.clone() as SharedClient,
             actor: id,
             name: name.into(),
         })
@@ -2186,7 +2161,7 @@ impl Inner {
             return Err(e);
         }
         Ok(RawHandle {
-            client: Client::Driver(self.clone()),
+            client: self.clone() as SharedClient,
             actor: id,
             name: name.into(),
         })
@@ -2508,6 +2483,43 @@ impl Inner {
         let reason = format!("its member {} died", err_actor(&err));
         break_groups_where(st, |g| g.members.contains(&actor), &reason);
         true
+    }
+}
+
+/// The driver's side of the one client API: counts are owner-table
+/// counts (CL-1); calls are staged here; kills go through the pidfd.
+impl Client for Inner {
+    fn clone_ref(&self, id: u64) {
+        self.lock().table.inc(id)
+    }
+    fn release_ref(&self, id: u64) {
+        Inner::release_ref(self, id)
+    }
+    fn adopt_from_wire(&self, id: u64) {
+        self.lock().table.inc(id)
+    }
+    fn submit(
+        &self,
+        actor: u64,
+        method: u32,
+        method_name: &'static str,
+        args: Vec<ArgOut>,
+        transport: Transport,
+    ) -> u64 {
+        Inner::submit(self, actor, method, method_name, args, transport)
+    }
+    fn kill(&self, actor: u64) {
+        self.kill_actor(actor)
+    }
+    fn pid(&self, actor: u64) -> Option<u32> {
+        self.actor_pid(actor)
+    }
+    fn exit_notice(&self, actor: u64, name: &str) -> Result<watch::Receiver<Option<String>>> {
+        Inner::exit_notice(self, actor).ok_or_else(|| {
+            Error::Protocol(format!(
+                "{name} runs in a worker that joined by hand: its exit cannot be observed here"
+            ))
+        })
     }
 }
 

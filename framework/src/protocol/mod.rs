@@ -16,6 +16,7 @@
 //!    the driver relies on this to order deliveries before the calls that
 //!    need them.
 
+pub(crate) mod boot;
 mod handshake;
 mod messages;
 mod recv;

@@ -9,6 +9,8 @@ use bytes::Bytes;
 
 use crate::error::{Error, Result};
 use crate::transport::Transport;
+use rdt_transport::object_store;
+use rdt_transport::value::Payload;
 
 /// A value as it travels: serialized non-tensor part plus what the
 /// transport exported for its tensors.
@@ -349,4 +351,20 @@ fn lost_bytes(e: rdt_transport::arriving::ArriveError) -> Error {
         rdt_transport::object_store::NAME,
         format!("a value's bytes did not arrive whole: {e}"),
     ))
+}
+
+/// A value with its tensors inline (object-store path).
+pub(crate) fn inline_value(p: Payload, refs: Vec<u64>) -> Result<WireValue> {
+    // CUDA tensors go through the host: copied device to host here, and
+    // back to a device where they are received (object_store::unpack).
+    let exported = object_store::pack(&p.tensors).map_err(|e| Error::Decode {
+        what: "a tensor".into(),
+        message: e.message,
+    })?;
+    Ok(WireValue {
+        data: Blob::new(p.data),
+        transport: Transport::ObjectStore,
+        exported: WireExported::new(exported)?,
+        refs,
+    })
 }

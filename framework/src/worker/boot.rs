@@ -3,6 +3,7 @@
 //! its driver.
 
 use super::*;
+use crate::protocol::boot::{Joined, WorkerStart};
 
 /// Makes this process a worker if the driver started it as one, or if it
 /// was started by hand with `--rdt-connect HOST:PORT` (invariant 1);
@@ -182,23 +183,6 @@ pub(super) fn local_boot(socket: String) -> std::result::Result<(Link, Vec<u8>, 
     Ok((Link::Unix(socket), secret, worker))
 }
 
-/// A worker that joined its driver and got its spawn order.
-#[doc(hidden)]
-pub struct WorkerStart {
-    pub(super) joined: Joined,
-    pub(super) control: tokio::runtime::Runtime,
-}
-
-pub(super) struct Joined {
-    pub(super) tx: protocol::Sender,
-    pub(super) rx: protocol::Receiver<protocol::ReadHalf>,
-    pub(super) order: protocol::SpawnOrder,
-    pub(super) secret: Vec<u8>,
-    /// The local address of a TCP control link: remote workers bind their
-    /// data endpoints there by default (routable to the driver's network).
-    pub(super) local_ip: Option<std::net::IpAddr>,
-}
-
 pub(super) fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
@@ -210,7 +194,7 @@ pub(super) fn hostname() -> String {
 pub(super) async fn join_driver(link: Link, secret: Vec<u8>, worker: u64) -> Result<Joined> {
     // Until the spawn order says otherwise, accept frames up to the
     // default limit.
-    let max = crate::runtime::DEFAULT_MAX_FRAME;
+    let max = crate::protocol::boot::DEFAULT_MAX_FRAME;
     let (tx, mut rx, local_ip) = match link {
         Link::Unix(path) => {
             let mut s = UnixStream::connect(&path).await?;

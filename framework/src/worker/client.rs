@@ -38,12 +38,13 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::{shared, Slot, StoredValue, WorkerShared};
-use crate::client::{Client, Encoded};
 use crate::error::{Error, Result};
-use crate::object_ref::{ArgOut, ObjectRef};
+use crate::protocol::inline_value;
 use crate::protocol::{SubmitMsg, ToDriver, WireExported, WireValue};
-use crate::runtime::inline_value;
-use crate::targets::{Registered, Targets};
+use crate::refs::client::ArgOut;
+use crate::refs::client::{Client, Encoded, SharedClient};
+use crate::refs::object_ref::ObjectRef;
+use crate::refs::targets::{Registered, Targets};
 use crate::transport::Transport;
 use rdt_transport::{Blob, Sidedness, Tensor, TensorList};
 
@@ -57,41 +58,6 @@ thread_local! {
     /// Borrows met while decoding on this thread, sent as one message when
     /// decoding ends (`None`: not decoding).
     static BATCH: RefCell<Option<Vec<u64>>> = const { RefCell::new(None) };
-}
-
-/// Collects the borrows of one decode (CL-3): sent in one `Borrow` when
-/// dropped. Does nothing outside a worker or inside another batch.
-pub(crate) struct BorrowBatch {
-    worker: Option<Arc<WorkerShared>>,
-}
-
-impl BorrowBatch {
-    pub(crate) fn start() -> BorrowBatch {
-        let Some(w) = shared() else {
-            return BorrowBatch { worker: None };
-        };
-        let began = BATCH.with(|b| {
-            let mut b = b.borrow_mut();
-            if b.is_some() {
-                return false;
-            }
-            *b = Some(Vec::new());
-            true
-        });
-        BorrowBatch {
-            worker: began.then_some(w),
-        }
-    }
-}
-
-impl Drop for BorrowBatch {
-    fn drop(&mut self) {
-        let Some(w) = &self.worker else { return };
-        let ids = BATCH.with(|b| b.borrow_mut().take()).unwrap_or_default();
-        if !ids.is_empty() {
-            let _ = w.tx.send(&ToDriver::Borrow(ids));
-        }
-    }
 }
 
 impl WorkerShared {
@@ -179,7 +145,7 @@ impl WorkerShared {
     /// runs it as one of its own (refs among the arguments move over their
     /// transports, collective ones included).
     pub(crate) fn submit(
-        self: &Arc<Self>,
+        &self,
         actor: u64,
         method: u32,
         method_name: &str,
@@ -187,7 +153,7 @@ impl WorkerShared {
         transport: Transport,
     ) -> u64 {
         let id = self.new_object();
-        let (wire_args, error) = crate::object_ref::wire_args(&args);
+        let (wire_args, error) = crate::refs::object_ref::wire_args(&args);
         // HO-6: a call to itself that will run (not one failed at
         // submission); a wait for it inside a method that runs alone fails.
         let own = actor == self.actor && error.is_none();
@@ -220,6 +186,61 @@ impl WorkerShared {
     /// `kill()` on a handle inside an actor.
     pub(crate) fn ask_kill(&self, actor: u64) {
         let _ = self.tx.send(&ToDriver::Kill { actor });
+    }
+}
+
+/// An actor's side of the one client API: counts are local, borrowed from
+/// the driver (CL-1); calls and kills go to the driver.
+impl Client for WorkerShared {
+    fn clone_ref(&self, id: u64) {
+        WorkerShared::clone_ref(self, id)
+    }
+    fn release_ref(&self, id: u64) {
+        WorkerShared::release_ref(self, id)
+    }
+    fn adopt_from_wire(&self, id: u64) {
+        WorkerShared::adopt_from_wire(self, id)
+    }
+    fn submit(
+        &self,
+        actor: u64,
+        method: u32,
+        method_name: &'static str,
+        args: Vec<ArgOut>,
+        transport: Transport,
+    ) -> u64 {
+        WorkerShared::submit(self, actor, method, method_name, args, transport)
+    }
+    fn kill(&self, actor: u64) {
+        self.ask_kill(actor)
+    }
+    fn pid(&self, _actor: u64) -> Option<u32> {
+        None
+    }
+    fn exit_notice(
+        &self,
+        _actor: u64,
+        name: &str,
+    ) -> Result<tokio::sync::watch::Receiver<Option<String>>> {
+        Err(Error::Protocol(format!(
+            "the exit of {name} is observed in the driver only, not inside an actor"
+        )))
+    }
+    fn decode_begins(&self) -> bool {
+        BATCH.with(|b| {
+            let mut b = b.borrow_mut();
+            if b.is_some() {
+                return false;
+            }
+            *b = Some(Vec::new());
+            true
+        })
+    }
+    fn decode_ends(&self) {
+        let ids = BATCH.with(|b| b.borrow_mut().take()).unwrap_or_default();
+        if !ids.is_empty() {
+            let _ = self.tx.send(&ToDriver::Borrow(ids));
+        }
     }
 }
 
@@ -277,7 +298,7 @@ impl Drop for GetGuard<'_> {
 struct TargetsGuard<'a> {
     w: &'a WorkerShared,
     object: u64,
-    landing: Arc<crate::targets::Landing>,
+    landing: Arc<crate::refs::targets::Landing>,
 }
 
 impl<'a> TargetsGuard<'a> {
@@ -459,7 +480,7 @@ impl ActorRuntime {
         let copied = if v.tensors.is_shared(&ordered) {
             None
         } else {
-            crate::client::into_targets(id, &ordered, &v.tensors)?
+            crate::refs::wait::into_targets(id, &ordered, &v.tensors)?
         };
         if copied.is_none() {
             self.w.in_place.fetch_add(1, Ordering::Relaxed);
@@ -557,7 +578,7 @@ impl ActorRuntime {
         data: &[u8],
         tensors: &TensorList,
     ) -> Result<T> {
-        crate::client::decode_list(None, data, tensors).map_err(|e| Error::Decode {
+        crate::refs::codec::decode_list(None, data, tensors).map_err(|e| Error::Decode {
             what: format!("object {id} as {}", std::any::type_name::<T>()),
             message: e.to_string(),
         })
@@ -575,7 +596,7 @@ impl ActorRuntime {
         deadline: Duration,
     ) -> Result<T> {
         let id = r.borrow().id;
-        crate::client::get_within(id, deadline, self.get(r)).await
+        crate::refs::wait::get_within(id, deadline, self.get(r)).await
     }
 
     /// Gets several objects: every transfer starts before any is awaited.
@@ -645,7 +666,7 @@ impl ActorRuntime {
                 }
             }
         }
-        crate::client::wait_many(refs, num_returns, timeout, |id| self.wait_id(id)).await
+        crate::refs::wait::wait_many(refs, num_returns, timeout, |id| self.wait_id(id)).await
     }
 
     /// Puts `value` through the object store (its bytes go to the driver)
@@ -722,7 +743,7 @@ impl ActorRuntime {
             return Err(e);
         }
         drop(encoded);
-        Ok(ObjectRef::adopt(id, Client::Actor(self.w.clone())))
+        Ok(ObjectRef::adopt(id, self.w.clone() as SharedClient))
     }
 
     fn send_put<T>(&self, wv: WireValue, encoded: Encoded) -> Result<ObjectRef<T>> {
@@ -736,12 +757,12 @@ impl ActorRuntime {
         }
         // CL-2: released after the message that carries them.
         drop(encoded);
-        Ok(ObjectRef::adopt(id, Client::Actor(self.w.clone())))
+        Ok(ObjectRef::adopt(id, self.w.clone() as SharedClient))
     }
 }
 
 fn encode<T: Serialize>(value: &T, what: &str) -> Result<Encoded> {
-    crate::client::encode(value).map_err(|e| Error::Decode {
+    crate::refs::codec::encode(value).map_err(|e| Error::Decode {
         what: format!("the value given to {what}"),
         message: e.to_string(),
     })

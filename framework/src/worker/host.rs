@@ -371,7 +371,7 @@ async fn run_call<A: RdtActor>(
     info: MethodInfo,
     args: Resolved,
     exclusive: bool,
-    held: &Rc<RefCell<Vec<crate::client::AnyRef>>>,
+    held: &Rc<RefCell<Vec<crate::refs::client::AnyRef>>>,
 ) -> Result<WireValue> {
     let method = info.name;
     // WK-5: arguments whose bytes are still landing; the method runs now

@@ -81,30 +81,16 @@ mod peer;
 mod receive;
 mod start;
 use crate::error::{Error, Result};
+use crate::protocol::boot::env;
+pub use crate::protocol::boot::WorkerStart;
+use crate::protocol::inline_value;
 use crate::protocol::{self, Delivery, ToDriver, ToWorker};
-use crate::runtime::inline_value;
 use crate::transport::Transport;
-pub use boot::{boot_before_main, init, WorkerStart};
-pub(crate) use client::BorrowBatch;
+pub use boot::{boot_before_main, init};
 pub use client::{runtime, try_runtime, ActorRuntime};
 use host::Host;
 pub use start::run_worker;
 use {boot::*, control::*, receive::*};
-
-/// Names of the environment variables a local worker is started with.
-pub(crate) mod env {
-    pub const SOCKET: &str = "RDT_WORKER_SOCKET";
-    pub const SECRET: &str = "RDT_WORKER_SECRET";
-    pub const WORKER_ID: &str = "RDT_WORKER_ID";
-    pub const PARENT_PID: &str = "RDT_WORKER_PARENT_PID";
-    pub const ALL: [&str; 4] = [SOCKET, SECRET, WORKER_ID, PARENT_PID];
-    /// The secret of a worker started by hand (`--rdt-token` puts it in
-    /// the process's argument list, visible to other users; prefer this).
-    pub const TOKEN: &str = "RDT_TOKEN";
-    /// PEM file of the certificate(s) to trust for a TLS control link
-    /// (or `--rdt-tls-ca PATH`); without it the link is plain TCP.
-    pub const TLS_CA: &str = "RDT_TLS_CA";
-}
 
 /// Binaries whose `main` is `#[rdt::main]` register here: their workers
 /// boot from `main`, after Rust's own start-up.
@@ -340,7 +326,7 @@ pub(crate) struct WorkerShared {
     /// (HO-6).
     self_calls: Mutex<std::collections::HashSet<u64>>,
     /// Target tensors `get_into` waits to fill, by object (WK-7).
-    targets: Mutex<HashMap<u64, crate::targets::Registered>>,
+    targets: Mutex<HashMap<u64, crate::refs::targets::Registered>>,
     /// The first thread waiting for each object still being received, by
     /// object: a token (its registration's) and where to hand the
     /// receive's list (WK-8).
@@ -516,7 +502,7 @@ async fn next_job(
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GroupMembership {
     /// The group.
-    pub group: crate::runtime::GroupId,
+    pub group: crate::ids::GroupId,
     /// Its backend.
     pub backend: Transport,
     /// This actor's rank in it.
@@ -533,7 +519,7 @@ fn group_memberships(w: &WorkerShared) -> Vec<GroupMembership> {
         .lock()
         .values()
         .map(|g| GroupMembership {
-            group: crate::runtime::GroupId(g.spec.id),
+            group: crate::ids::GroupId(g.spec.id),
             backend: g.backend,
             rank: g.spec.my_rank,
             size: g.spec.ranks.len(),
@@ -580,7 +566,7 @@ impl WorkerShared {
     /// The targets a `get_into` registered for `object`, taken (not
     /// cloned: 10 000 parameters are 10 000 clones); the getter keeps its
     /// own and copies into them if the receive does not take them.
-    fn take_targets(&self, object: u64) -> Option<crate::targets::Registered> {
+    fn take_targets(&self, object: u64) -> Option<crate::refs::targets::Registered> {
         self.targets.lock().remove(&object)
     }
 
@@ -592,7 +578,7 @@ impl WorkerShared {
     fn target_for(
         &self,
         object: u64,
-        registered: crate::targets::Registered,
+        registered: crate::refs::targets::Registered,
         data: &[u8],
         metas: &[rdt_transport::TensorMeta],
         layout: Option<u64>,
@@ -611,7 +597,7 @@ impl WorkerShared {
         if fitted.is_some() && *self.fitted.lock() == fitted {
             return Target::Tensors(ts);
         }
-        let fit = crate::client::check_targets(object, metas, &ts)
+        let fit = crate::refs::wait::check_targets(object, metas, &ts)
             .map_err(|e| e.to_string())
             .and_then(|()| transport.1.receives_into(&ts));
         match fit {

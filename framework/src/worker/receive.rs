@@ -11,7 +11,7 @@ use super::*;
 /// it. A getter gone already: received anywhere.
 pub(super) fn land_gated(
     target: Target,
-    landing: &crate::targets::Landing,
+    landing: &crate::refs::targets::Landing,
     transport: &dyn rdt_transport::TensorTransport,
     xfer: u64,
 ) -> (

@@ -2,6 +2,7 @@
 //! its control loop until the driver goes.
 
 use super::*;
+use crate::protocol::boot::Joined;
 
 /// Entry point of a worker hosting `A`; never returns.
 #[doc(hidden)]
@@ -97,8 +98,9 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         // Before the constructor: its argument may carry actor handles,
         // which read this worker's client.
         let _ = WORKER.set(shared.clone());
+        crate::refs::client::set_this_process(shared.clone());
         let decoded =
-            crate::client::reading_refs(Some(crate::client::Client::Actor(shared.clone())), || {
+            crate::refs::codec::reading_refs(Some(shared.clone() as crate::refs::client::SharedClient), || {
                 postcard::from_bytes::<A::Args>(&args.bytes().unwrap_or_default())
             });
         let constructed = match decoded {

@@ -3,16 +3,15 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::client::{AnyRef, Client, Encoded};
 use crate::error::{Error, Result};
+use crate::ids::{ActorId, ObjectId};
+use crate::protocol::inline_value;
 use crate::protocol::WireArg;
-use crate::runtime::inline_value;
+use crate::refs::client::{AnyRef, ArgOut, SharedClient};
+use crate::refs::codec;
 use crate::transport::Transport;
-
-/// Id of an object in the owner table.
-pub type ObjectId = u64;
 
 /// A typed reference to a value that a method produced (or will produce),
 /// or that was `put`. Cloning and dropping refs drive the owner table's
@@ -35,7 +34,7 @@ pub struct ObjectRef<T> {
 
 impl<T> ObjectRef<T> {
     /// Wraps an id whose count the caller already took.
-    pub(crate) fn adopt(id: ObjectId, client: Client) -> Self {
+    pub(crate) fn adopt(id: ObjectId, client: SharedClient) -> Self {
         ObjectRef {
             id,
             held: Arc::new(AnyRef { id, client }),
@@ -49,7 +48,7 @@ impl<T> ObjectRef<T> {
     }
 
     /// Where its count is held.
-    pub(crate) fn client(&self) -> &Client {
+    pub(crate) fn client(&self) -> &SharedClient {
         &self.held.client
     }
 }
@@ -129,13 +128,6 @@ impl<T> From<&ObjectRef<T>> for Arg<ObjectRef<T>> {
     }
 }
 
-pub(crate) enum ArgOut {
-    Value(Result<Encoded>),
-    /// The ref's count, shared with the caller's ref: held until the call
-    /// was submitted (its `need` counted).
-    Ref(Arc<AnyRef>),
-}
-
 /// A call's arguments as they travel (values inline, refs by id), and the
 /// first error that keeps the call from running; the same for calls from
 /// the driver and from actors.
@@ -161,7 +153,7 @@ pub(crate) fn wire_args(args: &[ArgOut]) -> (Vec<WireArg>, Option<Error>) {
 /// and the actor that receives it calls the same actor with it.
 #[derive(Clone)]
 pub struct RawHandle {
-    pub(crate) client: Client,
+    pub(crate) client: SharedClient,
     pub(crate) actor: u64,
     pub(crate) name: Arc<str>,
 }
@@ -171,10 +163,6 @@ impl std::fmt::Debug for RawHandle {
         write!(f, "{}", self.name)
     }
 }
-
-/// Driver-side id of an actor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ActorId(pub u64);
 
 impl RawHandle {
     /// The actor's id.
@@ -189,10 +177,7 @@ impl RawHandle {
     /// objects it holds fail; the rest of the runtime is unaffected.
     /// Inside an actor, the driver is asked to kill it.
     pub fn kill(&self) {
-        match &self.client {
-            Client::Driver(rt) => rt.kill_actor(self.actor),
-            Client::Actor(w) => w.ask_kill(self.actor),
-        }
+        self.client.kill(self.actor)
     }
     /// Resolves once the actor's worker process has exited and been
     /// reaped, with how it ended (`"was killed by signal 9"`); use it after
@@ -205,21 +190,7 @@ impl RawHandle {
     ///
     /// Dropping the future loses nothing.
     pub async fn exited(&self) -> crate::Result<String> {
-        let rt = match &self.client {
-            Client::Driver(rt) => rt,
-            Client::Actor(_) => {
-                return Err(crate::Error::Protocol(format!(
-                    "the exit of {} is observed in the driver only, not inside an actor",
-                    self.name
-                )))
-            }
-        };
-        let mut rx = rt.exit_notice(self.actor).ok_or_else(|| {
-            crate::Error::Protocol(format!(
-                "{} runs in a worker that joined by hand: its exit cannot be observed here",
-                self.name
-            ))
-        })?;
+        let mut rx = self.client.exit_notice(self.actor, &self.name)?;
         let seen = rx
             .wait_for(|s| s.is_some())
             .await
@@ -229,10 +200,7 @@ impl RawHandle {
     /// The worker process id (known to the driver; `None` inside an
     /// actor).
     pub fn pid(&self) -> Option<u32> {
-        match &self.client {
-            Client::Driver(rt) => rt.actor_pid(self.actor),
-            Client::Actor(_) => None,
-        }
+        self.client.pid(self.actor)
     }
 }
 
@@ -269,7 +237,7 @@ impl<T> Call<T> {
     #[doc(hidden)]
     pub fn push_arg<A: Serialize>(&mut self, arg: Arg<A>) {
         self.args.push(match arg {
-            Arg::Value(v) => ArgOut::Value(crate::client::encode(&v).map_err(|e| Error::Decode {
+            Arg::Value(v) => ArgOut::Value(codec::encode(&v).map_err(|e| Error::Decode {
                 what: format!("an argument of {}.{}", self.handle.name, self.method_name),
                 message: e.to_string(),
             })),
@@ -294,22 +262,69 @@ impl<T> Call<T> {
     /// table.
     pub fn remote(self) -> ObjectRef<T> {
         let client = self.handle.client.clone();
-        let id = match &client {
-            Client::Driver(rt) => rt.submit(
-                self.handle.actor,
-                self.method,
-                self.method_name,
-                self.args,
-                self.transport,
-            ),
-            Client::Actor(w) => w.submit(
-                self.handle.actor,
-                self.method,
-                self.method_name,
-                self.args,
-                self.transport,
-            ),
-        };
+        let id = client.submit(
+            self.handle.actor,
+            self.method,
+            self.method_name,
+            self.args,
+            self.transport,
+        );
         ObjectRef::adopt(id, client)
+    }
+}
+
+/// The error of a ref serialized or deserialized outside rdt.
+const OUTSIDE: &str =
+    "an rdt ObjectRef or actor handle is serialized and deserialized only by rdt \
+     (as a method argument, a return value or a put value, or nested in one); to save or \
+     send one elsewhere, send its value (get it first)";
+
+impl<T> Serialize for ObjectRef<T> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let held = codec::ENCODING.with(|e| match e.borrow_mut().as_mut() {
+            Some(refs) => {
+                self.client().clone_ref(self.id);
+                refs.push(AnyRef {
+                    id: self.id,
+                    client: self.client().clone(),
+                });
+                true
+            }
+            None => false,
+        });
+        if !held {
+            codec::REFUSED.with(|r| r.set(true));
+            return Err(serde::ser::Error::custom(OUTSIDE));
+        }
+        s.serialize_u64(self.id)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for ObjectRef<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let id = u64::deserialize(d)?;
+        let client = codec::decoding_client().ok_or_else(|| serde::de::Error::custom(OUTSIDE))?;
+        client.adopt_from_wire(id);
+        Ok(ObjectRef::adopt(id, client))
+    }
+}
+
+/// A handle travels as the actor's id and name; it keeps nothing alive
+/// (actors live until killed or shut down), so it needs no count.
+impl Serialize for RawHandle {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        (self.actor, &*self.name).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RawHandle {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let (actor, name) = <(u64, String)>::deserialize(d)?;
+        let client = codec::decoding_client().ok_or_else(|| serde::de::Error::custom(OUTSIDE))?;
+        Ok(RawHandle {
+            client,
+            actor,
+            name: name.into(),
+        })
     }
 }
