@@ -225,6 +225,12 @@ _INNER_CFG_TEST = re.compile(r"#\s*!\s*\[\s*cfg\s*\(\s*test\s*\)\s*\]")
 _MOD_TESTS = re.compile(r"\bmod\s+tests\s*\{")
 _MOD_DECL = re.compile(r"\bmod\s+(?:r#)?([A-Za-z_]\w*)\s*([;{])")
 _USE = re.compile(r"\buse\b")
+# a top-level item (at column 0, as rustfmt puts them): its kind and name
+_DEF = re.compile(
+    r"^(?:pub(?:\s*\([^()]*\))?\s+)?(?:(?:unsafe|async|extern\s*\"[^\"]*\")\s+)*"
+    r"(struct|enum|fn|trait|type|const|static|union)\s+(?:r#)?([A-Za-z_]\w*)",
+    re.M,
+)
 _PATHLIKE = re.compile(r"(?:r#)?[A-Za-z_]\w*(?:\s*::\s*(?:r#)?[A-Za-z_]\w*)+")
 _STR_PATH = re.compile(r"(?:crate|self|super)(?:::[A-Za-z_]\w*)+")
 
@@ -318,6 +324,9 @@ class ModFile:
     inline: list = field(default_factory=list)  # (start, end, modpath)
     refs: list = field(default_factory=list)
     ident_hits: list = field(default_factory=list)
+    use_spans: list = field(default_factory=list)
+    defs: set = field(default_factory=set)  # top-level item names defined here
+    idents: set = field(default_factory=set)  # identifiers its own code names
 
     def scope_at(self, i: int) -> tuple:
         best = self.modpath
@@ -487,6 +496,16 @@ def collect_refs(mf: ModFile) -> None:
             mf.refs.append(
                 Ref(mf.path, mf.line_of(off), "::".join(segs), scope, segs, True, bind, is_pub)
             )
+    mf.use_spans = use_spans
+    for m in _DEF.finditer(s):
+        if not in_spans(mf.test_spans, m.start()) and mf.scope_at(m.start()) == mf.modpath:
+            mf.defs.add(m.group(2))
+    code = list(s)
+    for a, b in mf.test_spans + use_spans:
+        code[a:b] = " " * (b - a)
+    # Names its code uses: not a path's tail (`x::name`), not a field or
+    # method (`.name`); a path's head is resolved as a path above.
+    mf.idents = set(re.findall(r"(?<![\w:.])(?:r#)?([A-Za-z_]\w*)(?!\s*::)", "".join(code)))
     attr_spans = []
     for m in _ATTR_START.finditer(s):
         attr_spans.append((m.start(), match_close(s, m.end() - 1)))
@@ -533,6 +552,7 @@ class Crate:
         self.aliases: dict[tuple, dict[str, tuple]] = {}
         self.reexports: dict[str, tuple[tuple, str]] = {}  # root name -> (target, file)
         self.warnings: list[str] = []
+        self._ns: dict[tuple, dict[str, str]] = {}
         self._load()
 
     def rel(self, p: str) -> str:
@@ -699,19 +719,80 @@ class Crate:
     def lib(self) -> str:
         return self.modules.get((), "")
 
+    def namespace(self, mp: tuple, _seen=None) -> dict[str, str]:
+        """What `use <mp>::*` brings in: name -> the file that defines it
+        (the module's own items, its `use` bindings, and its globs, followed
+        through re-exports). The crate root is the facade: nothing is looked
+        up through it."""
+        if mp in self._ns:
+            return self._ns[mp]
+        seen = _seen or set()
+        if mp in seen:
+            return {}
+        seen.add(mp)
+        path = self.modules.get(mp)
+        ns: dict[str, str] = {}
+        mf = self.files.get(path) if path else None
+        if mf is None or mf.modpath != mp:
+            return ns
+        for r in mf.refs:
+            if not r.in_use or r.scope != mp or r.target is None:
+                continue
+            if r.segs and r.segs[-1] == "*":
+                if r.target and self.land(r.target)[0] != ():
+                    for k, v in self.namespace(r.target, seen).items():
+                        ns.setdefault(k, v)
+        for r in mf.refs:
+            if r.in_use and r.scope == mp and r.bind and r.target is not None:
+                f = self.item_file(r.target, seen)
+                if f:
+                    ns[r.bind] = f
+        for name in mf.defs:
+            ns[name] = mf.path
+        if _seen is None:
+            self._ns[mp] = ns
+        return ns
+
+    def item_file(self, absolute: tuple, seen=None) -> str:
+        """The file an absolute path's item lives in, through the re-exports
+        of the module it lands in (not the root's)."""
+        mp, f = self.land(absolute)
+        if mp != () and len(absolute) == len(mp) + 1:
+            hit = self.namespace(mp, seen).get(absolute[-1])
+            if hit:
+                return hit
+        return f
+
     def edges(self, through_root: bool = False) -> dict[tuple[str, str], Ref]:
+        """File arrows. A glob import draws an arrow to each file whose item
+        the importing file's code names; a `pub use` (a re-export: the
+        facade) draws one only when the file's own code names it."""
         out: dict[tuple[str, str], Ref] = {}
         lib = self.lib()
         for mf in self.live_files():
             for r in mf.refs:
-                dst = r.file
-                if dst == lib and through_root and r.via_root:
-                    dst = r.via_root
-                if not dst or dst == mf.path or dst == lib:
+                if r.target is None:
                     continue
-                if self.files.get(dst) is not None and self.files[dst].test:
+                if r.in_use and r.segs and r.segs[-1] == "*":
+                    if self.land(r.target)[0] == () and r.target == ():
+                        continue
+                    ns = self.namespace(r.target) if self.land(r.target)[0] != () else {}
+                    dsts = {ns[n] for n in mf.idents if n in ns and n not in mf.defs}
+                    if not ns:
+                        dsts = {r.file}
+                elif r.in_use and r.is_pub and not (r.bind and r.bind in mf.idents):
                     continue
-                out.setdefault((mf.path, dst), r)
+                else:
+                    dst = self.item_file(r.target) if r.target else r.file
+                    if dst == lib and through_root and r.via_root:
+                        dst = r.via_root
+                    dsts = {dst}
+                for dst in dsts:
+                    if not dst or dst == mf.path or dst == lib:
+                        continue
+                    if self.files.get(dst) is not None and self.files[dst].test:
+                        continue
+                    out.setdefault((mf.path, dst), r)
         return out
 
     def top(self, path: str) -> str:
@@ -1105,7 +1186,7 @@ def self_test() -> int:
         edges = sorted((c.short(a), c.short(b)) for a, b in c.edges())
         check("edges (test code ignored, facade ignored, aliases and attribute strings followed)",
               edges, [("a.rs", "b.rs"), ("a.rs", "w/inner.rs"), ("a.rs", "w/mod.rs"),
-                      ("b.rs", "a.rs"), ("b.rs", "w/mod.rs"), ("lib.rs", "a.rs"), ("w/inner.rs", "odd_name.rs"),
+                      ("b.rs", "a.rs"), ("b.rs", "w/mod.rs"), ("w/inner.rs", "odd_name.rs"),
                       ("w/mod.rs", "w/inner.rs")])
         via = sorted(c.short(r.via_root) for mf in c.live_files() for r in mf.refs if r.via_root)
         check("root re-export seen", via, ["a.rs"])
@@ -1115,6 +1196,36 @@ def self_test() -> int:
               (True, 1, "  files: a.rs, b.rs"))
         (_, fbad, _, fn_), = res["circles-folders"]
         check("folder-level cycle detected", (fbad, fn_), (True, 1))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src_dir = os.path.join(tmp, "c", "src")
+        os.makedirs(os.path.join(src_dir, "f"))
+        files = {
+            "lib.rs": "mod f;\n",
+            # a facade: re-exports its children, names none of them itself
+            "f/mod.rs": "mod core;\nmod low;\nmod high;\nmod loopy;\npub use core::*;\n"
+                        "pub(crate) use low::{Low, low_fn};\npub use high::*;\npub use loopy::*;\n"
+                        "pub struct Shared;\n",
+            "f/core.rs": "pub struct Core;\n",
+            "f/low.rs": "use super::*;\npub struct Low(Core);\npub fn low_fn() { let _ = Shared; }\n"
+                        "fn g(x: u8) { x.High(); let _ = y::High; }\n",
+            "f/high.rs": "use super::*;\npub struct High(Low);\npub fn uses_loop() { Loopy; }\n",
+            "f/loopy.rs": "use super::*;\npub struct Loopy;\nfn back() { let _ = High; }\n",
+        }
+        for rel, body in files.items():
+            with open(os.path.join(src_dir, rel), "w") as f:
+                f.write(body)
+        crates = load(tmp, {"t": "c/src"})
+        c = crates["t"]
+        edges = sorted((c.short(a), c.short(b)) for a, b in c.edges())
+        check("a glob names the files of the items used; a facade's re-exports draw none",
+              edges, [("f/high.rs", "f/loopy.rs"), ("f/high.rs", "f/low.rs"),
+                      ("f/loopy.rs", "f/high.rs"), ("f/low.rs", "f/core.rs"),
+                      ("f/low.rs", "f/mod.rs")])
+        res = run_checks(crates)
+        (_, bad, lines, n), = res["circles-files"]
+        check("a sibling circle through a glob is found", (bad, n, lines[1] if lines else None),
+              (True, 1, "  files: f/high.rs, f/loopy.rs"))
 
     if failures:
         print("\n".join("FAIL " + f for f in failures))
