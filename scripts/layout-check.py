@@ -777,9 +777,21 @@ class Crate:
                     if self.land(r.target)[0] == () and r.target == ():
                         continue
                     ns = self.namespace(r.target) if self.land(r.target)[0] != () else {}
-                    dsts = {ns[n] for n in mf.idents if n in ns and n not in mf.defs}
+                    named: dict[str, list] = {}
+                    for n in sorted(mf.idents):
+                        if n in ns and n not in mf.defs:
+                            named.setdefault(ns[n], []).append(n)
                     if not ns:
-                        dsts = {r.file}
+                        named = {r.file: []}
+                    for dst, names in named.items():
+                        if dst and dst != mf.path and dst != lib and not (
+                            self.files.get(dst) is not None and self.files[dst].test
+                        ):
+                            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+                            via = Ref(r.src, r.line, f"{r.text} ({shown})" if names else r.text,
+                                      r.scope, r.segs, r.in_use, r.bind, r.is_pub, r.target, dst)
+                            out.setdefault((mf.path, dst), via)
+                    continue
                 elif r.in_use and r.is_pub and not (r.bind and r.bind in mf.idents):
                     continue
                 else:

@@ -16,6 +16,7 @@
 
 mod actor;
 mod deadlines;
+mod driver;
 mod env;
 mod error;
 mod heap;
@@ -24,12 +25,12 @@ pub mod metrics;
 mod owner;
 mod protocol;
 mod refs;
-mod runtime;
 mod startup;
 mod transport;
 mod worker;
 
 pub use actor::Actor;
+pub use driver::{Runtime, RuntimeBuilder, Spawn};
 pub use error::{Error, Result, TransportError, TypedError, DEPENDENCY_VIA};
 pub use ids::{ActorId, GroupId, ObjectId};
 pub use rdt_macros::{actor, main, method};
@@ -37,7 +38,6 @@ pub use rdt_transport::register_transport;
 pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
 pub use refs::object_ref::{Arg, Call, ObjectRef, RawHandle};
 pub use refs::targets::Targets;
-pub use runtime::{Runtime, RuntimeBuilder, Spawn};
 pub use transport::Transport;
 pub use worker::{
     init, runtime, try_runtime, wait_tensor_freed, wait_tensor_freed_timeout, ActorRuntime,

@@ -1,0 +1,422 @@
+//! Reading objects in the driver: every `get`, `wait` and the object store's fetch.
+
+use super::*;
+
+impl Runtime {
+    /// Waits for an object and returns its value. Waits until the producer
+    /// replies or dies; see [`Runtime::get_timeout`] for a deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: the object stays
+    /// readable by a later call, and a receive it started is given up (its copy
+    /// freed when nothing else here needs it).
+    pub async fn get<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+    ) -> Result<T> {
+        let r = r.borrow();
+        let wv = self.inner.wait_value(r.id).await?;
+        // A value through the driver may still be arriving (cut-through).
+        wv.arrived().await?;
+        match wv.transport.sidedness() {
+            rdt_transport::Sidedness::ThroughDriver => decode_wire(&self.inner, &wv, r.id),
+            rdt_transport::Sidedness::TwoSided => Err(Error::CollectiveGet {
+                object: r.id,
+                transport: wv.transport.to_string(),
+            }),
+            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
+                // NIXL: read straight into this process, no worker involved.
+                Some(inst) => {
+                    let tensors = self.get_direct(r.id, &wv, inst, Target::Any, None).await?;
+                    decode_in_driver(&self.inner, &wv, r.id, &tensors)
+                }
+                None => self.get_via_object_store(r).await,
+            },
+        }
+    }
+
+    /// Like [`Runtime::get`], with the object's tensors received into
+    /// `targets`: one per tensor of the value, in the order the value holds
+    /// them (a tensor held twice counts once), each of the same dtype and
+    /// shape. The value returned holds `targets` themselves.
+    ///
+    /// Over `nixl` the read lands in the targets directly (CUDA tensors
+    /// made with `Tensor::cuda_empty`, host tensors made by rdt): no
+    /// staging, no allocation. Other transports come through the
+    /// object-store path and are copied in once; a collective transport
+    /// fails as for [`Runtime::get`]. Targets that do not fit fail with
+    /// [`Error::Targets`] before any byte moves, and the object stays
+    /// readable.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes writes nothing more into
+    /// `targets` over `tcp`, `shm`, `cuda_ipc` (nothing more is queued on the
+    /// stream) and the object store: their copy into the targets runs under a
+    /// gate the drop closes (a copy under way ends first), or in this future
+    /// itself. Over `nixl` and `nccl`, which write into the targets as the
+    /// bytes come, the drop aborts the receive (over `nccl`, like any failed
+    /// transfer, that aborts the group); a NIXL READ already posted ends or
+    /// is cancelled a moment after the drop, and writes into the targets
+    /// until then: [`Targets::idle`](crate::Targets::idle) waits for it.
+    /// Either way the object stays readable.
+    pub async fn get_into<T: Serialize + DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        targets: impl Into<crate::Targets>,
+    ) -> Result<T> {
+        let r = r.borrow();
+        let targets: crate::Targets = targets.into();
+        let (wv, tensors, copied) = self.land_in::<T>(r.id, &targets).await?;
+        decode_in_driver(
+            &self.inner,
+            &wv,
+            r.id,
+            copied.as_deref().unwrap_or(&tensors),
+        )
+    }
+
+    /// [`get_into`](Runtime::get_into) without the value: the object's
+    /// tensors written into `targets`, and nothing decoded (see
+    /// [`ActorRuntime::load_into`](crate::ActorRuntime::load_into), the
+    /// same for an actor). Same targets, same errors as `get_into`.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get_into`](Self::get_into).
+    pub async fn load_into<T: Serialize + DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        targets: impl Into<crate::Targets>,
+    ) -> Result<()> {
+        let targets: crate::Targets = targets.into();
+        self.land_in::<T>(r.borrow().id, &targets).await.map(drop)
+    }
+
+    /// Object `id` received into `targets`: its value, the tensors
+    /// received, and the targets as the value's tensors where they were
+    /// copied in (`None`: the received tensors are the targets).
+    pub(super) async fn land_in<T: Serialize + DeserializeOwned + 'static>(
+        &self,
+        id: u64,
+        targets: &crate::Targets,
+    ) -> Result<(
+        WireValue,
+        Vec<rdt_transport::Tensor>,
+        Option<Vec<rdt_transport::Tensor>>,
+    )> {
+        let wv = self.inner.wait_value(id).await?;
+        wv.arrived().await?;
+        let wv = match wv.transport.sidedness() {
+            rdt_transport::Sidedness::TwoSided => {
+                return Err(Error::CollectiveGet {
+                    object: id,
+                    transport: wv.transport.to_string(),
+                })
+            }
+            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
+                Some(inst) => {
+                    let metas = &wv.exported.get()?.metas;
+                    // TG-1, TG-2: ordered and checked before any byte moves.
+                    let ordered =
+                        targets.resolve::<T>(id, &wv.data_bytes()?, metas.len(), &|i| {
+                            metas.get(i).cloned()
+                        })?;
+                    crate::refs::wait::check_targets(id, metas, &ordered)?;
+                    let target = Target::Tensors(ordered.clone());
+                    // TG-4: a READ that outlives this future counts as the
+                    // targets' writer (`Targets::idle`).
+                    let gate = Arc::new(targets.gate());
+                    let tensors = self.get_direct(id, &wv, inst, target, Some(gate)).await?;
+                    let copied = crate::refs::wait::into_targets(id, &ordered, &tensors)?;
+                    return Ok((wv, tensors, copied));
+                }
+                None => self.fetch_via_object_store(id).await?,
+            },
+            rdt_transport::Sidedness::ThroughDriver => wv,
+        };
+        let tensors = object_store::unpack(wv.exported.get()?)?;
+        let ordered = targets.resolve::<T>(id, &wv.data_bytes()?, tensors.len(), &|i| {
+            tensors.get(i).map(rdt_transport::Tensor::meta)
+        })?;
+        let copied = crate::refs::wait::into_targets(id, &ordered, &tensors)?;
+        Ok((wv, tensors, copied))
+    }
+
+    /// Like [`Runtime::get`], with every tensor read straight into this
+    /// process's host memory, whatever device it is on at its producer
+    /// (a checkpoint, an evaluation on the CPU). For objects on a
+    /// transport that serves the driver (`nixl`); others fail with a
+    /// message that says to use [`Runtime::get`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get).
+    pub async fn get_on_host<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+    ) -> Result<T> {
+        let r = r.borrow();
+        let wv = self.inner.wait_value(r.id).await?;
+        wv.arrived().await?;
+        match driver_transport(wv.transport) {
+            Some(inst) => {
+                let tensors = self.get_direct(r.id, &wv, inst, Target::Host, None).await?;
+                decode_in_driver(&self.inner, &wv, r.id, &tensors)
+            }
+            None => Err(Error::TransportUnavailable {
+                name: wv.transport.to_string(),
+                reason: format!(
+                    "get_on_host reads an object directly into the driver, which {} cannot do; \
+                     use get (or return the tensors over nixl)",
+                    wv.transport
+                ),
+            }),
+        }
+    }
+
+    /// Gets several objects: every one is waited for and every direct read
+    /// is started before any is awaited (Ray's `get` of a list; no
+    /// one-at-a-time fetches, ray#61453). Fails with the first error.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get), for each object.
+    pub async fn get_all<T: DeserializeOwned + 'static>(
+        &self,
+        refs: &[ObjectRef<T>],
+    ) -> Result<Vec<T>> {
+        futures::future::try_join_all(refs.iter().map(|r| self.get(r))).await
+    }
+
+    /// Reads object `id`, held by an actor or by this driver, over a
+    /// transport that serves the driver, within the transfer deadline.
+    pub(super) async fn get_direct(
+        &self,
+        id: u64,
+        wv: &WireValue,
+        inst: Arc<dyn rdt_transport::TensorTransport>,
+        target: Target,
+        gate: Option<Arc<rdt_transport::TargetGate>>,
+    ) -> Result<Vec<rdt_transport::Tensor>> {
+        let (from, producer) = {
+            let st = self.inner.lock();
+            let e = st
+                .table
+                .objects
+                .get(&id)
+                .ok_or(Error::Freed { object: id })?;
+            if let Some(held) = &e.held {
+                // Put by this driver: its tensors are here already.
+                let tensors = held.tensors().to_vec();
+                drop(st);
+                return target
+                    .place(wv.transport.name(), &wv.exported.get()?.metas, tensors)
+                    .map_err(Error::Transport);
+            }
+            let Some(p) = e.producer else {
+                drop(st);
+                let tensors = object_store::unpack(wv.exported.get()?)?;
+                return target
+                    .place(wv.transport.name(), &wv.exported.get()?.metas, tensors)
+                    .map_err(Error::Transport);
+            };
+            let a = st.actors.get(&p).ok_or(Error::Freed { object: id })?;
+            if let Some(d) = &a.dead {
+                return Err(Error::ActorDied {
+                    actor: a.name.clone(),
+                    detail: d.clone(),
+                });
+            }
+            (a.peer(p, wv.transport.name()), p)
+        };
+        let deadline = self.inner.config.transfer_timeout;
+        let exported = wv.exported.get()?;
+        let cx = rdt_transport::TransferCtx {
+            target,
+            gate,
+            layout: wv.exported.layout(),
+            ..rdt_transport::TransferCtx::new(0)
+        };
+        let read = tokio::time::timeout(deadline, inst.receive(&from, &cx, exported)).await;
+        let dead = || {
+            let st = self.inner.lock();
+            st.actors.get(&producer).and_then(|a| {
+                a.dead.clone().map(|d| Error::ActorDied {
+                    actor: a.name.clone(),
+                    detail: format!(
+                        "{d} (while the driver read object {id} over {})",
+                        wv.transport
+                    ),
+                })
+            })
+        };
+        match read {
+            Ok(Ok(tensors)) => Ok(tensors),
+            Ok(Err(e)) => Err(dead().unwrap_or(Error::Transport(e))),
+            Err(_) => Err(dead().unwrap_or(Error::Timeout {
+                what: format!(
+                    "the driver's read of object {id} from {} over {} (RuntimeBuilder::transfer_timeout)",
+                    from.name, wv.transport
+                ),
+                after_ms: deadline.as_millis() as u64,
+            })),
+        }
+    }
+
+    /// Waits until an object is ready (`Ok`) or failed (its error), without
+    /// moving its value anywhere (Ray's `wait` for one ref).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: it moves no
+    /// value.
+    pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
+        self.inner.wait_value(r.borrow().id).await.map(|_| ())
+    }
+
+    /// Ray's `wait`: waits until `num_returns` of `refs` are finished
+    /// (ready or failed) or `timeout` passes (`None`: no deadline), and
+    /// returns `(finished, pending)`, each in the order of `refs`. Moves no
+    /// value; a failed object counts as finished (its `get` gives the
+    /// error). Every ref is watched at once, so the first `num_returns` to
+    /// finish are the ones returned, whatever their place in `refs`.
+    ///
+    /// Errs if `num_returns` is larger than `refs.len()` (it could never
+    /// be met), or if the runtime shuts down.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it completes loses nothing: it moves no
+    /// value.
+    pub async fn wait_many<T>(
+        &self,
+        refs: &[ObjectRef<T>],
+        num_returns: usize,
+        timeout: Option<Duration>,
+    ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
+        crate::refs::wait::wait_many(refs, num_returns, timeout, |id| async move {
+            self.inner.wait_value(id).await.map(|_| ())
+        })
+        .await
+    }
+
+    /// [`Runtime::get`] with a deadline.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get): a deadline that passes drops nothing but the
+    /// wait.
+    pub async fn get_timeout<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        deadline: Duration,
+    ) -> Result<T> {
+        let id = r.borrow().id;
+        crate::refs::wait::get_within(id, deadline, self.get(r)).await
+    }
+
+    /// Gets a value through the object-store path whatever its transport:
+    /// the producer serializes it, tensors included, to the driver.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get).
+    pub async fn get_via_object_store<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+    ) -> Result<T> {
+        let id = r.borrow().id;
+        let wv = self.inner.wait_value(id).await?;
+        wv.arrived().await?;
+        if wv.transport == Transport::ObjectStore {
+            return decode_wire(&self.inner, &wv, id);
+        }
+        let wv = self.fetch_via_object_store(id).await?;
+        decode_wire(&self.inner, &wv, id)
+    }
+
+    /// Object `id` (ready, on a transport other than the object store)
+    /// serialized by its producer, tensors included, to the driver.
+    pub(super) async fn fetch_via_object_store(&self, id: u64) -> Result<WireValue> {
+        let (tx, rx) = oneshot::channel();
+        let req = self.inner.next_id();
+        {
+            let mut st = self.inner.lock();
+            let producer = st.table.objects.get(&id).and_then(|e| e.producer);
+            let Some(p) = producer else {
+                return Err(Error::Freed { object: id });
+            };
+            if let Some(d) = st.actors.get(&p).and_then(|a| a.dead.clone()) {
+                return Err(Error::ActorDied {
+                    actor: st.actors[&p].name.clone(),
+                    detail: d,
+                });
+            }
+            st.fetches.insert(req, (p, tx));
+            send_to(&st.actors, p, &ToWorker::Fetch { object: id, req });
+        }
+        let wv = rx.await.map_err(|_| Error::Shutdown)??;
+        wv.arrived().await?;
+        Ok(wv)
+    }
+}
+
+/// Decodes a value whose bytes are all here ([`WireValue::arrived`]).
+pub(super) fn decode_wire<T: DeserializeOwned + 'static>(
+    inner: &Arc<Inner>,
+    wv: &WireValue,
+    id: u64,
+) -> Result<T> {
+    let tensors = object_store::unpack(wv.exported.get()?)?;
+    decode_in_driver(inner, wv, id, &tensors)
+}
+
+/// Decodes object `id`'s value in the driver, with `tensors` put back; refs
+/// in it become driver refs. Never called under the state lock (a ref
+/// read takes it).
+pub(super) fn decode_in_driver<T: DeserializeOwned + 'static>(
+    inner: &Arc<Inner>,
+    wv: &WireValue,
+    id: u64,
+    tensors: &[rdt_transport::Tensor],
+) -> Result<T> {
+    let client = inner.clone() as SharedClient;
+    crate::refs::codec::decode(Some(&client), &wv.data_bytes()?, tensors).map_err(|e| {
+        Error::Decode {
+            what: format!("object {id} as {}", std::any::type_name::<T>()),
+            message: e.to_string(),
+        }
+    })
+}
+
+/// The driver's instance of the transport called `name`, if it reads and
+/// holds objects in the driver itself (`nixl`).
+pub(super) fn driver_transport(t: Transport) -> Option<Arc<dyn rdt_transport::TensorTransport>> {
+    let inst = t.instance().ok()?;
+    inst.serves_driver().then_some(inst)
+}
+
+impl Inner {
+    pub(super) async fn wait_value(&self, id: u64) -> Result<WireValue> {
+        let rx = {
+            let mut st = self.lock();
+            let Some(e) = st.table.objects.get_mut(&id) else {
+                return Err(Error::Freed { object: id });
+            };
+            if let Some(settled) = e.state.settled() {
+                return settled;
+            }
+            let (tx, rx) = oneshot::channel();
+            e.getters.push(crate::owner::Getter::Value(tx));
+            rx
+        };
+        // Handed the value (OW-14). A dropped sender means the runtime went
+        // away. Hot (rdt_transport::hot): a value that arrives within the
+        // window is seen at once, not after this thread is woken.
+        let settled = hot(rx).await.map_err(|_| Error::Shutdown)?;
+        rdt_transport::cuda::timeline("driver getter woke", id);
+        settled
+    }
+}
