@@ -1,5 +1,5 @@
 //! The driver's transfer deadlines (XF-6), kept in one heap and watched by
-//! one task (`runtime::deadline_keeper`).
+//! one task (`driver::transfers::deadline_keeper`).
 //!
 //! Why not a timer task per transfer: a weights sync starts thousands of
 //! transfers per pass, and every one of them spawned a task, registered a

@@ -319,7 +319,7 @@ impl Inner {
     }
 
     /// Where a worker the driver spawns listens for deliveries straight
-    /// from producers (`worker::peer`): beside the control socket, in the
+    /// from producers (`worker::straight`): beside the control socket, in the
     /// runtime's private directory. `None` when peer delivery is off.
     pub(super) fn peer_socket(&self, id: u64) -> Option<String> {
         let dir = self.sock.parent()?;

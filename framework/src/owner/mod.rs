@@ -51,7 +51,7 @@
 //!   transfer and the consumer's `Receiving` copy are recorded when the
 //!   order goes out, and its deadline is armed when the producer's reply
 //!   comes (a long method is not a slow transfer). The reply names the
-//!   orders carried out (`worker::peer`, PD-1); each other one is
+//!   orders carried out (`worker::straight`, PD-1); each other one is
 //!   withdrawn and the object delivered by the driver, as if it had
 //!   waited (OW-4), to a consumer that still needs it.
 //! - **OW-11 (the driver's copy backs a straight one):** a value through

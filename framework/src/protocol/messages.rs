@@ -95,12 +95,12 @@ pub struct SpawnOrder {
     /// here (`transport::set_wire_table`).
     pub transports: Vec<String>,
     /// Where this worker listens for deliveries straight from producers
-    /// (`worker::peer`): a Unix socket in the runtime's private directory,
+    /// (`worker::straight`): a Unix socket in the runtime's private directory,
     /// for workers the driver spawned on its host; `None` for workers
     /// started by hand.
     pub peer_socket: Option<String>,
     /// Whether a value through the driver of 1 MiB or more goes straight
-    /// to its consumer (`worker::peer`; `None`: the worker's default, by
+    /// to its consumer (`worker::straight`; `None`: the worker's default, by
     /// its core count).
     pub straight_large_values: Option<bool>,
 }
@@ -163,7 +163,7 @@ pub enum ToWorker {
     /// connection between the two workers, and say so in the call's
     /// `CallDone` (`delivered`). An order that comes after the call
     /// finished is dropped: the driver delivers what `CallDone` does not
-    /// name (`worker::peer`, PD-1).
+    /// name (`worker::straight`, PD-1).
     DeliverTo {
         /// Object id (a call's result).
         object: u64,

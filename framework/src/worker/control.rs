@@ -79,12 +79,12 @@ pub(super) async fn control_loop<A: RdtActor>(
                 // from now until it finishes.
                 let straight = call.transport.sidedness() != Sidedness::TwoSided;
                 if straight {
-                    shared.peer.open_call(result);
+                    shared.straight.open_call(result);
                 }
                 // To the actor's thread: queued for it while it listens
                 // after a call (no wake-up to pay here, before a READ
                 // the call waits for), else through its mailbox.
-                handoff::hand_over(&shared, &addr, call);
+                host::hand_over(&shared, &addr, call);
                 rdt_transport::cuda::timeline("call handed over", result);
             }
             ToWorker::Deliver { object, value } => {
@@ -95,7 +95,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                     after_frames_in_hand.push(job);
                 }
             }
-            ToWorker::DeliverTo { object, xfer, to } => peer::order(&shared, object, xfer, to),
+            ToWorker::DeliverTo { object, xfer, to } => straight::order(&shared, object, xfer, to),
             ToWorker::SendTo {
                 object,
                 xfer,
@@ -145,7 +145,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                 // receive stored its value or error before its Free).
                 None if shared.store.get(object).is_none()
                     && !shared.receiving.lock().contains_key(&object)
-                    && shared.peer.give_up(xfer) =>
+                    && shared.straight.give_up(xfer) =>
                 {
                     tracing::debug!(xfer, object, "straight delivery given up: {error}");
                     shared.store.insert(object, Slot::Failed(error));
@@ -153,7 +153,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                 None => tracing::trace!(xfer, object, "abort of a finished transfer"),
             },
             ToWorker::PeerGone { actor } => {
-                shared.peer.peer_gone(actor);
+                shared.straight.peer_gone(actor);
                 for t in Transport::registered() {
                     if let Some(inst) = t.existing_instance() {
                         inst.peer_gone(actor);

@@ -34,6 +34,7 @@ use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use bytes::Bytes;
@@ -322,7 +323,7 @@ async fn run_and_reply<A: RdtActor>(
     );
     // Straight to the consumers the driver named first (OW-9): their
     // receive starts while the reply is on its way.
-    let delivered = super::peer::deliver_result(&shared, result_id, &result);
+    let delivered = super::straight::deliver_result(&shared, result_id, &result);
     // Tests hold the reply back after a straight delivery went out.
     #[cfg(feature = "failpoints")]
     if !delivered.is_empty() {
@@ -354,10 +355,10 @@ async fn run_and_reply<A: RdtActor>(
     // Keep this thread awake for the hot window, or until the next call
     // arrives: a call that finds it asleep pays the wake-up, and one that
     // finds it listening costs the control loop no wake-up at all
-    // (`handoff.rs`).
+    // (`handoff_queue.rs`).
     let window = hot::window();
     if !window.is_zero() {
-        actix::spawn(super::handoff::listen(shared, addr, window));
+        actix::spawn(listen(shared, addr, window));
     }
 }
 
@@ -547,5 +548,79 @@ impl<F: std::future::Future + Unpin> std::future::Future for MethodPolls<F> {
         }
         let _restore = Restore(before);
         std::pin::Pin::new(&mut self.f).poll(cx)
+    }
+}
+
+/// The control loop's side: `call` to the actor, queued for its listener
+/// when one is registered, else through the mailbox.
+pub(super) fn hand_over<A: RdtActor>(shared: &WorkerShared, addr: &Addr<Host<A>>, call: CallMsg) {
+    let mut s = shared.handoff.state.lock();
+    s.arrived += 1;
+    if s.listeners > 0 {
+        s.calls.push_back(call);
+        s.queued += 1;
+        return;
+    }
+    drop(s);
+    invoke(shared, addr, call);
+}
+
+/// The actor's side, after a call: keeps its thread awake for `window`,
+/// or until the next call arrived, moving queued calls into the mailbox
+/// (HF-2). Runs on the actor's thread.
+pub(super) async fn listen<A: RdtActor>(
+    shared: Arc<WorkerShared>,
+    addr: Addr<Host<A>>,
+    window: Duration,
+) {
+    let h = &shared.handoff.state;
+    let seen = {
+        let mut s = h.lock();
+        s.listeners += 1;
+        s.arrived
+    };
+    let t0 = Instant::now();
+    loop {
+        {
+            let mut s = h.lock();
+            // Moved under the lock: a call the control loop sends straight
+            // once no listener is left comes after these (HF-1).
+            for call in std::mem::take(&mut s.calls) {
+                invoke(&shared, &addr, call);
+            }
+            if s.arrived != seen || t0.elapsed() >= window {
+                s.listeners -= 1;
+                return;
+            }
+        }
+        // Nothing registers a waker here (the control loop wakes nobody):
+        // the thread yields to its other tasks and looks again.
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The mailbox, or the call's failure if it refuses (HF-3).
+pub(super) fn invoke<A: RdtActor>(shared: &WorkerShared, addr: &Addr<Host<A>>, call: CallMsg) {
+    let id = call.call;
+    let result = call.result;
+    let straight = call.transport.sidedness() != Sidedness::TwoSided;
+    if let Err(e) = addr.try_send(Invoke(call)) {
+        if straight {
+            shared.straight.close_call(result);
+        }
+        let why = e.to_string();
+        // WK-13: it ends here, having taken nothing.
+        let Invoke(call) = e.into_inner();
+        let refs: Vec<u64> = call.ref_args().collect();
+        let _ = shared.uses_end(&refs, &[]);
+        let _ = shared.tx.send(&ToDriver::CallDone {
+            call: id,
+            result: Err(Error::Protocol(format!(
+                "actor mailbox refused the call: {why}"
+            ))),
+            delivered: Vec::new(),
+            released: Vec::new(),
+            resolved: false,
+        });
     }
 }

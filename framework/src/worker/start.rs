@@ -79,7 +79,7 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             control: handle.clone(),
             readers: Mutex::new(HashMap::new()),
             arg_uses: Mutex::new(HashMap::new()),
-            peer: peer::PeerDelivery::new(
+            straight: straight::PeerDelivery::new(
                 hostname(),
                 &endpoints,
                 peer_secret.unwrap_or_default(),
@@ -89,7 +89,7 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         });
         // PD-4: listening before the driver hears the actor exists.
         if let (Some(path), Some(_)) = (&order.peer_socket, peer_secret) {
-            if let Err(e) = peer::listen(&shared, path, &handle) {
+            if let Err(e) = straight::listen(&shared, path, &handle) {
                 tracing::warn!(
                     "cannot listen for straight deliveries on {path} ({e}); values for this actor go through the driver"
                 );

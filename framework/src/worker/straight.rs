@@ -236,7 +236,7 @@ impl PeerDelivery {
 /// (or is dropped: PD-1), and the link to the consumer is made if there is
 /// none (PD-3).
 pub(super) fn order(shared: &WorkerShared, object: u64, xfer: u64, to: PeerSocket) {
-    let p = &shared.peer;
+    let p = &shared.straight;
     {
         let mut links = p.links.lock();
         let connect = match links.get(&to.actor) {
@@ -316,7 +316,7 @@ pub(super) fn deliver_result(
     result: u64,
     value: &Result<WireValue>,
 ) -> Vec<u64> {
-    let p = &shared.peer;
+    let p = &shared.straight;
     let Some(orders) = p.orders.lock().remove(&result) else {
         return Vec::new();
     };
@@ -406,7 +406,7 @@ pub(super) fn listen(
 
 /// Reads one producer's deliveries until its link closes.
 async fn serve_link(mut s: UnixStream, shared: Arc<WorkerShared>) {
-    match protocol::accept_plain(&mut s, shared.peer.secret).await {
+    match protocol::accept_plain(&mut s, shared.straight.secret).await {
         Ok(()) => {}
         // The producer went away mid-handshake (it exited or was killed):
         // nothing to warn about, its values go through the driver.
@@ -423,7 +423,7 @@ async fn serve_link(mut s: UnixStream, shared: Arc<WorkerShared>) {
     // The write half stays open: the producer reads its end to learn
     // when the link closes.
     let (r, _w) = s.into_split();
-    let mut rx = protocol::Receiver::new(protocol::ReadHalf::Unix(r), shared.peer.max_frame);
+    let mut rx = protocol::Receiver::new(protocol::ReadHalf::Unix(r), shared.straight.max_frame);
     loop {
         // Hot, as the control loop: the next delivery of a pass comes
         // within the window.
@@ -431,14 +431,14 @@ async fn serve_link(mut s: UnixStream, shared: Arc<WorkerShared>) {
             Ok(Some(ToWorker::Deliver { object, value })) => {
                 if let Ok(d) = &value {
                     rdt_transport::cuda::timeline("straight delivery received", d.xfer);
-                    if shared.peer.given_up.lock().remove(d.xfer) {
+                    if shared.straight.given_up.lock().remove(d.xfer) {
                         // PD-5: the call already failed with the abort.
                         tracing::debug!(xfer = d.xfer, object, "late straight delivery dropped");
                         continue;
                     }
-                    shared.peer.arrived.lock().insert(d.xfer);
+                    shared.straight.arrived.lock().insert(d.xfer);
                 }
-                shared.peer.received.fetch_add(1, Ordering::Relaxed);
+                shared.straight.received.fetch_add(1, Ordering::Relaxed);
                 // The call waiting for it is in the actor's mailbox
                 // already: a receive the control loop would start after
                 // the frames in hand starts now.

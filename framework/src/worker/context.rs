@@ -48,12 +48,6 @@ use crate::refs::targets::{Registered, Targets};
 use crate::transport::Transport;
 use rdt_transport::{Blob, Sidedness, Tensor, TensorList};
 
-/// The actor's refs, counted locally (CL-1).
-#[derive(Default)]
-pub(crate) struct LocalRefs {
-    counts: Mutex<HashMap<u64, usize>>,
-}
-
 thread_local! {
     /// Borrows met while decoding on this thread, sent as one message when
     /// decoding ends (`None`: not decoding).
