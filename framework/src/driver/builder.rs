@@ -149,6 +149,10 @@ impl RuntimeBuilder {
             None => None,
         };
         let mut state = State::default();
+        state
+            .table
+            .outbox
+            .set_max_frame(self.config.max_frame_bytes);
         state.table.large_transfer_bytes =
             crate::owner::LargeTransferBytes(self.config.large_transfer_bytes);
         let inner = Arc::new_cyclic(|me| Inner {

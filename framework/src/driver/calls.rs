@@ -31,13 +31,9 @@ impl Inner {
         };
         let mut guard = self.lock();
         let mut staged = self.stage_call(&mut guard, msg, method_name);
-        let orders_to_others = staged.as_ref().is_some_and(|s| {
-            guard
-                .actors
-                .get(&s.actor)
-                .and_then(|a| a.conn.as_ref())
-                .is_some_and(protocol::deferred_besides)
-        });
+        let orders_to_others = staged
+            .as_ref()
+            .is_some_and(|s| guard.table.outbox.waits_besides(s.actor));
         if orders_to_others {
             self.orders_first.fetch_add(1, Ordering::Relaxed);
             // The transfers this call needs were ordered on both ends (a
@@ -175,14 +171,12 @@ impl Inner {
             protocol::notify_after_flush(reader);
         }
         rdt_transport::cuda::timeline("driver call sending", call);
-        if let Some(conn) = st.actors.get(&actor).and_then(|a| a.conn.as_ref()) {
-            if let Err(e) = conn.send(&msg) {
-                // Too large to send: the call fails, nothing waits. It
-                // never reached its actor: its arguments' receives settle
-                // by their own acknowledgements (XF-5).
-                let pc = st.calls.remove(&call).expect("staged above");
-                end_call(st, pc, Err(e), false, &[], &[]);
-            }
+        if let Err(e) = st.table.outbox.send(actor, &msg) {
+            // Too large to send: the call fails, nothing waits. It
+            // never reached its actor: its arguments' receives settle
+            // by their own acknowledgements (XF-5).
+            let pc = st.calls.remove(&call).expect("staged above");
+            end_call(st, pc, Err(e), false, &[], &[]);
         }
         self.sync_transfers(st);
     }
@@ -217,7 +211,7 @@ pub(super) fn end_call(
     };
     st.table
         .call_done(pc.result, ended, pc.actor, &pc.args, &st.actors, &groups);
-    st.table.unhold(&pc.nested, &st.actors);
+    st.table.unhold(&pc.nested);
 }
 
 pub(super) fn err_actor(e: &Error) -> &str {

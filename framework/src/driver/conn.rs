@@ -1,11 +1,33 @@
-//! Writing to an actor's control connection.
+//! The driver's connections to its actors: the owner table's outbox is
+//! moved onto them, in order, before the lock is released, and written
+//! after (invariant 2; OW-7).
 
 use super::*;
 
-pub(super) fn send_to(actors: &Actors, to: u64, msg: &ToWorker) {
-    if let Some(c) = actors.get(&to).and_then(|a| a.conn.as_ref()) {
-        if let Err(e) = c.send(msg) {
-            tracing::error!("could not encode a message for actor {to}: {e}");
+/// Queues `msg` for actor `to` behind what was decided before it.
+pub(super) fn send_to(out: &mut crate::owner::Outbox, to: u64, msg: &ToWorker) {
+    if let Err(e) = out.send(to, msg) {
+        tracing::error!("could not encode a message for actor {to}: {e}");
+    }
+}
+
+/// Moves the outbox onto the actors' connections, oldest first. Called
+/// under the lock, which defers the socket writes (`protocol::defer_writes`)
+/// to its release: the order of frames on each connection is the order
+/// the table decided them. A message for an actor with no connection (dead,
+/// or not joined yet) is dropped: its death is handled by its reader.
+pub(super) fn write_outbox(st: &mut State) {
+    for out in st.table.outbox.take() {
+        let Some(conn) = st.conns.get(&out.to) else {
+            continue;
+        };
+        let sent = if out.soon {
+            conn.send_soon_encoded(out.frame)
+        } else {
+            conn.send_encoded(out.frame)
+        };
+        if let Err(e) = sent {
+            tracing::error!("could not send a control message to actor {}: {e}", out.to);
         }
     }
 }

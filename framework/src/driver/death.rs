@@ -11,11 +11,12 @@ impl Runtime {
     /// Dropping the future before it completes leaves the shutdown under way.
     pub async fn shutdown(&self) {
         let exits: Vec<watch::Receiver<Option<String>>> = {
-            let mut st = self.inner.lock();
+            let mut guard = self.inner.lock();
+            let st = &mut *guard;
             st.shutting_down = true;
             for (id, a) in &st.actors {
                 if a.dead.is_none() {
-                    send_to(&st.actors, *id, &ToWorker::Shutdown);
+                    send_to(&mut st.table.outbox, *id, &ToWorker::Shutdown);
                 }
             }
             st.processes.values().map(|p| p.exit.clone()).collect()
@@ -75,7 +76,7 @@ impl Inner {
                 }
             }
             // A worker that joined by hand: ask it to exit.
-            None => send_to(&self.lock().actors, actor, &ToWorker::Shutdown),
+            None => send_to(&mut self.lock().table.outbox, actor, &ToWorker::Shutdown),
         }
     }
 
@@ -107,7 +108,7 @@ impl Inner {
             return false;
         }
         info.dead = Some(detail.clone());
-        info.conn = None;
+        st.conns.remove(&actor);
         // A dead worker keeps its name and cause of death (for errors), not
         // its pidfd: the guard's kill is a no-op or finishes a dying
         // process, and the descriptor is closed.
@@ -142,11 +143,11 @@ impl Inner {
             .collect();
         for (object, n) in gets {
             st.gets.remove(&(actor, object));
-            st.table.unneed(&vec![object; n], actor, &st.actors);
+            st.table.unneed(&vec![object; n], actor);
         }
         if let Some(borrowed) = st.borrows.remove(&actor) {
             for (object, n) in borrowed {
-                st.table.unhold(&vec![object; n], &st.actors);
+                st.table.unhold(&vec![object; n]);
             }
         }
         let fetches: Vec<u64> = st
@@ -175,7 +176,7 @@ impl Inner {
         // Transports in the other workers drop what they keep for it.
         for (id, a) in st.actors.iter() {
             if *id != actor && a.dead.is_none() {
-                send_to(&st.actors, *id, &ToWorker::PeerGone { actor });
+                send_to(&mut st.table.outbox, *id, &ToWorker::PeerGone { actor });
             }
         }
         // A collective group cannot go on without a member (as in Ray):

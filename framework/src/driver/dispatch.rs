@@ -88,7 +88,7 @@ impl Inner {
                 });
                 // XF-6: the consumer's receive stops now, not at its
                 // deadline.
-                if let Some(t) = st.table.send_failed(xfer, err, &st.actors) {
+                if let Some(t) = st.table.send_failed(xfer, err) {
                     break_groups(st, &t, &reason);
                 }
             }
@@ -140,7 +140,7 @@ impl Inner {
                         Some(())
                     });
                     match held {
-                        Some(()) => st.table.dec(id, &st.actors),
+                        Some(()) => st.table.dec(id),
                         None => tracing::warn!(
                             "actor {actor} released object {id}, which it did not borrow; ignored"
                         ),
@@ -166,11 +166,15 @@ impl Inner {
                 if *n == 0 {
                     st.gets.remove(&(actor, object));
                 }
-                st.table.unneed(&[object], actor, &st.actors);
+                st.table.unneed(&[object], actor);
                 self.sync_transfers(st);
             }
             ToDriver::Watch { req, object } => match settled(st, object) {
-                Some(result) => send_to(&st.actors, actor, &ToWorker::Settled { req, result }),
+                Some(result) => send_to(
+                    &mut st.table.outbox,
+                    actor,
+                    &ToWorker::Settled { req, result },
+                ),
                 None => {
                     let (tx, rx) = oneshot::channel();
                     if let Some(e) = st.table.objects.get_mut(&object) {
@@ -180,15 +184,23 @@ impl Inner {
                     self.tokio.spawn(async move {
                         let _ = rx.await;
                         let Some(inner) = me.upgrade() else { return };
-                        let st = inner.lock();
+                        let mut st = inner.lock();
                         let result = settled(&st, object).unwrap_or(Err(Error::Shutdown));
-                        send_to(&st.actors, actor, &ToWorker::Settled { req, result });
+                        send_to(
+                            &mut st.table.outbox,
+                            actor,
+                            &ToWorker::Settled { req, result },
+                        );
                     });
                 }
             },
             ToDriver::Probe { req, object } => {
                 let state = settled(st, object);
-                send_to(&st.actors, actor, &ToWorker::Probed { req, state });
+                send_to(
+                    &mut st.table.outbox,
+                    actor,
+                    &ToWorker::Probed { req, state },
+                );
             }
             ToDriver::Kill { actor: target } => {
                 // Off this lock: killing takes it.

@@ -355,7 +355,11 @@ impl Runtime {
                 });
             }
             st.fetches.insert(req, (p, tx));
-            send_to(&st.actors, p, &ToWorker::Fetch { object: id, req });
+            send_to(
+                &mut st.table.outbox,
+                p,
+                &ToWorker::Fetch { object: id, req },
+            );
         }
         let wv = rx.await.map_err(|_| Error::Shutdown)??;
         wv.arrived().await?;

@@ -75,7 +75,7 @@ impl Runtime {
                     bootstrap: Vec::new(),
                 },
             };
-            send_to(&st.actors, ranks[0], &order);
+            send_to(&mut st.table.outbox, ranks[0], &order);
             let (tx, rx) = oneshot::channel();
             st.group_ops.insert(
                 id,
@@ -116,7 +116,7 @@ impl Runtime {
                                 bootstrap: bootstrap.clone(),
                             },
                         };
-                        send_to(&st.actors, *a, &order);
+                        send_to(&mut st.table.outbox, *a, &order);
                     }
                     let (tx, rx) = oneshot::channel();
                     st.group_ops.insert(
@@ -170,7 +170,11 @@ impl Runtime {
                 st.group_ops.remove(&id);
                 if let Some(g) = st.groups.remove(&id) {
                     for a in g.ranks {
-                        send_to(&st.actors, a, &ToWorker::DestroyGroup { group: id });
+                        send_to(
+                            &mut st.table.outbox,
+                            a,
+                            &ToWorker::DestroyGroup { group: id },
+                        );
                     }
                 }
                 Err(e)
@@ -222,9 +226,13 @@ impl Runtime {
                 .filter(|a| st.actors.get(a).is_some_and(|i| i.dead.is_none()))
                 .collect();
             // OW-15: sends held in the group go ahead of the leave order.
-            st.table.send_held_in_group(group.0, &st.actors);
+            st.table.send_held_in_group(group.0);
             for a in &live {
-                send_to(&st.actors, *a, &ToWorker::DestroyGroup { group: group.0 });
+                send_to(
+                    &mut st.table.outbox,
+                    *a,
+                    &ToWorker::DestroyGroup { group: group.0 },
+                );
             }
             let (tx, rx) = oneshot::channel();
             if live.is_empty() {
@@ -299,7 +307,7 @@ pub(super) fn break_groups_where(st: &mut State, which: impl Fn(&Group) -> bool,
         g.broken = Some(reason.to_string());
         for a in &g.ranks {
             send_to(
-                &st.actors,
+                &mut st.table.outbox,
                 *a,
                 &ToWorker::AbortGroup {
                     group: *id,

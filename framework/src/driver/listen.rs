@@ -175,8 +175,8 @@ pub(super) async fn serve_worker(
             )));
         };
         if let Some(a) = st.actors.get_mut(&worker) {
-            a.conn = Some(conn.clone());
             a.host = host;
+            st.conns.insert(worker, conn.clone());
         }
         let _ = tx.send(Joined { conn });
     }

@@ -9,9 +9,8 @@ impl Runtime {
     /// sent before their blob was whole)`. For benchmarks and tests.
     pub fn forwarded_bytes(&self) -> (u64, u64) {
         let st = self.inner.lock();
-        st.actors
+        st.conns
             .values()
-            .filter_map(|a| a.conn.as_ref())
             .map(|c| c.forwarded())
             .fold((0, 0), |(a, b), (x, y)| (a + x, b + y))
     }

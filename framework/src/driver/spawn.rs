@@ -30,7 +30,7 @@ impl Drop for UnfinishedSpawn<'_> {
         st.spawning.remove(&self.id);
         if let Some(a) = st.actors.get_mut(&self.id) {
             a.dead = Some(why);
-            a.conn = None;
+            st.conns.remove(&self.id);
         }
     }
 }
@@ -195,7 +195,6 @@ impl Inner {
                 id,
                 ActorInfo {
                     name: name.clone(),
-                    conn: None,
                     dead: None,
                     host: String::new(),
                     endpoints: HashMap::new(),
@@ -365,7 +364,6 @@ impl Inner {
                 id,
                 ActorInfo {
                     name: name.clone(),
-                    conn: Some(v.conn.clone()),
                     dead: None,
                     host: v.host.clone(),
                     endpoints: HashMap::new(),
@@ -373,6 +371,7 @@ impl Inner {
                     gpu: None,
                 },
             );
+            st.conns.insert(id, v.conn.clone());
         }
         v.conn
             .send(&self.spawn_order(type_name, id, &name, args, false))?;

@@ -81,6 +81,9 @@ impl Drop for StateGuard<'_> {
         // 4 µs of a 4 KiB pass in the 2×H200 timelines), then write what
         // was sent meanwhile (invariant 2: the frames are queued in order
         // already; a getter's own frames queue behind them).
+        if let Some(st) = self.guard.as_mut() {
+            write_outbox(st);
+        }
         rdt_transport::cuda::timeline("driver unlocking", woken.len() as u64);
         drop(self.guard.take());
         rdt_transport::cuda::timeline("driver unlocked", 0);
@@ -165,6 +168,9 @@ pub(super) struct Joined {
 pub(crate) struct State {
     pub(crate) table: OwnerTable,
     pub(super) actors: Actors,
+    /// The control connection of each actor that joined and has not died:
+    /// where the table's outbox is written (`conn.rs`).
+    pub(super) conns: HashMap<u64, protocol::Sender>,
     pub(super) processes: HashMap<u64, Process>,
     pub(super) calls: PendingCalls,
     /// Wakes a worker's reader into its hot read when a call is submitted
@@ -342,6 +348,6 @@ impl Inner {
     pub(crate) fn release_ref(&self, id: u64) {
         let mut st = self.lock();
         let st = &mut *st;
-        st.table.dec(id, &st.actors);
+        st.table.dec(id);
     }
 }

@@ -58,7 +58,7 @@ impl OwnerTable {
                 break;
             }
             rdt_transport::cuda::timeline("driver held send released", h.xfer);
-            release_held(actors, h, consumer, t.object);
+            release_held(&mut self.outbox, h, consumer, t.object);
             queue.pop_front();
         }
         if queue.is_empty() {
@@ -71,7 +71,7 @@ impl OwnerTable {
     /// send reaches its producer ahead of that and its transfer ends as
     /// it would have without the hold (sent after the leave order, the
     /// send would find no group and its call would fail).
-    pub fn send_held_in_group(&mut self, group: u64, actors: &Actors) {
+    pub fn send_held_in_group(&mut self, group: u64) {
         let transfers = &self.transfers;
         for (&consumer, queue) in self.held_sends.iter_mut() {
             queue.retain(|h| {
@@ -80,7 +80,7 @@ impl OwnerTable {
                     ToWorker::SendTo { group: Some(g), .. } if g.id == group
                 );
                 if let (true, Some(t)) = (in_group, transfers.get(&h.xfer)) {
-                    release_held(actors, h, consumer, t.object);
+                    release_held(&mut self.outbox, h, consumer, t.object);
                 }
                 !in_group
             });
@@ -128,7 +128,8 @@ impl OwnerTable {
         let Some(e) = self.objects.get_mut(&id) else {
             // Cannot happen while the caller holds a ref; be loud if it does.
             tracing::error!("a call needs object {id}, which the owner table no longer has");
-            deliver_error(actors, consumer, id, Error::Freed { object: id });
+            self.outbox
+                .deliver_error(consumer, id, Error::Freed { object: id });
             return;
         };
         *e.needs.entry(consumer).or_default() += 1;
@@ -188,7 +189,7 @@ impl OwnerTable {
                 path,
             },
         };
-        if send(actors, producer, &order).is_err() {
+        if self.outbox.send(producer, &order).is_err() {
             return false;
         }
         rdt_transport::cuda::timeline("driver ordered straight delivery", xfer);
@@ -237,7 +238,7 @@ impl OwnerTable {
             ObjState::Failed(err) => {
                 if let std::collections::hash_map::Entry::Vacant(v) = e.copies.entry(consumer) {
                     v.insert(Copy::Held);
-                    deliver_error(actors, consumer, id, err.clone());
+                    self.outbox.deliver_error(consumer, id, err.clone());
                 }
                 return;
             }
@@ -247,7 +248,7 @@ impl OwnerTable {
                 Some(err) => {
                     if let std::collections::hash_map::Entry::Vacant(v) = e.copies.entry(consumer) {
                         v.insert(Copy::Held);
-                        deliver_error(actors, consumer, id, err);
+                        self.outbox.deliver_error(consumer, id, err);
                     }
                     return;
                 }
@@ -271,8 +272,8 @@ impl OwnerTable {
                         ack_at_landing: false,
                     }),
                 };
-                if let Err(err) = send(actors, consumer, &msg) {
-                    deliver_error(actors, consumer, id, err); // OW-6
+                if let Err(err) = self.outbox.send(consumer, &msg) {
+                    self.outbox.deliver_error(consumer, id, err); // OW-6
                 }
             } else {
                 e.sent_elsewhere = true;
@@ -297,6 +298,7 @@ impl OwnerTable {
                     consumer,
                     value,
                     actors,
+                    &mut self.outbox,
                     groups,
                     (large, behind, call),
                     &mut held,
@@ -370,7 +372,7 @@ impl OwnerTable {
         if e.needs.contains_key(&t.consumer) {
             self.deliver(t.object, t.consumer, None, actors, groups);
         } else {
-            self.maybe_free(t.object, actors);
+            self.maybe_free(t.object);
         }
         true
     }
@@ -391,6 +393,7 @@ pub(super) fn start_direct(
     consumer: ActorId,
     value: WireValue,
     actors: &Actors,
+    out: &mut Outbox,
     groups: &dyn GroupLookup,
     (large, behind, call): (bool, bool, Option<u64>),
     held: &mut Option<(ActorId, ToWorker, ToWorker)>,
@@ -414,7 +417,7 @@ pub(super) fn start_direct(
                     e.transport, p.name, p.host, c.name, c.host
                 ),
             ));
-            deliver_error(actors, consumer, id, err);
+            out.deliver_error(consumer, id, err);
             return None;
         }
     }
@@ -424,7 +427,7 @@ pub(super) fn start_direct(
         Some(p) => match groups.group_for(e.transport.name(), id, p, consumer) {
             Ok(g) => g,
             Err(err) => {
-                deliver_error(actors, consumer, id, err);
+                out.deliver_error(consumer, id, err);
                 return None;
             }
         },
@@ -471,14 +474,14 @@ pub(super) fn start_direct(
         // the driver's order, so no two transfers wait on each other).
         Some((p, order)) if behind => *held = Some((p, msg, order)),
         order => {
-            let sent = send(actors, consumer, &msg);
+            let sent = out.send(consumer, &msg);
             rdt_transport::cuda::timeline("driver deliver queued", xfer);
             if let Err(err) = sent {
-                deliver_error(actors, consumer, id, err); // OW-6
+                out.deliver_error(consumer, id, err); // OW-6
                 return None;
             }
             if let Some((p, order)) = order {
-                if !send_or_abort(actors, p, &order, consumer, id, xfer) {
+                if !send_or_abort(out, p, &order, consumer, id, xfer) {
                     // OW-6: its failed acknowledgement finds no transfer
                     // (none is tracked), and the consumer holds the error.
                     return None;
@@ -515,30 +518,29 @@ pub(super) fn start_direct(
 /// delivery, then its producer's send. A delivery that cannot go leaves
 /// the consumer the error (OW-6), and the send is not made; the transfer
 /// ends at its deadline.
-pub(super) fn release_held(actors: &Actors, h: &HeldSend, consumer: ActorId, object: u64) {
-    if let Err(err) = send(actors, consumer, &h.deliver) {
-        deliver_error(actors, consumer, object, err);
+pub(super) fn release_held(out: &mut Outbox, h: &HeldSend, consumer: ActorId, object: u64) {
+    if let Err(err) = out.send(consumer, &h.deliver) {
+        out.deliver_error(consumer, object, err);
         return;
     }
-    send_or_abort(actors, h.producer, &h.order, consumer, object, h.xfer);
+    send_or_abort(out, h.producer, &h.order, consumer, object, h.xfer);
 }
 
 /// Sends a two-sided transfer's `order` to its `producer`; if it cannot go,
 /// the receive of `object` the consumer was delivered stops with the error
 /// instead (OW-6). Returns whether it went.
 pub(super) fn send_or_abort(
-    actors: &Actors,
+    out: &mut Outbox,
     producer: ActorId,
     order: &ToWorker,
     consumer: ActorId,
     object: u64,
     xfer: u64,
 ) -> bool {
-    match send(actors, producer, order) {
+    match out.send(producer, order) {
         Ok(()) => true,
         Err(error) => {
-            send_small(
-                actors,
+            out.send_small(
                 consumer,
                 &ToWorker::AbortTransfer {
                     object,

@@ -96,7 +96,7 @@ impl OwnerTable {
                     .and_then(|e| e.copies.get(&consumer).copied());
                 if let Some(Copy::Receiving(xfer)) = copy {
                     if let Some(t) = self.end_transfer(xfer, Outcome::Done, actors) {
-                        self.settle(&t, actors);
+                        self.settle(&t);
                     }
                 }
             }
@@ -123,7 +123,7 @@ impl OwnerTable {
             }
             self.released_by_callees += u64::from(copy.is_some());
         }
-        self.unneed(args, consumer, actors);
+        self.unneed(args, consumer);
         rdt_transport::cuda::timeline("driver call arguments released", result);
         // A call submitted since still needs a released copy: it goes again.
         for &a in &released {
@@ -145,7 +145,7 @@ impl OwnerTable {
                 self.deliver(a, consumer, None, actors, groups);
             }
         }
-        self.maybe_free(result, actors);
+        self.maybe_free(result);
     }
 
     /// The consumer acknowledged transfer `xfer` (done or failed). Returns
@@ -185,8 +185,7 @@ impl OwnerTable {
         }
         if let (Err(e), true, Some(p), false) = (result, t.two_sided, t.producer, held) {
             // The producer may still be sending into a receive that gave up.
-            send_small(
-                actors,
+            self.outbox.send_small(
                 p,
                 &ToWorker::AbortTransfer {
                     object: t.object,
@@ -195,16 +194,15 @@ impl OwnerTable {
                 },
             );
         }
-        self.settle(&t, actors);
+        self.settle(&t);
         Some(t)
     }
 
     /// The producer's send of `xfer` failed: the consumer's receive is
     /// aborted with that error (it acknowledges, which settles the copy).
-    pub fn send_failed(&mut self, xfer: u64, error: Error, actors: &Actors) -> Option<InFlight> {
+    pub fn send_failed(&mut self, xfer: u64, error: Error) -> Option<InFlight> {
         let t = self.transfers.get(&xfer)?.clone();
-        send_small(
-            actors,
+        self.outbox.send_small(
             t.consumer,
             &ToWorker::AbortTransfer {
                 object: t.object,
@@ -228,19 +226,19 @@ impl OwnerTable {
         if held {
             // Neither end heard of it (OW-15): the consumer, whose call
             // may wait for it, gets the error as the value.
-            deliver_error(actors, t.consumer, t.object, error);
+            self.outbox.deliver_error(t.consumer, t.object, error);
         } else {
             let msg = ToWorker::AbortTransfer {
                 object: t.object,
                 xfer,
                 error,
             };
-            send_small(actors, t.consumer, &msg);
+            self.outbox.send_small(t.consumer, &msg);
             if let (true, Some(p)) = (t.two_sided, t.producer) {
-                send_small(actors, p, &msg);
+                self.outbox.send_small(p, &msg);
             }
         }
-        self.settle(&t, actors);
+        self.settle(&t);
         Some(t)
     }
 
@@ -282,10 +280,10 @@ impl OwnerTable {
                 // Holders whose call still waits see the death (a store
                 // never replaces received data by a late error).
                 for (&h, _) in e.copies.iter() {
-                    deliver_error(actors, h, id, err.clone());
+                    self.outbox.deliver_error(h, id, err.clone());
                 }
             }
-            self.maybe_free(id, actors);
+            self.maybe_free(id);
         }
     }
 }

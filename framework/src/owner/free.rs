@@ -7,36 +7,36 @@ impl OwnerTable {
     /// `consumer` no longer needs `args` (its call or get ended): each
     /// copy it no longer needs goes (OW-2), each object nothing needs is
     /// freed (OW-1).
-    pub fn unneed(&mut self, args: &[u64], consumer: ActorId, actors: &Actors) {
+    pub fn unneed(&mut self, args: &[u64], consumer: ActorId) {
         for &a in args {
             if let Some(e) = self.objects.get_mut(&a) {
                 if let Some(n) = e.needs.get_mut(&consumer) {
                     *n -= 1;
                     if *n == 0 {
                         e.needs.remove(&consumer);
-                        release_copy(e, a, consumer, actors);
+                        release_copy(e, a, consumer, &mut self.outbox);
                     }
                 }
             }
-            self.maybe_free(a, actors);
+            self.maybe_free(a);
         }
     }
 
     /// A receive ended (acknowledged or aborted): the copy is held (value
     /// or error in the consumer's store) and follows OW-1/OW-2 from here.
-    pub(super) fn settle(&mut self, t: &InFlight, actors: &Actors) {
+    pub(super) fn settle(&mut self, t: &InFlight) {
         if let Some(e) = self.objects.get_mut(&t.object) {
             if let Some(c) = e.copies.get_mut(&t.consumer) {
                 *c = Copy::Held;
             }
             if !e.needs.contains_key(&t.consumer) {
-                release_copy(e, t.object, t.consumer, actors);
+                release_copy(e, t.object, t.consumer, &mut self.outbox);
             }
         }
-        self.maybe_free(t.object, actors);
+        self.maybe_free(t.object);
     }
 
-    pub(super) fn maybe_free(&mut self, id: u64, actors: &Actors) {
+    pub(super) fn maybe_free(&mut self, id: u64) {
         // CL-2: freeing an object gives back the counts its value held,
         // which may free more; a worklist, not recursion (a long chain of
         // nested values must not overflow the stack).
@@ -60,12 +60,12 @@ impl OwnerTable {
                 e.sidedness() != Sidedness::ThroughDriver && matches!(e.state, ObjState::Ready(_));
             if direct {
                 if let Some(p) = e.producer {
-                    send_free(actors, p, id);
+                    self.outbox.send_free(p, id);
                 }
             }
             for (h, _) in e.copies {
                 if Some(h) != e.producer || !direct {
-                    send_free(actors, h, id);
+                    self.outbox.send_free(h, id);
                 }
             }
             for n in e.nested {
@@ -80,9 +80,9 @@ impl OwnerTable {
 
 /// OW-2: `consumer` no longer needs its copy of `id`; once its receive is
 /// acknowledged, it drops it.
-pub(super) fn release_copy(e: &mut Entry, id: u64, consumer: ActorId, actors: &Actors) {
+pub(super) fn release_copy(e: &mut Entry, id: u64, consumer: ActorId, out: &mut Outbox) {
     if e.copies.get(&consumer) == Some(&Copy::Held) && e.producer != Some(consumer) {
         e.copies.remove(&consumer);
-        send_free(actors, consumer, id);
+        out.send_free(consumer, id);
     }
 }

@@ -120,12 +120,15 @@ use tokio::sync::oneshot;
 
 use crate::error::Error;
 use crate::metrics::{Counts, Outcome};
-use crate::protocol::{Delivery, Sender, ToWorker, WireValue};
+use crate::protocol::{Delivery, ToWorker, WireValue};
 use crate::transport::Transport;
 
 mod deliver;
 mod events;
 mod free;
+mod outbox;
+
+pub(crate) use outbox::Outbox;
 
 /// Driver-side id of an actor.
 pub(crate) type ActorId = u64;
@@ -375,7 +378,6 @@ pub(crate) struct CallEnd<'a> {
 /// What the driver knows of an actor.
 pub(crate) struct ActorInfo {
     pub name: String,
-    pub conn: Option<Sender>,
     pub dead: Option<String>,
     pub host: String,
     pub endpoints: HashMap<String, String>,
@@ -401,51 +403,12 @@ impl ActorInfo {
 
 pub(crate) type Actors = HashMap<ActorId, ActorInfo>;
 
-/// Sends `msg` to `to` (OW-7). A closed connection is not an error here
-/// (the reader reports the death); a message that cannot be encoded or is
-/// too large for a frame is (OW-6).
-fn send(actors: &Actors, to: ActorId, msg: &ToWorker) -> Result<(), Error> {
-    match actors.get(&to).and_then(|a| a.conn.as_ref()) {
-        Some(conn) => conn.send(msg),
-        None => Ok(()),
-    }
-}
-
-/// Sends a message that cannot be too large (frees, aborts, errors); a
-/// failure can only be an encoding bug, so it is logged loudly.
-fn send_small(actors: &Actors, to: ActorId, msg: &ToWorker) {
-    if let Err(e) = send(actors, to, msg) {
-        tracing::error!("could not send a control message to actor {to}: {e}");
-    }
-}
-
-/// Sends a `Free` to `to`, with its next frame (`Sender::send_soon`):
-/// nothing waits for it, and writing it now would put a system call on
-/// the path of what the driver does next.
-fn send_free(actors: &Actors, to: ActorId, object: u64) {
-    let msg = ToWorker::Free { object };
-    if let Some(conn) = actors.get(&to).and_then(|a| a.conn.as_ref()) {
-        if let Err(e) = conn.send_soon(&msg) {
-            tracing::error!("could not send a control message to actor {to}: {e}");
-        }
-    }
-}
-
-fn deliver_error(actors: &Actors, to: ActorId, object: u64, err: Error) {
-    send_small(
-        actors,
-        to,
-        &ToWorker::Deliver {
-            object,
-            value: Err(err),
-        },
-    );
-}
-
 /// The table.
 #[derive(Default)]
 pub(crate) struct OwnerTable {
     pub objects: HashMap<u64, Entry>,
+    /// The messages decided, in order, for the driver to write (OW-7).
+    pub outbox: Outbox,
     transfers: HashMap<u64, InFlight>,
     /// Transfers started and ended since the driver last looked: it arms
     /// their deadlines, and wakes those waiting for transfers to settle.
@@ -539,9 +502,9 @@ impl OwnerTable {
     }
 
     /// The counts taken by [`OwnerTable::hold`] are given back.
-    pub fn unhold(&mut self, ids: &[u64], actors: &Actors) {
+    pub fn unhold(&mut self, ids: &[u64]) {
         for &id in ids {
-            self.dec(id, actors);
+            self.dec(id);
         }
     }
 
@@ -553,11 +516,11 @@ impl OwnerTable {
     }
 
     /// A driver ref was dropped.
-    pub fn dec(&mut self, id: u64, actors: &Actors) {
+    pub fn dec(&mut self, id: u64) {
         if let Some(e) = self.objects.get_mut(&id) {
             e.refs = e.refs.saturating_sub(1);
         }
-        self.maybe_free(id, actors);
+        self.maybe_free(id);
     }
 
     /// The getters to wake now that their values are settled (see

@@ -262,16 +262,16 @@ impl Sender {
             .store(max, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Sends `msg`, which nothing waits for, with the next frame on this
+    /// Sends a frame already encoded (with its length:
+    /// `wire::to_frame_with_length`), which nothing waits for, with the next frame on this
     /// connection, or within [`SOON`] if none comes: no system call now.
     ///
     /// For frees. Each was a socket write on the path of whatever the
     /// driver did next (a `drop` of a ref, the reply that released an
     /// argument): 3–5 µs of a 50 µs hand-off on the GPU hosts. Order is
     /// kept: a held frame goes out before any frame sent after it. Over
-    /// TLS (whose writer task writes everything) it is [`send`](Self::send).
-    pub fn send_soon<T: Serialize>(&self, msg: &T) -> Result<()> {
-        let frame = encode(msg)?;
+    /// TLS (whose writer task writes everything) it is [`send_encoded`](Self::send_encoded).
+    pub fn send_soon_encoded(&self, frame: wire::Frame) -> Result<()> {
         if matches!(self.inner.half, WriteHalf::Tls(_)) || !frame.blobs.is_empty() || frame.status {
             // Only small, whole frames wait.
             return self.send_frame(frame);
@@ -331,6 +331,12 @@ impl Sender {
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
         let frame = encode(msg)?;
         rdt_transport::cuda::timeline("frame encoded", frame.len() as u64);
+        self.send_frame(frame)
+    }
+
+    /// [`send`](Self::send) of a frame already encoded (with its length:
+    /// `wire::to_frame_with_length`), as the driver's outbox holds them.
+    pub fn send_encoded(&self, frame: wire::Frame) -> Result<()> {
         self.send_frame(frame)
     }
 
@@ -465,16 +471,6 @@ pub fn defer_writes() {
             *d = Some(Vec::new());
         }
     });
-}
-
-/// Whether frames queued since [`defer_writes`] on this thread wait for
-/// [`flush_deferred`] on a connection other than `conn`'s.
-pub fn deferred_besides(conn: &Sender) -> bool {
-    DEFERRED.with(|d| {
-        d.borrow()
-            .as_ref()
-            .is_some_and(|l| l.iter().any(|s| !s.same_connection(conn)))
-    })
 }
 
 /// Ends [`defer_writes`] and writes what was queued meanwhile (without

@@ -112,7 +112,10 @@ async fn frames_round_trip_and_oversize_frames_are_refused() {
 async fn a_frame_sent_soon_goes_with_the_next_frame_or_on_its_own_soon() {
     tokio::time::timeout(Duration::from_secs(10), async {
         let (tx, mut rx) = connected(1 << 20);
-        tx.send_soon(&ToWorker::Free { object: 1 }).unwrap();
+        tx.send_soon_encoded(
+            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 1 }).unwrap(),
+        )
+        .unwrap();
         {
             let q = tx.inner.queue.lock();
             assert!(q.held && q.chunks.len() == 1, "held, not written");
@@ -128,8 +131,14 @@ async fn a_frame_sent_soon_goes_with_the_next_frame_or_on_its_own_soon() {
             Some(ToWorker::Ping)
         ));
         // Alone, it still arrives (the writer task, after SOON).
-        tx.send_soon(&ToWorker::Free { object: 2 }).unwrap();
-        tx.send_soon(&ToWorker::Free { object: 3 }).unwrap();
+        tx.send_soon_encoded(
+            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 2 }).unwrap(),
+        )
+        .unwrap();
+        tx.send_soon_encoded(
+            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 3 }).unwrap(),
+        )
+        .unwrap();
         expect_frees(&mut rx, &[2, 3]).await;
     })
     .await
@@ -144,7 +153,10 @@ async fn a_frame_sent_soon_under_deferred_writes_wakes_the_writer_after_the_flus
     tokio::time::timeout(Duration::from_secs(10), async {
         let (tx, mut rx) = connected(1 << 20);
         defer_writes();
-        tx.send_soon(&ToWorker::Free { object: 7 }).unwrap();
+        tx.send_soon_encoded(
+            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 7 }).unwrap(),
+        )
+        .unwrap();
         let parked = DEFERRED_WAKES.with(|d| d.borrow().len());
         assert_eq!(parked, 1, "the writer's wake waits for the flush");
         flush_deferred();
