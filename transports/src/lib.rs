@@ -33,7 +33,6 @@ mod shape;
 pub mod shm;
 pub mod tcp;
 mod tensor;
-pub mod tensor_list;
 pub mod transport;
 pub mod value;
 pub mod wire;
@@ -46,8 +45,10 @@ pub use object_store::ObjectStoreTransport;
 pub use shape::Shape;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
-pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError, TensorMeta};
-pub use tensor_list::{MakeTensors, TensorList};
+pub use tensor::{
+    DeviceBytes, ExternalBytes, ExternalMemory, MakeTensors, Tensor, TensorError, TensorList,
+    TensorMeta,
+};
 pub use transport::{
     Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, ReceiveStart, Sidedness, Target,
     TargetGate, TargetWriters, TensorTransport, TransferCtx, TransferId, TransportError, Writing,

@@ -543,7 +543,7 @@ mod tests {
         let through_serde: Vec<Tensor> =
             decode_from(Ctx::Source(&p.tensors[..] as *const _), &p.data, N).unwrap();
         let from_slice: Vec<Tensor> = decode(&p.data, &p.tensors).unwrap();
-        let lazy = TensorList::lazy(std::sync::Arc::new(crate::tensor_list::tests::Views::of(
+        let lazy = TensorList::lazy(std::sync::Arc::new(crate::tensor::list::tests::Views::of(
             flat.clone(),
             N,
         )));
