@@ -17,7 +17,6 @@ mod dtype;
 mod dynlib;
 mod env;
 mod free_list;
-pub mod host_pool;
 pub mod hot;
 mod metas_wire;
 #[cfg(feature = "nccl")]
@@ -33,10 +32,14 @@ mod shape;
 pub mod shm;
 pub mod tcp;
 mod tensor;
+mod trace;
 pub mod transport;
 pub mod value;
 pub mod wire;
 
+// The host buffer pool, at its old path (it lives in `cuda/` now, beside the
+// pinning it uses).
+pub use cuda::host_pool;
 pub use cuda::ipc::CudaIpcTransport;
 pub use device::{Device, GpuUuid};
 pub use dtype::{DType, Element};
