@@ -11,6 +11,7 @@
 pub mod arriving;
 pub mod auth;
 pub mod cuda;
+pub mod cuda_ipc;
 mod device;
 mod dtype;
 #[cfg(any(feature = "nccl", feature = "nixl"))]
@@ -40,7 +41,7 @@ pub mod wire;
 // The host buffer pool, at its old path (it lives in `cuda/` now, beside the
 // pinning it uses).
 pub use cuda::host_pool;
-pub use cuda::ipc::CudaIpcTransport;
+pub use cuda_ipc::CudaIpcTransport;
 pub use device::{Device, GpuUuid};
 pub use dtype::{DType, Element};
 pub use metas_wire::MAX_TENSORS;

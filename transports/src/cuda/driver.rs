@@ -9,7 +9,7 @@ use super::*;
 pub struct CudaError(pub String);
 
 impl CudaError {
-    pub(super) fn call(what: &str, e: cu::DriverError) -> Self {
+    pub(crate) fn call(what: &str, e: cu::DriverError) -> Self {
         let name = e
             .error_name()
             .map(|n| n.to_string_lossy().into_owned())

@@ -213,7 +213,8 @@ impl Gpu {
 }
 
 /// Device memory behind a CUDA tensor's storage: a range of an rdt slab
-/// ([`alloc`]) or of a mapping another process exported ([`ipc`]).
+/// ([`alloc`]) or of a mapping another process exported
+/// ([`cuda_ipc`](crate::cuda_ipc)).
 ///
 /// # Safety
 ///

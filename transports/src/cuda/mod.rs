@@ -85,7 +85,7 @@
 //! Every CUDA tensor rdt allocates comes from [`alloc`]'s slab allocator over
 //! `cuMemAlloc` (never stream-ordered pools, whose memory cannot be exported
 //! with `cuIpcGetMemHandle`), so any of them can be handed to another process
-//! by the [`ipc`] transport without a copy.
+//! by the [`cuda_ipc`](crate::cuda_ipc) transport without a copy.
 
 use std::sync::{Arc, OnceLock};
 
@@ -99,7 +99,6 @@ mod driver;
 mod events;
 mod gpu;
 pub mod host_pool;
-pub mod ipc;
 mod memory;
 pub mod ops;
 pub mod ordered_drop;
