@@ -437,7 +437,7 @@ fn per_gpu(gpu: &Gpu) -> &'static PerGpu {
     *ALL.get_or_init(Default::default)
         .lock()
         .entry(gpu.ordinal())
-        .or_insert_with(|| Box::leak(Box::new(PerGpu::default())))
+        .or_insert_with(|| Box::leak(Box::<PerGpu>::default()))
 }
 
 impl Gpu {
