@@ -161,7 +161,7 @@ impl CudaSink {
 
     /// (new mappings, cached mappings) of cuda_ipc in this process.
     async fn stats(&mut self) -> (u64, u64) {
-        let s = rdt::data::cuda::ipc::stats();
+        let s = rdt::data::cuda_ipc::stats();
         (s.opened, s.cached)
     }
 }

@@ -1563,15 +1563,15 @@ impl GpuConsumer {
 
     /// cuda_ipc counts of this process: (new mappings, cached, events opened).
     async fn ipc_stats(&mut self) -> (u64, u64, u64) {
-        let s = rdt::data::cuda::ipc::stats();
+        let s = rdt::data::cuda_ipc::stats();
         (s.opened, s.cached, s.events_opened)
     }
 
     /// Closes mappings of slabs their producer retired; returns (closed by
     /// this call, closed by this process so far).
     async fn close_retired(&mut self) -> (usize, u64) {
-        let n = rdt::data::cuda::ipc::close_retired_mappings();
-        (n, rdt::data::cuda::ipc::stats().closed)
+        let n = rdt::data::cuda_ipc::close_retired_mappings();
+        (n, rdt::data::cuda_ipc::stats().closed)
     }
 
     /// Number of devices this worker sees.

@@ -19,7 +19,7 @@
 //!   dropped unfinished fails it (a connection that broke mid-blob, a copy
 //!   that errored), so no reader waits for a writer that is gone.
 //! - **AR-3** The whole buffer is lent out as [`Bytes`] only once it is
-//!   done; the storage is freed (or goes back to [`crate::host_pool`])
+//!   done; the storage is freed (or goes back to [`crate::cuda::host_pool`])
 //!   when the last reader and those bytes are gone.
 
 use std::sync::Arc;
@@ -27,7 +27,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use tokio::sync::watch;
 
-use crate::host_pool::{HostBuf, MIN_POOLED};
+use crate::cuda::host_pool::{HostBuf, MIN_POOLED};
 
 /// How much a writer adds before it tells readers (each telling wakes them).
 const PUBLISH_STEP: usize = 1 << 20;
@@ -96,7 +96,7 @@ impl std::fmt::Debug for ArrivingWriter {
 
 impl Arriving {
     /// A buffer of `len` bytes to fill, and its writer. Large buffers come
-    /// from [`crate::host_pool`] (page-aligned, reused, pinned where the
+    /// from [`crate::cuda::host_pool`] (page-aligned, reused, pinned where the
     /// process has a CUDA context).
     pub fn new(len: usize) -> std::io::Result<(Arriving, ArrivingWriter)> {
         let mut storage = if len >= MIN_POOLED {

@@ -11,13 +11,13 @@
 pub mod arriving;
 pub mod auth;
 pub mod cuda;
+pub mod cuda_ipc;
 mod device;
 mod dtype;
 #[cfg(any(feature = "nccl", feature = "nixl"))]
 mod dynlib;
 mod env;
 mod free_list;
-pub mod host_pool;
 pub mod hot;
 mod metas_wire;
 #[cfg(feature = "nccl")]
@@ -33,12 +33,15 @@ mod shape;
 pub mod shm;
 pub mod tcp;
 mod tensor;
-pub mod tensor_list;
+mod trace;
 pub mod transport;
 pub mod value;
 pub mod wire;
 
-pub use cuda::ipc::CudaIpcTransport;
+// The host buffer pool, at its old path (it lives in `cuda/` now, beside the
+// pinning it uses).
+pub use cuda::host_pool;
+pub use cuda_ipc::CudaIpcTransport;
 pub use device::{Device, GpuUuid};
 pub use dtype::{DType, Element};
 pub use metas_wire::MAX_TENSORS;
@@ -46,8 +49,10 @@ pub use object_store::ObjectStoreTransport;
 pub use shape::Shape;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
-pub use tensor::{DeviceBytes, ExternalBytes, ExternalMemory, Tensor, TensorError, TensorMeta};
-pub use tensor_list::{MakeTensors, TensorList};
+pub use tensor::{
+    DeviceBytes, ExternalBytes, ExternalMemory, MakeTensors, Tensor, TensorError, TensorList,
+    TensorMeta,
+};
 pub use transport::{
     Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, ReceiveStart, Sidedness, Target,
     TargetGate, TargetWriters, TensorTransport, TransferCtx, TransferId, TransportError, Writing,

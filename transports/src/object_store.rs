@@ -7,7 +7,7 @@
 //! tensor turns copy-on-write) and copies the bytes of memory shared with
 //! other processes once into an immutable buffer; those buffers ride as out-of-band blobs in the control frames
 //! (producer → driver → consumer). Each control connection reads a large
-//! blob straight into a pooled host buffer ([`crate::host_pool`]: no page
+//! blob straight into a pooled host buffer ([`crate::cuda::host_pool`]: no page
 //! faults pass after pass, pinned in a process with a CUDA context), and
 //! `receive` wraps each blob in a tensor without copying (copy on first
 //! write, see `Tensor`). The producer keeps nothing, so `release` has
@@ -27,7 +27,7 @@
 //!
 //! CUDA tensors take the same path through the host: `export` copies them
 //! to the host (device to host, into pinned staging from
-//! [`crate::host_pool`]), and `unpack` copies them back to a device
+//! [`crate::cuda::host_pool`]), and `unpack` copies them back to a device
 //! (host to device) when the receiving process can use CUDA: to the device
 //! with the same UUID if it sees it, else to its first device. A process
 //! without CUDA (a CPU-only driver, say) gets CPU tensors.
@@ -43,7 +43,7 @@ use crate::{Blob, Device, Exported, Tensor, TensorMeta};
 
 /// Tensors of fewer bytes share chunk blobs (see the module docs): below
 /// the size a receiver reads into a pooled buffer of its own.
-pub const SMALL: usize = crate::host_pool::MIN_POOLED;
+pub const SMALL: usize = crate::cuda::host_pool::MIN_POOLED;
 
 /// Most bytes of small tensors in one chunk blob.
 pub const CHUNK: usize = 8 << 20;
@@ -122,7 +122,7 @@ impl TensorTransport for ObjectStoreTransport {
 /// [`unpack`].
 ///
 /// A large CUDA tensor is copied into a pooled host buffer
-/// ([`crate::host_pool`]), pinned since this process has a context: the
+/// ([`crate::cuda::host_pool`]), pinned since this process has a context: the
 /// copy runs at copy-engine speed, and the buffer, reused pass after pass,
 /// faults in no pages. It then goes to the socket as it is.
 pub fn pack(tensors: &[Tensor]) -> Result<Exported, TransportError> {
@@ -150,8 +150,8 @@ fn own_blob(t: &Tensor) -> Result<Blob, TransportError> {
     {
         return copied_as_it_goes(t);
     }
-    let bytes = if t.is_cuda() && t.nbytes() >= crate::host_pool::MIN_POOLED {
-        let mut staging = crate::host_pool::HostBuf::new(t.nbytes()).map_err(|e| {
+    let bytes = if t.is_cuda() && t.nbytes() >= crate::cuda::host_pool::MIN_POOLED {
+        let mut staging = crate::cuda::host_pool::HostBuf::new(t.nbytes()).map_err(|e| {
             err(&format!(
                 "allocating {} bytes of host staging: {e}",
                 t.nbytes()
@@ -251,7 +251,7 @@ fn copied_as_it_goes(t: &Tensor) -> Result<Blob, TransportError> {
 /// [`pack`] for a value with several small tensors: each small tensor's
 /// bytes are copied into a chunk, at an aligned offset; a large one keeps
 /// a blob of its own (packed as [`pack`] does). Chunks are pooled host
-/// buffers ([`crate::host_pool`]): a value packed pass after pass reuses
+/// buffers ([`crate::cuda::host_pool`]): a value packed pass after pass reuses
 /// the same memory and faults in no pages.
 fn pack_chunked(tensors: &[Tensor]) -> Result<Exported, TransportError> {
     let err = |e: &dyn std::fmt::Display| TransportError::new(NAME, e.to_string());
@@ -281,7 +281,7 @@ fn pack_chunked(tensors: &[Tensor]) -> Result<Exported, TransportError> {
     let mut chunks = chunk_sizes
         .iter()
         .map(|&len| {
-            crate::host_pool::HostBuf::new(len)
+            crate::cuda::host_pool::HostBuf::new(len)
                 .map_err(|e| err(&format!("allocating a {len}-byte chunk: {e}")))
         })
         .collect::<Result<Vec<_>, _>>()?;

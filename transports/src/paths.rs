@@ -20,13 +20,12 @@
 //!   map order, which no other process can know, so it must be matched by
 //!   path, never by position.
 
-use std::cell::RefCell;
 use std::fmt::Display;
 
 use serde::de::DeserializeOwned;
 use serde::ser::{self, Serialize};
 
-use crate::value::ValueError;
+use crate::value::{ValueError, WALKING};
 use crate::{DType, Tensor};
 
 /// The paths of an encoded value's tensors (PA-1).
@@ -106,23 +105,6 @@ struct Walk {
     found: Vec<(String, Tensor)>,
     /// PA-2.
     keyed: bool,
-}
-
-thread_local! {
-    /// The tensors handed over by `Tensor`'s `Serialize` while a walk runs
-    /// on this thread (the walker itself sees only their index).
-    static WALKING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
-}
-
-/// While a walk runs on this thread: keeps `t` for it and returns the
-/// index `Tensor`'s `Serialize` hands the walker as its placeholder.
-pub(crate) fn walked(t: &Tensor) -> Option<u32> {
-    WALKING.with(|w| {
-        w.borrow_mut().as_mut().map(|v| {
-            v.push(t.clone());
-            (v.len() - 1) as u32
-        })
-    })
 }
 
 fn walk<T: Serialize + ?Sized>(value: &T) -> Result<Walk, ValueError> {

@@ -363,6 +363,24 @@ struct SelfContained {
     bytes: Vec<u8>,
 }
 
+thread_local! {
+    /// The tensors handed over by `Tensor`'s `Serialize` while a walk for
+    /// the tensors' paths (`paths`) runs on this thread (the walker itself
+    /// sees only their index).
+    pub(crate) static WALKING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
+}
+
+/// While a walk runs on this thread: keeps `t` for it and returns the
+/// index `Tensor`'s `Serialize` hands the walker as its placeholder.
+pub(crate) fn walked(t: &Tensor) -> Option<u32> {
+    WALKING.with(|w| {
+        w.borrow_mut().as_mut().map(|v| {
+            v.push(t.clone());
+            (v.len() - 1) as u32
+        })
+    })
+}
+
 impl Serialize for Tensor {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let index = CTX.with(|c| match &mut *c.borrow_mut() {
@@ -371,7 +389,7 @@ impl Serialize for Tensor {
             _ => None,
         });
         // A walk for the tensors' paths (`paths`): a placeholder too.
-        let index = index.or_else(|| crate::paths::walked(self));
+        let index = index.or_else(|| walked(self));
         match index {
             Some(i) => s.serialize_newtype_struct(PLACEHOLDER, &i),
             None => {
@@ -543,7 +561,7 @@ mod tests {
         let through_serde: Vec<Tensor> =
             decode_from(Ctx::Source(&p.tensors[..] as *const _), &p.data, N).unwrap();
         let from_slice: Vec<Tensor> = decode(&p.data, &p.tensors).unwrap();
-        let lazy = TensorList::lazy(std::sync::Arc::new(crate::tensor_list::tests::Views::of(
+        let lazy = TensorList::lazy(std::sync::Arc::new(crate::tensor::list::tests::Views::of(
             flat.clone(),
             N,
         )));

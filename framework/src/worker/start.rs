@@ -150,14 +150,14 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         // producer freed), in the same trip to the blocking pool: it may
         // unmap large files.
         handle.spawn(async {
-            use rdt_transport::cuda::ipc;
+            use rdt_transport::cuda_ipc;
             let mut tick = tokio::time::interval(rdt_transport::transport::HOUSEKEEPING_PERIOD);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 let _ = tokio::task::spawn_blocking(|| {
-                    if ipc::housekeeping_due() {
-                        ipc::housekeeping();
+                    if cuda_ipc::housekeeping_due() {
+                        cuda_ipc::housekeeping();
                     }
                     for t in Transport::registered() {
                         if let Some(inst) = t.existing_instance() {

@@ -3,7 +3,7 @@
 //! Every CUDA tensor rdt makes lives in a range of a slab. Small tensors
 //! share slabs of [`SLAB_BYTES`]; a tensor larger than that gets a slab of
 //! its own. Because consecutive tensors land in the same few slabs, a
-//! consumer of the [`ipc`](super::ipc) transport that mapped a slab once
+//! consumer of the [`cuda_ipc`](crate::cuda_ipc) transport that mapped a slab once
 //! reuses that mapping for every later tensor in it (gpu.md pitfall 2).
 //!
 //! # Lifetime invariants

@@ -400,7 +400,7 @@ pub(crate) struct Generator {
     raw: cudarc::curand::sys::curandGenerator_t,
     tail: u64,
 }
-// SAFETY: the generator is only used under the `Gpu`'s mutex, with the
+// SAFETY: the generator is only used under its device's mutex (`PerGpu`), with the
 // device's context bound.
 unsafe impl Send for Generator {}
 
@@ -416,6 +416,47 @@ impl Generator {
             .map_err(|e| CudaError(format!("curandSetStream failed: {e:?}")))?;
         let tail = gpu.malloc(8)?;
         Ok(Generator { raw, tail })
+    }
+}
+
+/// The ops' state of one device: its kernels and its cuRAND generator,
+/// each made on first use. Kept here, per GPU, so that [`Gpu`] does not
+/// know the ops.
+#[derive(Default)]
+struct PerGpu {
+    /// rdt's kernels in this context (compiled and loaded on first use).
+    kernels: OnceLock<Result<Arc<Kernels>, CudaError>>,
+    /// cuRAND generator on this stream (created on first use).
+    generator: OnceLock<Result<Mutex<Generator>, CudaError>>,
+}
+
+/// The ops' state of `gpu`, made on first use. A [`Gpu`] lives as long as
+/// the process (one per local ordinal), and so does its state.
+fn per_gpu(gpu: &Gpu) -> &'static PerGpu {
+    static ALL: OnceLock<Mutex<HashMap<usize, &'static PerGpu>>> = OnceLock::new();
+    *ALL.get_or_init(Default::default)
+        .lock()
+        .entry(gpu.ordinal())
+        .or_insert_with(|| Box::leak(Box::<PerGpu>::default()))
+}
+
+impl Gpu {
+    /// rdt's kernels in this device's context, compiled (NVRTC) and loaded
+    /// on first use.
+    pub(crate) fn kernels(&self) -> Result<Arc<Kernels>, CudaError> {
+        per_gpu(self)
+            .kernels
+            .get_or_init(|| Kernels::load(self).map(Arc::new))
+            .clone()
+    }
+
+    /// This device's cuRAND generator, created on first use.
+    pub(crate) fn generator(&self) -> Result<&Mutex<Generator>, CudaError> {
+        per_gpu(self)
+            .generator
+            .get_or_init(|| Generator::new(self).map(Mutex::new))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 }
 

@@ -36,7 +36,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use crate::Tensor;
+use super::Tensor;
 
 /// Makes the tensors of a lazy [`TensorList`], each on demand.
 pub trait MakeTensors: Send + Sync {

@@ -84,8 +84,6 @@ struct Pool {
     /// Idle buffers, oldest first.
     idle: VecDeque<Mapping>,
     idle_bytes: usize,
-    /// Address ranges of pinned buffers, in the pool or out (HP-4).
-    pinned: Vec<(usize, usize)>,
 }
 
 static POOL: Mutex<Option<Pool>> = Mutex::new(None);
@@ -129,15 +127,13 @@ pub fn stats() -> PoolStats {
         hits: HITS.load(Ordering::Relaxed),
         misses: MISSES.load(Ordering::Relaxed),
         idle_bytes: with_pool(|p| p.idle_bytes),
-        pinned_bytes: with_pool(|p| p.pinned.iter().map(|&(_, l)| l).sum()),
+        pinned_bytes: super::memory::pinned_bytes(),
     }
 }
 
-/// Is `ptr` inside a pinned pool buffer (HP-4)?
-pub fn is_pinned(ptr: *const u8) -> bool {
-    let a = ptr as usize;
-    with_pool(|p| p.pinned.iter().any(|&(s, l)| a >= s && a < s + l))
-}
+// The pinned buffers' address ranges live with the CUDA memory code, which
+// asks them on every host-to-device copy (HP-4).
+pub use super::memory::is_pinned;
 
 impl Pool {
     /// Drops the oldest idle buffers until at most `keep` bytes stay; the
@@ -157,8 +153,7 @@ impl Pool {
 
     fn forget_pinned(&mut self, m: &Mapping) {
         if m.pinned {
-            let s = m.map.as_ptr() as usize;
-            self.pinned.retain(|&(a, _)| a != s);
+            super::memory::forget_pinned(m.map.as_ptr() as usize);
         }
     }
 
@@ -225,7 +220,7 @@ impl HostBuf {
             match unsafe { crate::cuda::pin_host(ptr, cap) } {
                 Ok(true) => {
                     mapping.pinned = true;
-                    with_pool(|p| p.pinned.push((ptr as usize, cap)));
+                    super::memory::add_pinned(ptr as usize, cap);
                 }
                 Ok(false) => {}
                 Err(e) => tracing::debug!("host buffer left pageable: {e}"),

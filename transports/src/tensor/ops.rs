@@ -1,0 +1,148 @@
+//! The test ops: fill, add, sum, compare and random fill, on the host or
+//! on the GPU.
+
+use super::*;
+
+use crate::cuda;
+
+impl Tensor {
+    /// Sets every element to `value`.
+    pub fn fill_<T: Element>(&self, value: T) -> Result<(), TensorError> {
+        self.require_dtype::<T>()?;
+        if self.is_cuda() {
+            // Enqueued on the GPU's stream: ordered before later ops, copies
+            // and transfers of this process.
+            return Ok(self.with_device_buffer(|d| {
+                d.gpu()
+                    .fill(d.device_ptr(), d.len(), bytemuck::bytes_of(&value))
+            })??);
+        }
+        self.with_bytes_mut(|b| {
+            let one = bytemuck::bytes_of(&value);
+            for chunk in b.chunks_exact_mut(one.len()) {
+                chunk.copy_from_slice(one);
+            }
+        })
+    }
+
+    /// Adds `value` to every element.
+    pub fn add_scalar_<T: Element>(&self, value: T) -> Result<(), TensorError> {
+        self.require_dtype::<T>()?;
+        self.with_bytes_mut(|b| {
+            let size = std::mem::size_of::<T>();
+            for chunk in b.chunks_exact_mut(size) {
+                let x: T = bytemuck::pod_read_unaligned(chunk);
+                let y = T::from_f64(x.to_f64() + value.to_f64());
+                chunk.copy_from_slice(bytemuck::bytes_of(&y));
+            }
+        })
+    }
+
+    /// Sum of all elements, as `f64`, for any numeric element type (`F16`
+    /// and `BF16`: the raw 16-bit words, a checksum).
+    ///
+    /// A CUDA tensor is summed on its device by an NVRTC-compiled kernel
+    /// (see [`cuda::ops`]; blocks until the result is back; the order of
+    /// additions differs from the host's, so a floating-point sum may
+    /// differ in its last bits). Without NVRTC it is copied to the host
+    /// first; [`cuda::ops::nvrtc_available`] says which.
+    pub fn sum(&self) -> Result<f64, TensorError> {
+        if self.is_cuda() {
+            if cuda::ops::nvrtc_available().is_ok() {
+                let n = self.numel();
+                let dtype = self.dtype;
+                return Ok(self.with_device_buffer(|d| {
+                    cuda::ops::sum(d.gpu(), dtype, d.device_ptr(), n)
+                })??);
+            }
+            return self.to_cpu()?.sum();
+        }
+        macro_rules! sum_as {
+            ($t:ty, $b:expr) => {
+                // Aligned storage (the usual case) is read in place.
+                match bytemuck::try_cast_slice::<u8, $t>($b) {
+                    Ok(v) => v.iter().map(|&x| x as f64).sum::<f64>(),
+                    Err(_) => $b
+                        .chunks_exact(std::mem::size_of::<$t>())
+                        .map(|c| bytemuck::pod_read_unaligned::<$t>(c) as f64)
+                        .sum::<f64>(),
+                }
+            };
+        }
+        let dtype = self.dtype;
+        self.with_bytes(|b| match dtype {
+            DType::F32 => sum_as!(f32, b),
+            DType::F64 => sum_as!(f64, b),
+            DType::I8 => sum_as!(i8, b),
+            DType::I16 => sum_as!(i16, b),
+            DType::I32 => sum_as!(i32, b),
+            DType::I64 => sum_as!(i64, b),
+            DType::U8 | DType::Bool => sum_as!(u8, b),
+            DType::U32 => sum_as!(u32, b),
+            DType::U64 => sum_as!(u64, b),
+            // Storage-only types: sum the raw 16-bit words; good enough for
+            // checksums, documented as such.
+            DType::F16 | DType::BF16 => sum_as!(u16, b),
+        })
+    }
+
+    /// Are dtype, shape and bytes identical?
+    pub fn equal(&self, other: &Tensor) -> Result<bool, TensorError> {
+        if self.dtype != other.dtype || self.shape != other.shape {
+            return Ok(false);
+        }
+        if self.shares_storage(other) && self.offset == other.offset {
+            return Ok(true);
+        }
+        if self.is_cuda() && other.is_cuda() && cuda::ops::nvrtc_available().is_ok() {
+            // On the device: `other` is brought to `self`'s GPU first when
+            // it lives on another one.
+            let here = self.with_device_buffer(|d| d.gpu().clone())?;
+            let there = other.with_device_buffer(|d| d.gpu().clone())?;
+            let other = if Arc::ptr_eq(&here, &there) {
+                other.clone()
+            } else {
+                other.to_device(here.ordinal())?
+            };
+            let b = other.with_device_buffer(|d| d.device_ptr())?;
+            let diff = self.with_device_buffer(|d| {
+                cuda::ops::count_differences(d.gpu(), d.device_ptr(), b, d.len())
+            })??;
+            return Ok(diff == 0);
+        }
+        if self.is_cuda() || other.is_cuda() {
+            let a = if self.is_cuda() {
+                self.to_cpu()?
+            } else {
+                self.clone()
+            };
+            let b = if other.is_cuda() {
+                other.to_cpu()?
+            } else {
+                other.clone()
+            };
+            return a.equal(&b);
+        }
+        let a = self.to_bytes()?;
+        other.with_bytes(|b| a[..] == b[..])
+    }
+
+    /// Fills a CUDA tensor with random values from `seed` with cuRAND, on
+    /// its device's stream: uniform in (0, 1] for `F32` and `F64`, random
+    /// bits for every other type. The same seed gives the same values. CPU
+    /// tensors are refused (fill them through
+    /// [`with_bytes_mut`](Self::with_bytes_mut)).
+    pub fn uniform_(&self, seed: u64) -> Result<(), TensorError> {
+        if !self.is_cuda() {
+            return Err(TensorError::Cuda(format!(
+                "uniform_ fills CUDA tensors with cuRAND; this tensor is on {}: \
+                 fill a CPU tensor through with_bytes_mut",
+                self.storage.device
+            )));
+        }
+        let dtype = self.dtype;
+        Ok(self.with_device_buffer(|d| {
+            cuda::ops::random_fill(d.gpu(), dtype, d.device_ptr(), d.len(), seed)
+        })??)
+    }
+}
