@@ -3,9 +3,10 @@
 //! after (invariant 2; OW-7).
 
 use super::*;
+use crate::owner::Outbox;
 
 /// Queues `msg` for actor `to` behind what was decided before it.
-pub(super) fn send_to(out: &mut crate::owner::Outbox, to: u64, msg: &ToWorker) {
+pub(super) fn send_to(out: &mut Outbox, to: u64, msg: &ToWorker) {
     if let Err(e) = out.send(to, msg) {
         tracing::error!("could not encode a message for actor {to}: {e}");
     }
@@ -16,9 +17,9 @@ pub(super) fn send_to(out: &mut crate::owner::Outbox, to: u64, msg: &ToWorker) {
 /// to its release: the order of frames on each connection is the order
 /// the table decided them. A message for an actor with no connection (dead,
 /// or not joined yet) is dropped: its death is handled by its reader.
-pub(super) fn write_outbox(st: &mut State) {
-    for out in st.table.outbox.take() {
-        let Some(conn) = st.conns.get(&out.to) else {
+pub(super) fn write_outbox(outbox: &mut Outbox, conns: &HashMap<u64, protocol::Sender>) {
+    for out in outbox.take() {
+        let Some(conn) = conns.get(&out.to) else {
             continue;
         };
         let sent = if out.soon {

@@ -81,8 +81,10 @@ impl Drop for StateGuard<'_> {
         // 4 µs of a 4 KiB pass in the 2×H200 timelines), then write what
         // was sent meanwhile (invariant 2: the frames are queued in order
         // already; a getter's own frames queue behind them).
-        if let Some(st) = self.guard.as_mut() {
-            write_outbox(st);
+        // The outbox goes onto the connections first, still under the
+        // lock, in the order it was decided (OW-7).
+        if let Some(st) = self.guard.as_deref_mut() {
+            write_outbox(&mut st.table.outbox, &st.conns);
         }
         rdt_transport::cuda::timeline("driver unlocking", woken.len() as u64);
         drop(self.guard.take());

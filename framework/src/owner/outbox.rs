@@ -6,15 +6,14 @@
 
 use rdt_transport::wire;
 
-use super::ActorId;
 use crate::error::Error;
 use crate::protocol::boot::DEFAULT_MAX_FRAME;
 use crate::protocol::ToWorker;
 
 /// One message out.
 pub(crate) struct Outgoing {
-    /// Its actor.
-    pub to: ActorId,
+    /// The actor it is for.
+    pub to: u64,
     /// The message, encoded with its length in front.
     pub frame: wire::Frame,
     /// Nothing waits for it (a `Free`): it may wait for the next frame on
@@ -48,7 +47,7 @@ impl Outbox {
     /// Queues `msg` for `to`. A message that cannot be encoded or is too
     /// large for a frame is refused (OW-6); a dead or unconnected actor's
     /// is dropped by the driver when it writes.
-    pub fn send(&mut self, to: ActorId, msg: &ToWorker) -> Result<(), Error> {
+    pub fn send(&mut self, to: u64, msg: &ToWorker) -> Result<(), Error> {
         let frame = encode(msg)?;
         let len = frame.len() - 8;
         if len > self.max_frame {
@@ -67,7 +66,7 @@ impl Outbox {
 
     /// Queues a message that cannot be too large (frees, aborts, errors);
     /// a failure can only be an encoding bug, so it is logged loudly.
-    pub fn send_small(&mut self, to: ActorId, msg: &ToWorker) {
+    pub fn send_small(&mut self, to: u64, msg: &ToWorker) {
         if let Err(e) = self.send(to, msg) {
             tracing::error!("could not send a control message to actor {to}: {e}");
         }
@@ -75,7 +74,7 @@ impl Outbox {
 
     /// Queues a `Free` of `object` for `to`, which nothing waits for: it
     /// goes with the next frame on the connection (`Sender::send_soon`).
-    pub fn send_free(&mut self, to: ActorId, object: u64) {
+    pub fn send_free(&mut self, to: u64, object: u64) {
         match encode(&ToWorker::Free { object }) {
             Ok(frame) => self.items.push(Outgoing {
                 to,
@@ -87,7 +86,7 @@ impl Outbox {
     }
 
     /// Queues `err` as the value of `object` for `to`.
-    pub fn deliver_error(&mut self, to: ActorId, object: u64, err: Error) {
+    pub fn deliver_error(&mut self, to: u64, object: u64, err: Error) {
         self.send_small(
             to,
             &ToWorker::Deliver {
@@ -103,7 +102,7 @@ impl Outbox {
     }
 
     /// Whether a message for an actor other than `to` waits here.
-    pub fn waits_besides(&self, to: ActorId) -> bool {
+    pub fn waits_besides(&self, to: u64) -> bool {
         self.items.iter().any(|o| o.to != to)
     }
 }
