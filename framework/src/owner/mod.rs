@@ -80,11 +80,8 @@
 //!   arguments. It holds a ref of its own, so what it was handed cannot
 //!   have been freed. On 2×H200 this made tiny calls 0.5–0.7 µs faster
 //!   and left 4 KiB passes as they were (in a closed loop the next
-//!   submit waits for the lock instead; session 39's OW-13 saw only
-//!   that). Other waiters
-//!   ([`Getter::Signal`]) are woken after the unlock, as before.
-//!   `RDT_HAND_VALUES=0` wakes every getter after the unlock (a
-//!   measurement knob).
+//!   submit waits for the lock instead). Other waiters
+//!   ([`Getter::Signal`]) are woken after the unlock.
 //! - **OW-15 (large sends to one consumer, one at a time):** a two-sided
 //!   transfer of at least `RuntimeBuilder::large_transfer_bytes` (128 MiB) whose
 //!   consumer already has such a transfer in flight for another call (the
@@ -106,7 +103,6 @@
 //!   that died. A group being destroyed
 //!   has its held sends sent first (`send_held_in_group`), so that their
 //!   transfers end as they would have without the hold.
-//!   `RDT_LARGE_SENDS_IN_ORDER=0` turns it off.
 //! - **OW-8 (groups at delivery):** a two-sided transfer starts only inside
 //!   a live collective group holding both ends, looked up when its orders
 //!   go out (a delivery that waited for a pending object too): no transfer

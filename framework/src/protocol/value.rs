@@ -217,8 +217,7 @@ impl WireExported {
 /// does not push a weight sync's head out: decoding one costs little
 /// alone, but it is on a small pass's path before its receive starts
 /// (the group's thread found a 4 KiB `nccl` tensor's head decoded 1.1 µs
-/// after it started on it, 2×H200); `RDT_SMALL_HEADS=0` decodes them
-/// every time.
+/// after it started on it, 2×H200).
 pub(crate) struct RecentHeads;
 
 type Heads = rdt_transport::recent::Recent<(Bytes, Arc<Decoded>)>;

@@ -28,8 +28,7 @@ unsafe impl Sync for Event {}
 /// stream's completion records one too: `cuEventCreate` and
 /// `cuEventDestroy` each cost a driver call on the transfer's path (the
 /// record after the group call, the free of a received tensor that held
-/// the last reference). `RDT_EVENT_POOL=0` creates and destroys them
-/// every time (a measurement knob).
+/// the last reference).
 ///
 /// * **EP-1 (reuse is safe):** an event goes back to the pool only when
 ///   its last holder dropped it. A wait another stream enqueued on it

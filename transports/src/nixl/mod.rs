@@ -89,7 +89,7 @@
 //!   `peer_gone`), and keeps NX-9: memory that was not clean when it was
 //!   made makes its receive wait for rdt's stream, as a fresh one does.
 //!   Its host bytes count as `host_bytes_ready` until a receive takes it,
-//!   then as `host_bytes_in_use`. `RDT_NIXL_READY_DEST=0` turns it off.
+//!   then as `host_bytes_in_use`.
 //! - **NX-13 (registered host memory is never behind a reference):** a
 //!   READ writes host memory outside its storage's lock, so that memory
 //!   says it is shared with other processes and the safe accessors copy
