@@ -23,10 +23,10 @@ pub(crate) const TRIM_ABOVE: usize = 64 << 20;
 
 /// Applies the worker heap settings (once, at worker start).
 pub(crate) fn tune_worker_heap() {
-    if crate::env::var_os("RDT_HEAP_DEFAULTS").is_some_and(|v| v == "1") {
+    if crate::env::heap_defaults() {
         return;
     }
-    let tunables = crate::env::var("GLIBC_TUNABLES").unwrap_or_default();
+    let tunables = crate::env::glibc_tunables();
     if tunables.contains("mmap_threshold") || tunables.contains("trim_threshold") {
         return;
     }

@@ -108,7 +108,7 @@ impl MicrosSetting {
     }
 
     fn in_env(&self) -> Option<Duration> {
-        let v = crate::env::var(self.env).ok()?;
+        let v = crate::env::hot_tuning(self.env)?;
         match v.trim().parse::<u64>() {
             Ok(us) => Some(Duration::from_micros(us)),
             Err(_) => {

@@ -10,11 +10,7 @@ use std::sync::OnceLock;
 /// calling thread's name (a debugging aid for multi-GPU set-ups).
 pub fn tracing_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        crate::env::var("RDT_CUDA_TRACE")
-            .map(|v| !v.is_empty() && v != "0")
-            .unwrap_or(false)
-    })
+    *ON.get_or_init(|| crate::env::diagnostic("RDT_CUDA_TRACE"))
 }
 
 /// Is `RDT_TIMELINE` set (non-empty, not `0`)? Then the steps of every
@@ -32,11 +28,7 @@ pub fn tracing_enabled() -> bool {
 /// them now.
 pub fn timeline_enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        crate::env::var("RDT_TIMELINE")
-            .map(|v| !v.is_empty() && v != "0")
-            .unwrap_or(false)
-    })
+    *ON.get_or_init(|| crate::env::diagnostic("RDT_TIMELINE"))
 }
 
 /// Microseconds of `CLOCK_MONOTONIC`: the same clock in every process of

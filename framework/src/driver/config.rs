@@ -33,11 +33,9 @@ impl Default for Config {
             heartbeat_timeout: Duration::from_secs(10),
             tls: None,
             hot_window: None,
-            peer_delivery: crate::env::var("RDT_PEER_DELIVERY").map_or(true, |v| v.trim() != "0"),
+            peer_delivery: crate::env::peer_delivery().unwrap_or(true),
             straight_large_values: None,
-            large_transfer_bytes: crate::env::var("RDT_LARGE_TRANSFER_BYTES")
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
+            large_transfer_bytes: crate::env::large_transfer_bytes()
                 .unwrap_or(crate::owner::DEFAULT_LARGE_TRANSFER_BYTES),
         }
     }

@@ -74,13 +74,11 @@ pub(super) fn gpu_pool() -> Vec<String> {
             .filter(|s| !s.is_empty())
             .collect()
     };
-    crate::env::var("RDT_GPUS")
-        .ok()
+    crate::env::gpus()
         .map(list)
         .filter(|l| !l.is_empty())
         .or_else(|| {
-            crate::env::var("CUDA_VISIBLE_DEVICES")
-                .ok()
+            crate::env::cuda_visible_devices()
                 .map(list)
                 .filter(|l| !l.is_empty())
         })

@@ -155,10 +155,10 @@ pub const STREAM_MIN: usize = 4 << 20;
 /// run.
 fn stream_min() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| match crate::env::var("RDT_STREAM_MIN") {
-        Ok(v) if v == "off" => usize::MAX,
-        Ok(v) => v.parse().unwrap_or(STREAM_MIN),
-        Err(_) => STREAM_MIN,
+    *MIN.get_or_init(|| match crate::env::stream_min() {
+        Some(v) if v == "off" => usize::MAX,
+        Some(v) => v.parse().unwrap_or(STREAM_MIN),
+        None => STREAM_MIN,
     })
 }
 

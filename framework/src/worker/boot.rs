@@ -46,18 +46,17 @@ pub fn boot_before_main() {
 }
 
 pub(super) fn is_worker() -> bool {
-    crate::env::var_os(env::SOCKET).is_some() || cmdline_flag("--rdt-connect").is_some()
+    crate::env::is_spawned_worker() || cmdline_flag("--rdt-connect").is_some()
 }
 
 pub(super) fn boot_if_worker() {
-    let (link, secret, worker) = if let Ok(socket) = crate::env::var(env::SOCKET) {
+    let (link, secret, worker) = if let Some(socket) = crate::env::spawned_worker(env::SOCKET) {
         match local_boot(socket) {
             Ok(b) => b,
             Err(e) => fail_boot(&e),
         }
     } else if let Some(addr) = cmdline_flag("--rdt-connect") {
-        let token = crate::env::var(env::TOKEN)
-            .ok()
+        let token = crate::env::token()
             .or_else(|| cmdline_flag("--rdt-token"))
             .unwrap_or_else(|| {
                 fail_boot(
@@ -66,9 +65,7 @@ pub(super) fn boot_if_worker() {
             });
         let secret =
             hex::decode(token.trim()).unwrap_or_else(|_| fail_boot("the token is not hex"));
-        let ca = crate::env::var(env::TLS_CA)
-            .ok()
-            .or_else(|| cmdline_flag("--rdt-tls-ca"));
+        let ca = crate::env::tls_ca().or_else(|| cmdline_flag("--rdt-tls-ca"));
         let link = match ca {
             None => Link::Tcp(addr),
             Some(path) => {
@@ -102,9 +99,9 @@ pub(super) fn boot_if_worker() {
     // `nixl` pass in three of four, `nccl` in three of four, 10 000
     // tensors in all three), as it was for `nixl` in session 31; pairs
     // differ by as much (see the benchmark page of 2026-11-27).
-    let threads = match crate::env::var("RDT_CONTROL_THREADS") {
-        Err(_) => 1,
-        Ok(v) => match v.trim().parse::<usize>() {
+    let threads = match crate::env::control_threads() {
+        None => 1,
+        Some(v) => match v.trim().parse::<usize>() {
             Ok(n) if n > 0 => n,
             _ => {
                 tracing::warn!(
@@ -163,7 +160,9 @@ pub(super) fn cmdline_flag(flag: &str) -> Option<String> {
 }
 
 pub(super) fn local_boot(socket: String) -> std::result::Result<(Link, Vec<u8>, u64), String> {
-    let var = |k: &str| crate::env::var(k).map_err(|_| format!("missing environment variable {k}"));
+    let var = |k: &'static str| {
+        crate::env::spawned_worker(k).ok_or_else(|| format!("missing environment variable {k}"))
+    };
     let secret = hex::decode(var(env::SECRET)?).map_err(|_| "bad secret")?;
     let worker = var(env::WORKER_ID)?.parse().map_err(|_| "bad worker id")?;
     let parent: i32 = var(env::PARENT_PID)?
@@ -176,10 +175,8 @@ pub(super) fn local_boot(socket: String) -> std::result::Result<(Link, Vec<u8>, 
             return Err("the driver exited before this worker started".into());
         }
     }
-    for k in env::ALL {
-        // Children of the worker must not think they are workers.
-        std::env::remove_var(k);
-    }
+    // Children of the worker must not think they are workers.
+    crate::env::forget_spawned_worker();
     Ok((Link::Unix(socket), secret, worker))
 }
 

@@ -103,13 +103,9 @@ pub const STRAIGHT_LARGE_FROM: usize = 1 << 20;
 /// The default of `straight_large`: the environment's `RDT_STRAIGHT_LARGE`
 /// (`0` or `1`), else whether this machine has the cores.
 fn straight_large_default() -> bool {
-    match crate::env::var("RDT_STRAIGHT_LARGE")
-        .as_deref()
-        .map(str::trim)
-    {
-        Ok("0") => false,
-        Ok("1") => true,
-        _ => {
+    match crate::env::straight_large() {
+        Some(on) => on,
+        None => {
             std::thread::available_parallelism().map_or(1, |n| n.get())
                 >= rdt_transport::hot::MIN_CORES_TO_SPIN
         }

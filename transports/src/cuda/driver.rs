@@ -98,7 +98,7 @@ pub fn available() -> Result<(), CudaError> {
             if n <= 0 {
                 return Err(CudaError(format!(
                     "no CUDA device is visible (CUDA_VISIBLE_DEVICES={})",
-                    crate::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+                    crate::env::cuda_visible_devices()
                 )));
             }
             Ok(())

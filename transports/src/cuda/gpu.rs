@@ -153,7 +153,7 @@ pub fn gpu_by_uuid(uuid: &GpuUuid) -> Result<Arc<Gpu>, CudaError> {
         Some(i) => gpu(i),
         None => Err(CudaError(format!(
             "device {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES={})",
-            crate::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into())
+            crate::env::cuda_visible_devices()
         ))),
     }
 }

@@ -78,10 +78,8 @@ pub(crate) struct Api {
 /// The library names tried, in order.
 fn candidates() -> Vec<String> {
     let mut c = Vec::new();
-    if let Ok(p) = crate::env::var(LIBRARY_VAR) {
-        if !p.is_empty() {
-            c.push(p);
-        }
+    if let Some(p) = crate::env::nccl_library() {
+        c.push(p);
     }
     c.push("libnccl.so.2".into());
     for n in cudarc::get_lib_name_candidates("nccl") {

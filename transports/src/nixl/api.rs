@@ -148,10 +148,7 @@ pub(crate) struct Api {
 /// The folder `scripts/install-nixl.sh` installs into when given none:
 /// `$XDG_CACHE_HOME/rdt/nixl-cu13-<release>` (or under `~/.cache`).
 pub fn default_dir() -> Option<PathBuf> {
-    let cache = crate::env::var_os("XDG_CACHE_HOME")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| crate::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    let cache = crate::env::cache_home()?;
     Some(
         cache
             .join("rdt")
@@ -167,11 +164,10 @@ fn candidates() -> Vec<String> {
             c.push(p);
         }
     };
-    if let Ok(p) = crate::env::var(LIBRARY_VAR) {
+    if let Some(p) = crate::env::nixl_library() {
         push(p);
     }
-    let dirs = crate::env::var_os(DIR_VAR)
-        .filter(|v| !v.is_empty())
+    let dirs = crate::env::nixl_dir()
         .map(PathBuf::from)
         .into_iter()
         .chain(default_dir());

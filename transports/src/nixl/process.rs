@@ -70,7 +70,7 @@ pub(super) const UCX_MEM_EVENTS_DEFAULT: &str = "no";
 /// nothing of UCX's can outlive the memory. Set `UCX_MEM_EVENTS=yes` to
 /// keep UCX's hooks.
 pub fn prepare_process() -> bool {
-    match ucx_default(crate::env::var_os(UCX_MEM_EVENTS).as_deref()) {
+    match ucx_default(crate::env::ucx_mem_events().as_deref()) {
         Some(v) => {
             std::env::set_var(UCX_MEM_EVENTS, v);
             true

@@ -468,7 +468,7 @@ fn unhex(s: &str) -> Vec<u8> {
 /// does nothing unless that test started it.
 #[test]
 fn child_producer() {
-    if crate::env::var_os(CHILD).is_none() {
+    if !crate::env::test_child(CHILD) {
         return;
     }
     // Never outlive a parent that failed: our exit ends its wait on
