@@ -13,7 +13,23 @@
 //! | `RDT_STREAM_MIN` | both | the smallest blob streamed apart from its frame |
 //! | `RDT_HEAP_DEFAULTS`, `GLIBC_TUNABLES` | workers | leave glibc's heap settings as they are |
 
-use crate::protocol::boot::env as worker_env;
+/// Names of the environment variables a local worker is started with,
+/// and the two a worker started by hand reads.
+pub(crate) mod worker_names {
+    pub const SOCKET: &str = "RDT_WORKER_SOCKET";
+    pub const SECRET: &str = "RDT_WORKER_SECRET";
+    pub const WORKER_ID: &str = "RDT_WORKER_ID";
+    pub const PARENT_PID: &str = "RDT_WORKER_PARENT_PID";
+    pub const ALL: [&str; 4] = [SOCKET, SECRET, WORKER_ID, PARENT_PID];
+    /// The secret of a worker started by hand (`--rdt-token` puts it in
+    /// the process's argument list, visible to other users; prefer this).
+    pub const TOKEN: &str = "RDT_TOKEN";
+    /// PEM file of the certificate(s) to trust for a TLS control link
+    /// (or `--rdt-tls-ca PATH`); without it the link is plain TCP.
+    pub const TLS_CA: &str = "RDT_TLS_CA";
+}
+
+use worker_names as worker_env;
 
 fn get(name: &str) -> Option<String> {
     std::env::var(name).ok()

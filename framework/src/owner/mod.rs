@@ -123,6 +123,8 @@ mod deliver;
 mod events;
 mod free;
 mod outbox;
+#[cfg(test)]
+mod tests;
 
 pub(crate) use outbox::Outbox;
 

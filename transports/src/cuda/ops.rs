@@ -434,7 +434,7 @@ struct PerGpu {
 /// the process (one per local ordinal), and so does its state.
 fn per_gpu(gpu: &Gpu) -> &'static PerGpu {
     static ALL: OnceLock<Mutex<HashMap<usize, &'static PerGpu>>> = OnceLock::new();
-    *ALL.get_or_init(Default::default)
+    ALL.get_or_init(Default::default)
         .lock()
         .entry(gpu.ordinal())
         .or_insert_with(|| Box::leak(Box::<PerGpu>::default()))
