@@ -1990,3 +1990,24 @@ pub fn flat_views(flat: Tensor) -> Vec<Tensor> {
         flat.clone(),
     ]
 }
+
+/// Logs at the level asked (the worker log tests).
+#[rdt::actor]
+pub struct Logger;
+
+#[rdt::actor]
+impl Logger {
+    fn new() -> Self {
+        Logger
+    }
+
+    /// `line` at `info`.
+    fn info(&self, line: String) {
+        tracing::info!(line = %line, "the actor says");
+    }
+
+    /// `line` at `warn`.
+    fn warn(&self, line: String) {
+        tracing::warn!(line = %line, "the actor warns");
+    }
+}

@@ -118,6 +118,28 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How the actors' worker processes log: filter, format, and standard
+    /// error or a file; every line names its actor. Default: the worker's
+    /// `RUST_LOG`, else `warn`, to standard error (see [`WorkerLog`]). The
+    /// driver's own events go to the program's subscriber, whatever this
+    /// says.
+    ///
+    /// [`WorkerLog`]: crate::WorkerLog
+    ///
+    /// ```
+    /// let builder = rdt::Runtime::builder().worker_log(
+    ///     rdt::WorkerLog::new()
+    ///         .filter("info,rdt=debug")
+    ///         .compact()
+    ///         .file(std::env::temp_dir().join("my-run-workers.log")),
+    /// );
+    /// # drop(builder);
+    /// ```
+    pub fn worker_log(mut self, log: crate::WorkerLog) -> Self {
+        self.config.worker_log = log;
+        self
+    }
+
     /// Starts the runtime: a private directory (mode 0700) with the control
     /// socket, and a fresh secret. Must be called inside a tokio runtime.
     ///

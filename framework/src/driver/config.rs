@@ -19,6 +19,7 @@ pub(crate) struct Config {
     pub(crate) peer_delivery: bool,
     pub(crate) straight_large_values: Option<bool>,
     pub(crate) large_transfer_bytes: usize,
+    pub(crate) worker_log: crate::log::WorkerLog,
 }
 
 impl Default for Config {
@@ -37,6 +38,7 @@ impl Default for Config {
             straight_large_values: None,
             large_transfer_bytes: crate::env::large_transfer_bytes()
                 .unwrap_or(crate::owner::DEFAULT_LARGE_TRANSFER_BYTES),
+            worker_log: crate::log::WorkerLog::default(),
         }
     }
 }

@@ -314,6 +314,7 @@ impl Inner {
             id_space: protocol::actor_id_space(self.id_spaces.fetch_add(1, Ordering::Relaxed)),
             peer_socket: if local { self.peer_socket(id) } else { None },
             straight_large_values: self.config.straight_large_values,
+            log: self.config.worker_log.clone(),
         })
     }
 

@@ -103,6 +103,8 @@ pub struct SpawnOrder {
     /// to its consumer (`worker::straight`; `None`: the worker's default, by
     /// its core count).
     pub straight_large_values: Option<bool>,
+    /// How the worker logs (`RuntimeBuilder::worker_log`).
+    pub log: crate::log::WorkerLog,
 }
 
 /// A consumer as a producer reaches it to deliver a value straight

@@ -25,6 +25,7 @@ fn order(args: Blob) -> ToWorker {
         transfer_timeout_ms: 1000,
         hot_window_us: None,
         straight_large_values: None,
+        log: crate::log::WorkerLog::default(),
         heartbeat_ms: None,
         args,
         id_space: actor_id_space(1),

@@ -84,13 +84,7 @@ pub(super) fn boot_if_worker() {
     } else {
         return;
     };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
+    super::log::install(&format!("rdt worker {}", std::process::id()));
     // One worker thread unless `RDT_CONTROL_THREADS` says otherwise (a
     // measurement knob). With two, the idle one slept in `epoll_wait`
     // holding the I/O driver: every frame written to this worker woke it,

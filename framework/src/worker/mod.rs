@@ -81,6 +81,7 @@ mod copies;
 mod groups;
 mod handoff_queue;
 mod host;
+mod log;
 mod metrics;
 mod queues;
 mod receive;

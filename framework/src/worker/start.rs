@@ -43,6 +43,7 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         transfer_timeout: Duration::from_millis(order.transfer_timeout_ms),
     });
     let boot_name: Arc<str> = order.name.clone().into();
+    super::log::configure(&order.log, &order.name);
     let heartbeat = order.heartbeat_ms.map(Duration::from_millis);
     let id_space = order.id_space;
     if let Some(us) = order.hot_window_us {

@@ -1,0 +1,130 @@
+//! The worker's subscriber: installed at boot with the default (the
+//! worker's `RUST_LOG`, else `warn`, to standard error), then reloaded with
+//! the spawn order's [`WorkerLog`]. Every line starts with the actor's
+//! name, whichever thread wrote it.
+
+use std::fs::OpenOptions;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tracing::{Event, Subscriber};
+use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
+use tracing_subscriber::fmt::FmtContext;
+use tracing_subscriber::layer::{Layer, Layered, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{fmt, reload, EnvFilter, Registry};
+
+use crate::log::WorkerLog;
+
+type Filtered = Layered<reload::Layer<EnvFilter, Registry>, Registry>;
+type Output = Box<dyn Layer<Filtered> + Send + Sync>;
+
+struct Handles {
+    filter: reload::Handle<EnvFilter, Registry>,
+    output: reload::Handle<Output, Filtered>,
+}
+
+static HANDLES: OnceLock<Handles> = OnceLock::new();
+
+/// Installs the worker's subscriber with the default settings; lines are
+/// named `name` until [`configure`] names the actor. Does nothing if the
+/// process has a subscriber already.
+pub(super) fn install(name: &str) {
+    let default = WorkerLog::default();
+    let (filter, filter_handle) = reload::Layer::new(filter_of(&default, name));
+    let (output, output_handle) = reload::Layer::new(output_of(&default, name.into()));
+    let installed = tracing_subscriber::registry()
+        .with(filter)
+        .with(output)
+        .try_init()
+        .is_ok();
+    if installed {
+        let _ = HANDLES.set(Handles {
+            filter: filter_handle,
+            output: output_handle,
+        });
+    }
+}
+
+/// Applies the spawn order's settings, lines named after the actor.
+pub(super) fn configure(log: &WorkerLog, actor: &str) {
+    let Some(h) = HANDLES.get() else { return };
+    let _ = h.output.reload(output_of(log, actor.into()));
+    let _ = h.filter.reload(filter_of(log, actor));
+}
+
+fn filter_of(log: &WorkerLog, name: &str) -> EnvFilter {
+    match &log.filter {
+        Some(d) => EnvFilter::try_new(d).unwrap_or_else(|e| {
+            eprintln!("{name}: the worker log filter {d:?} does not parse ({e}); logging at warn");
+            EnvFilter::new("warn")
+        }),
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+    }
+}
+
+fn output_of(log: &WorkerLog, name: Arc<str>) -> Output {
+    let file = log.file.as_ref().and_then(|p| {
+        match OpenOptions::new().create(true).append(true).open(p) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                eprintln!(
+                    "{name}: cannot open the worker log {}: {e}; logging to standard error",
+                    p.display()
+                );
+                None
+            }
+        }
+    });
+    let full = || Named {
+        name: name.clone(),
+        inner: format::Format::default(),
+    };
+    let compact = || Named {
+        name: name.clone(),
+        inner: format::Format::default().compact(),
+    };
+    match (file, log.compact) {
+        (Some(f), false) => fmt::layer()
+            .with_ansi(false)
+            .with_writer(Mutex::new(f))
+            .event_format(full())
+            .boxed(),
+        (Some(f), true) => fmt::layer()
+            .with_ansi(false)
+            .with_writer(Mutex::new(f))
+            .event_format(compact())
+            .boxed(),
+        (None, false) => fmt::layer()
+            .with_writer(std::io::stderr)
+            .event_format(full())
+            .boxed(),
+        (None, true) => fmt::layer()
+            .with_writer(std::io::stderr)
+            .event_format(compact())
+            .boxed(),
+    }
+}
+
+/// A format whose lines start with the actor's name.
+struct Named<F> {
+    name: Arc<str>,
+    inner: F,
+}
+
+impl<S, N, F> FormatEvent<S, N> for Named<F>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: format::Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        write!(writer, "{} ", self.name)?;
+        self.inner.format_event(ctx, writer, event)
+    }
+}

@@ -1,0 +1,83 @@
+//! How workers log (`RuntimeBuilder::worker_log`): through the subscriber
+//! the driver's builder configures (filter, format, file), every line
+//! naming its actor; at the default level a healthy run writes nothing and
+//! a warning shows.
+
+use rdt::prelude::*;
+use rdt::WorkerLog;
+use rdt_integration_tests::actors::Logger;
+use rdt_integration_tests::deadline;
+
+/// A fresh path for a log in the system's temporary folder.
+fn log_path(name: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("rdt-{name}-{}.log", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+#[tokio::test]
+async fn a_workers_lines_go_where_its_log_says_each_naming_its_actor() {
+    let path = log_path("worker-log-info");
+    deadline(60, async {
+        let rt = Runtime::builder()
+            .worker_log(WorkerLog::new().filter("info").compact().file(&path))
+            .start()
+            .await
+            .unwrap();
+        let a = rt.spawn::<Logger>(()).await.unwrap();
+        rt.get(a.info("hello from the actor".to_string()).remote())
+            .await
+            .unwrap();
+        rt.shutdown().await;
+        let text = std::fs::read_to_string(&path).expect("the worker wrote its log");
+        let line = text
+            .lines()
+            .find(|l| l.contains("hello from the actor"))
+            .unwrap_or_else(|| panic!("the actor's line in {}:\n{text}", path.display()));
+        assert!(
+            line.starts_with(&format!("{} ", a.raw().name())),
+            "the line names its actor: {line}"
+        );
+        assert!(line.contains("INFO"), "{line}");
+        assert!(
+            !line.contains('\u{1b}'),
+            "a log file has no colours: {line:?}"
+        );
+    })
+    .await;
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test]
+async fn at_the_default_level_a_healthy_worker_is_quiet_and_a_warning_shows() {
+    let path = log_path("worker-log-default");
+    deadline(60, async {
+        // The default filter is the worker's RUST_LOG, else warn: the
+        // workers of this test inherit none (the other test of this binary
+        // names its filter).
+        std::env::remove_var("RUST_LOG");
+        let rt = Runtime::builder()
+            .worker_log(WorkerLog::new().file(&path))
+            .start()
+            .await
+            .unwrap();
+        let a = rt.spawn::<Logger>(()).await.unwrap();
+        rt.get(a.info("a healthy step".to_string()).remote())
+            .await
+            .unwrap();
+        rt.get(a.warn("something to see".to_string()).remote())
+            .await
+            .unwrap();
+        rt.shutdown().await;
+        let text = std::fs::read_to_string(&path).expect("the worker wrote its log");
+        assert!(!text.contains("a healthy step"), "{text}");
+        let line = text
+            .lines()
+            .find(|l| l.contains("something to see"))
+            .unwrap_or_else(|| panic!("the warning in {}:\n{text}", path.display()));
+        assert!(line.starts_with(&format!("{} ", a.raw().name())), "{line}");
+        assert!(line.contains("WARN"), "{line}");
+    })
+    .await;
+    let _ = std::fs::remove_file(&path);
+}
