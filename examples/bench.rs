@@ -683,20 +683,20 @@ async fn many_tensors(
             drop(r);
             let one_took = t.elapsed();
             let t = Instant::now();
-            rdt::data::cuda::timeline("driver many start", i as u64);
+            rdt::data::trace::timeline("driver many start", i as u64);
             let r = src.many(MANY_N, each).transport(transport).remote();
             let sum = rt.get(sink.touch_all(&r).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
-            rdt::data::cuda::timeline("driver many end", i as u64);
+            rdt::data::trace::timeline("driver many end", i as u64);
             let many_took = t.elapsed();
             let t = Instant::now();
-            rdt::data::cuda::timeline("driver into start", i as u64);
+            rdt::data::trace::timeline("driver into start", i as u64);
             let r = src.many(MANY_N, each).transport(transport).remote();
             let sum = rt.get(sink.update(&r, MANY_N, each).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
-            rdt::data::cuda::timeline("driver into end", i as u64);
+            rdt::data::trace::timeline("driver into end", i as u64);
             let into_took = t.elapsed();
             let t = Instant::now();
             let r = src.many(MANY_N, each).transport(transport).remote();
@@ -1048,9 +1048,7 @@ async fn main() -> rdt::Result<()> {
 /// workers (every step on one clock, on stderr); no rows.
 async fn timeline() -> rdt::Result<()> {
     // Before any worker starts: they inherit it.
-    if std::env::var_os("RDT_TIMELINE").is_none() {
-        std::env::set_var("RDT_TIMELINE", "1");
-    }
+    rdt_examples::record_timeline();
     let rt = Runtime::start().await?;
     let gpu = rdt::data::cuda::available().is_ok();
     let (src, sink) = if gpu {
@@ -1065,9 +1063,9 @@ async fn timeline() -> rdt::Result<()> {
         rt.get(src.ping(i).remote()).await?;
     }
     for i in 0..8 {
-        rdt::data::cuda::timeline("driver tiny call start", i);
+        rdt::data::trace::timeline("driver tiny call start", i);
         rt.get(src.ping(i).remote()).await?;
-        rdt::data::cuda::timeline("driver tiny call end", i);
+        rdt::data::trace::timeline("driver tiny call end", i);
     }
     // A kept 4 KiB tensor passed over `tcp` in a group (two-sided, as
     // `nccl`: a delivery and a send order per pass, settled by the call's
@@ -1085,16 +1083,16 @@ async fn timeline() -> rdt::Result<()> {
     for i in 0..warm + 20 {
         let timed = i >= warm;
         if timed {
-            rdt::data::cuda::timeline("driver pass start", 0);
+            rdt::data::trace::timeline("driver pass start", 0);
         }
         rt.get(src.ping(i).remote()).await?;
         if timed {
-            rdt::data::cuda::timeline("driver pass end", 0);
-            rdt::data::cuda::timeline("driver pass start", 4096);
+            rdt::data::trace::timeline("driver pass end", 0);
+            rdt::data::trace::timeline("driver pass start", 4096);
         }
         rt.get(sink.touch(&r).remote()).await?;
         if timed {
-            rdt::data::cuda::timeline("driver pass end", 4096);
+            rdt::data::trace::timeline("driver pass end", 4096);
         }
     }
     drop(r);
@@ -1102,19 +1100,19 @@ async fn timeline() -> rdt::Result<()> {
         for i in 0..208 {
             let timed = i >= 200;
             if timed {
-                rdt::data::cuda::timeline("driver hand-off start", i);
+                rdt::data::trace::timeline("driver hand-off start", i);
             }
             let r = src.cuda_tensor(4096).transport(Transport::CudaIpc).remote();
             rt.get(sink.touch_cuda(&r).remote()).await?;
             drop(r);
             if timed {
-                rdt::data::cuda::timeline("driver hand-off end", i);
+                rdt::data::trace::timeline("driver hand-off end", i);
             }
         }
     }
     // Every process prints its points every 20 ms.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    rdt::data::cuda::timeline_flush();
+    rdt::timeline::flush();
     rt.shutdown().await;
     Ok(())
 }

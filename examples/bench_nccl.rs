@@ -172,9 +172,9 @@ impl NcclSink {
 
     /// Waits until `t` is usable on this process's GPU.
     async fn touch(&mut self, t: Tensor) -> Result<usize, BenchError> {
-        rdt::data::cuda::timeline("touch start", 0);
+        rdt::data::trace::timeline("touch start", 0);
         t.cuda_ready().await?;
-        rdt::data::cuda::timeline("touch ready", 0);
+        rdt::data::trace::timeline("touch ready", 0);
         Ok(t.nbytes())
     }
 
@@ -421,9 +421,9 @@ async fn raw_side(
             // With RDT_TIMELINE: each side's group call and wait, to set
             // beside an rdt pass's (`--timeline`, `--small-passes`).
             let side = |what: [&'static str; 2]| what[rank.min(1)];
-            rdt::data::cuda::timeline(side(["raw send start", "raw recv start"]), i as u64);
+            rdt::data::trace::timeline(side(["raw send start", "raw recv start"]), i as u64);
             comm.group(&ops).await.map_err(cuda_err)?;
-            rdt::data::cuda::timeline(
+            rdt::data::trace::timeline(
                 side(["raw send group call", "raw recv group call"]),
                 i as u64,
             );
@@ -431,7 +431,7 @@ async fn raw_side(
             comm.wait_done(&done, Duration::from_secs(30))
                 .await
                 .map_err(cuda_err)?;
-            rdt::data::cuda::timeline(side(["raw send done", "raw recv done"]), i as u64);
+            rdt::data::trace::timeline(side(["raw send done", "raw recv done"]), i as u64);
             let t = us_since(t0);
             if first_us.is_nan() {
                 first_us = t;
@@ -445,7 +445,7 @@ async fn raw_side(
     comm.destroy(Duration::from_secs(30))
         .await
         .map_err(cuda_err)?;
-    rdt::data::cuda::timeline_flush();
+    rdt::timeline::flush();
     Ok((out, init_us, first_us))
 }
 
@@ -628,9 +628,9 @@ async fn main() -> Result<(), BenchError> {
         let mut us = Vec::new();
         for i in 0..iters + 3 {
             let t0 = Instant::now();
-            rdt::data::cuda::timeline("driver pass start", bytes as u64);
+            rdt::data::trace::timeline("driver pass start", bytes as u64);
             let n = rt.get(c.touch(&r).remote()).await?;
-            rdt::data::cuda::timeline("driver pass end", bytes as u64);
+            rdt::data::trace::timeline("driver pass end", bytes as u64);
             assert_eq!(n, bytes);
             if i >= 3 {
                 us.push(us_since(t0));
@@ -936,7 +936,7 @@ async fn overlap_only(quick: bool) -> Result<(), BenchError> {
 /// no rows.
 async fn timeline_passes() -> Result<(), BenchError> {
     // Before any worker starts: they inherit it.
-    std::env::set_var("RDT_TIMELINE", "1");
+    rdt_examples::record_timeline();
     // ANCHOR: nccl_group
     let rt = Runtime::start().await?;
     let p = rt.spawn::<NcclSource>(()).on_gpus([0]).await?;
@@ -947,23 +947,23 @@ async fn timeline_passes() -> Result<(), BenchError> {
     // Tiny calls to the consumer first, on the same timeline (id 0): the
     // budget a 4 KiB pass is held to, step by step.
     for i in 0..20u64 {
-        rdt::data::cuda::timeline("driver pass start", 0);
+        rdt::data::trace::timeline("driver pass start", 0);
         rt.get(c.ping(i).remote()).await?;
-        rdt::data::cuda::timeline("driver pass end", 0);
+        rdt::data::trace::timeline("driver pass end", 0);
     }
     for (bytes, passes) in [(4usize << 10, 20), (1 << 30, 6)] {
         rt.get(p.prepare(bytes).remote()).await?;
         let r = p.tensor(bytes).transport(Transport::Nccl).remote();
         rt.wait(&r).await?;
         for _ in 0..passes {
-            rdt::data::cuda::timeline("driver pass start", bytes as u64);
+            rdt::data::trace::timeline("driver pass start", bytes as u64);
             rt.get(c.touch(&r).remote()).await?;
-            rdt::data::cuda::timeline("driver pass end", bytes as u64);
+            rdt::data::trace::timeline("driver pass end", bytes as u64);
         }
     }
     // Every process prints its points every 20 ms.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    rdt::data::cuda::timeline_flush();
+    rdt::timeline::flush();
     Ok(())
 }
 

@@ -154,25 +154,25 @@ impl NixlSink {
 
     /// The tensors are usable here once the read returned.
     async fn touch(&mut self, t: Tensor) -> Result<usize, BenchError> {
-        rdt::data::cuda::timeline("touch start", 0);
+        rdt::data::trace::timeline("touch start", 0);
         t.cuda_ready().await?;
-        rdt::data::cuda::timeline("touch ready", 0);
+        rdt::data::trace::timeline("touch ready", 0);
         let n = t.nbytes();
         drop(t);
-        rdt::data::cuda::timeline("touch dropped", 0);
+        rdt::data::trace::timeline("touch dropped", 0);
         Ok(n)
     }
 
     /// All of them.
     async fn touch_all(&mut self, ts: Vec<Tensor>) -> Result<usize, BenchError> {
-        rdt::data::cuda::timeline("touch_all start", ts.len() as u64);
+        rdt::data::trace::timeline("touch_all start", ts.len() as u64);
         if let Some(t) = ts.last() {
             t.cuda_ready().await?;
         }
         let n = ts.iter().map(Tensor::nbytes).sum();
-        rdt::data::cuda::timeline("touch_all dropping", 0);
+        rdt::data::trace::timeline("touch_all dropping", 0);
         drop(ts);
-        rdt::data::cuda::timeline("touch_all dropped", 0);
+        rdt::data::trace::timeline("touch_all dropped", 0);
         Ok(n)
     }
 
@@ -752,11 +752,11 @@ where
 {
     let mut us = Vec::with_capacity(n + 3);
     for i in first..first + n as u64 + 3 {
-        rdt::data::cuda::timeline("driver pass start", i);
+        rdt::data::trace::timeline("driver pass start", i);
         let t0 = Instant::now();
         assert_eq!(pass().await?, 10_000 * 4096);
         us.push(us_since(t0));
-        rdt::data::cuda::timeline("driver pass end", i);
+        rdt::data::trace::timeline("driver pass end", i);
     }
     us.sort_by(f64::total_cmp);
     println!("{} {what}: median {:.1} us", us.len(), us[us.len() / 2]);
@@ -916,7 +916,7 @@ async fn main() -> Result<(), BenchError> {
 /// every pass on one clock); no rows.
 async fn timeline_passes(n: usize) -> Result<(), BenchError> {
     // Before any worker starts: they inherit it.
-    std::env::set_var("RDT_TIMELINE", "1");
+    rdt_examples::record_timeline();
     small_passes(n, 0).await
 }
 
@@ -924,7 +924,7 @@ async fn timeline_passes(n: usize) -> Result<(), BenchError> {
 /// (across GPUs where two are visible) with `RDT_TIMELINE` on everywhere;
 /// no rows, the median on stdout.
 async fn timeline_many(n: usize) -> Result<(), BenchError> {
-    std::env::set_var("RDT_TIMELINE", "1");
+    rdt_examples::record_timeline();
     let (rt, p, c) = producer_and_consumer().await?;
     rt.get(p.prepare_many(10_000, 4096).remote()).await?;
     let r = p.many().transport(Transport::Nixl).remote();
@@ -976,11 +976,11 @@ async fn small_passes(n: usize, spin_us: u64) -> Result<(), BenchError> {
     // the budget a pass is held to, step by step.
     let mut us = Vec::with_capacity(n);
     for i in 0..n as u64 + 3 {
-        rdt::data::cuda::timeline("driver pass start", 0);
+        rdt::data::trace::timeline("driver pass start", 0);
         let t0 = Instant::now();
         rt.get(c.ping(i).remote()).await?;
         us.push(us_since(t0));
-        rdt::data::cuda::timeline("driver pass end", 0);
+        rdt::data::trace::timeline("driver pass end", 0);
     }
     us.sort_by(f64::total_cmp);
     println!("{} tiny calls: median {:.1} us", us.len(), us[us.len() / 2]);
@@ -1010,11 +1010,11 @@ async fn small_passes(n: usize, spin_us: u64) -> Result<(), BenchError> {
             let s0 = rt.get(c.nixl_stats().remote()).await?;
             let mut us = Vec::with_capacity(n);
             for _ in 0..n {
-                rdt::data::cuda::timeline("driver pass start", bytes as u64);
+                rdt::data::trace::timeline("driver pass start", bytes as u64);
                 let t0 = Instant::now();
                 rt.get(c.touch(&r).remote()).await?;
                 us.push(us_since(t0));
-                rdt::data::cuda::timeline("driver pass end", bytes as u64);
+                rdt::data::trace::timeline("driver pass end", bytes as u64);
             }
             let s1 = rt.get(c.nixl_stats().remote()).await?;
             let reads = (s1.reads_posted - s0.reads_posted).max(1) as f64;
@@ -1142,5 +1142,5 @@ async fn producer_and_consumer() -> Result<(Runtime, NixlSourceHandle, NixlSinkH
 /// then prints the driver's.
 async fn flush_timelines() {
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    rdt::data::cuda::timeline_flush();
+    rdt::timeline::flush();
 }

@@ -207,3 +207,16 @@ impl From<serde_json::Error> for BenchError {
         BenchError::new(e)
     }
 }
+
+/// Records the timeline (`rdt::timeline`) in this process and in every
+/// worker started after this call (they inherit `RDT_TIMELINE`); the
+/// points go to standard error, merged by time with `sort -n -k2`.
+pub fn record_timeline() {
+    use tracing_subscriber::prelude::*;
+    if std::env::var_os("RDT_TIMELINE").is_none() {
+        std::env::set_var("RDT_TIMELINE", "1");
+    }
+    let _ = tracing_subscriber::registry()
+        .with(rdt::timeline::layer())
+        .try_init();
+}

@@ -12,6 +12,7 @@
 //! | `RDT_CONTROL_THREADS` | workers | threads of a worker's control runtime |
 //! | `RDT_STREAM_MIN` | both | the smallest blob streamed apart from its frame |
 //! | `RDT_HEAP_DEFAULTS`, `GLIBC_TUNABLES` | workers | leave glibc's heap settings as they are |
+//! | `RDT_TIMELINE` | workers | record the timeline (`rdt::timeline`) |
 
 /// Names of the environment variables a local worker is started with,
 /// and the two a worker started by hand reads.
@@ -111,6 +112,12 @@ pub(crate) fn stream_min() -> Option<String> {
 /// `RDT_HEAP_DEFAULTS=1`: leave glibc's heap settings alone.
 pub(crate) fn heap_defaults() -> bool {
     std::env::var_os("RDT_HEAP_DEFAULTS").is_some_and(|v| v == "1")
+}
+
+/// `RDT_TIMELINE`: whether a worker records the timeline (set, not empty,
+/// not `0`).
+pub(crate) fn timeline() -> bool {
+    get("RDT_TIMELINE").is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 /// `GLIBC_TUNABLES`, as written (empty when unset).

@@ -27,6 +27,7 @@ mod owner;
 mod protocol;
 mod refs;
 mod startup;
+pub mod timeline;
 mod transport;
 mod worker;
 

@@ -8,7 +8,6 @@
 //! | `XDG_CACHE_HOME`, `HOME` | `nixl::api` | where that folder is by default |
 //! | `UCX_MEM_EVENTS` | `nixl` | left as the user set it; rdt sets its own default only where it is unset |
 //! | `RDT_NIXL_READ_SPIN_US`, `RDT_HOT_WINDOW_US` | `hot` | tuning of the hot waits (see the book's Configuration page) |
-//! | `RDT_TIMELINE`, `RDT_CUDA_TRACE` | `trace` | diagnostics printed to stderr |
 //! | `CUDA_VISIBLE_DEVICES` | `cuda` | named in errors about devices |
 //! | `RDT_SHM_TEST_CHILD` | `shm` tests | a test's child process |
 
@@ -57,12 +56,6 @@ pub(crate) fn hot_tuning(name: &'static str) -> Option<String> {
         "RDT_HOT_WINDOW_US" | "RDT_NIXL_READ_SPIN_US"
     ));
     get(name)
-}
-
-/// Whether the diagnostic `name` (`RDT_TIMELINE`, `RDT_CUDA_TRACE`) is on:
-/// set, not empty and not `0`.
-pub(crate) fn diagnostic(name: &'static str) -> bool {
-    get(name).is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 /// `CUDA_VISIBLE_DEVICES`, for errors about devices.

@@ -33,7 +33,7 @@ mod shape;
 pub mod shm;
 pub mod tcp;
 mod tensor;
-mod trace;
+pub mod trace;
 pub mod transport;
 pub mod value;
 pub mod wire;

@@ -53,7 +53,7 @@ impl Inner {
         if let Some(s) = staged {
             self.send_call(&mut guard, s);
         }
-        rdt_transport::cuda::timeline("driver submitted", 0);
+        rdt_transport::trace::timeline("driver submitted", 0);
         drop(guard);
         // Releases the arguments' refs after `need` and `hold` counted
         // them (outside the lock: dropping a ref takes it).
@@ -89,7 +89,7 @@ impl Inner {
             error,
         } = msg;
         let call = self.next_id();
-        rdt_transport::cuda::timeline("driver submit", call);
+        rdt_transport::trace::timeline("driver submit", call);
         let mut arg_ids = Vec::new();
         let mut nested = Vec::new();
         for a in &wire_args {
@@ -119,7 +119,7 @@ impl Inner {
             };
             st.table.need(a, actor, Some(call), &st.actors, &groups);
         }
-        rdt_transport::cuda::timeline("driver arguments needed", call);
+        rdt_transport::trace::timeline("driver arguments needed", call);
         // OW-12: the callee drops these copies itself when the call ends
         // (no `Free` on the next call's path).
         let release: Vec<u64> = arg_ids
@@ -146,7 +146,7 @@ impl Inner {
             },
         );
         tracing::trace!(call, method = method_name, "submit");
-        rdt_transport::cuda::timeline("driver call pending", call);
+        rdt_transport::trace::timeline("driver call pending", call);
         Some(StagedCall {
             call,
             actor,
@@ -170,7 +170,7 @@ impl Inner {
             // After the call's frames are written, not before.
             protocol::notify_after_flush(reader);
         }
-        rdt_transport::cuda::timeline("driver call sending", call);
+        rdt_transport::trace::timeline("driver call sending", call);
         if let Err(e) = st.table.outbox.send(actor, &msg) {
             // Too large to send: the call fails, nothing waits. It
             // never reached its actor: its arguments' receives settle

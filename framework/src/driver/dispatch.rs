@@ -39,7 +39,7 @@ impl Inner {
                     return;
                 };
                 end_call(st, pc, result, resolved, &delivered, &released);
-                rdt_transport::cuda::timeline("driver call ended", call);
+                rdt_transport::trace::timeline("driver call ended", call);
                 self.sync_transfers(st);
             }
             ToDriver::Received {
@@ -239,7 +239,7 @@ pub(super) fn handle_from_worker(inner: &Inner, worker: u64, msg: ToDriver) {
         }
         _ => ("driver got message", "driver handled message", 0),
     };
-    rdt_transport::cuda::timeline(got, id);
+    rdt_transport::trace::timeline(got, id);
     inner.on_message(worker, msg);
-    rdt_transport::cuda::timeline(handled, id);
+    rdt_transport::trace::timeline(handled, id);
 }

@@ -420,7 +420,7 @@ impl Inner {
         // away. Hot (rdt_transport::hot): a value that arrives within the
         // window is seen at once, not after this thread is woken.
         let settled = hot(rx).await.map_err(|_| Error::Shutdown)?;
-        rdt_transport::cuda::timeline("driver getter woke", id);
+        rdt_transport::trace::timeline("driver getter woke", id);
         settled
     }
 }

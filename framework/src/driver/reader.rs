@@ -28,10 +28,10 @@ pub(super) async fn read_worker(
             loop {
                 let busy = rt.upgrade().is_some_and(|i| i.lock().calls.any_for(worker));
                 if busy {
-                    rdt_transport::cuda::timeline("driver reader hot", worker);
+                    rdt_transport::trace::timeline("driver reader hot", worker);
                     return hot(rx.recv::<ToDriver>()).await;
                 }
-                rdt_transport::cuda::timeline("driver reader asleep", worker);
+                rdt_transport::trace::timeline("driver reader asleep", worker);
                 tokio::select! {
                     m = rx.recv::<ToDriver>() => return m,
                     _ = wake.notified() => continue,

@@ -86,12 +86,12 @@ impl Drop for StateGuard<'_> {
         if let Some(st) = self.guard.as_deref_mut() {
             write_outbox(&mut st.table.outbox, &st.conns);
         }
-        rdt_transport::cuda::timeline("driver unlocking", woken.len() as u64);
+        rdt_transport::trace::timeline("driver unlocking", woken.len() as u64);
         drop(self.guard.take());
-        rdt_transport::cuda::timeline("driver unlocked", 0);
+        rdt_transport::trace::timeline("driver unlocked", 0);
         wake(woken);
         drop(freed_held);
-        rdt_transport::cuda::timeline("driver getters woken", 0);
+        rdt_transport::trace::timeline("driver getters woken", 0);
         protocol::flush_deferred();
     }
 }

@@ -57,7 +57,7 @@ impl OwnerTable {
             if ahead {
                 break;
             }
-            rdt_transport::cuda::timeline("driver held send released", h.xfer);
+            rdt_transport::trace::timeline("driver held send released", h.xfer);
             release_held(&mut self.outbox, h, consumer, t.object);
             queue.pop_front();
         }
@@ -192,7 +192,7 @@ impl OwnerTable {
         if self.outbox.send(producer, &order).is_err() {
             return false;
         }
-        rdt_transport::cuda::timeline("driver ordered straight delivery", xfer);
+        rdt_transport::trace::timeline("driver ordered straight delivery", xfer);
         e.copies.insert(consumer, Copy::Receiving(xfer));
         e.straight.push((consumer, xfer));
         self.straight_orders += 1;
@@ -320,7 +320,7 @@ impl OwnerTable {
                 if self.transfers.contains_key(&xfer) {
                     self.started.push(xfer);
                 }
-                rdt_transport::cuda::timeline("driver transfer noted", xfer);
+                rdt_transport::trace::timeline("driver transfer noted", xfer);
             }
         }
         let e = self.objects.get_mut(&id).expect("looked up above");
@@ -438,7 +438,7 @@ pub(super) fn start_direct(
     // allocates before it posts), and each end is written in the order
     // its connection was first used under the lock. Frames on different
     // connections have no order to keep.
-    rdt_transport::cuda::timeline("driver deliver", xfer);
+    rdt_transport::trace::timeline("driver deliver", xfer);
     let msg = ToWorker::Deliver {
         object: id,
         value: Ok(Delivery {
@@ -475,7 +475,7 @@ pub(super) fn start_direct(
         Some((p, order)) if behind => *held = Some((p, msg, order)),
         order => {
             let sent = out.send(consumer, &msg);
-            rdt_transport::cuda::timeline("driver deliver queued", xfer);
+            rdt_transport::trace::timeline("driver deliver queued", xfer);
             if let Err(err) = sent {
                 out.deliver_error(consumer, id, err); // OW-6
                 return None;

@@ -82,7 +82,7 @@ impl OwnerTable {
                 }
             }
         }
-        rdt_transport::cuda::timeline("driver call result stored", result);
+        rdt_transport::trace::timeline("driver call result stored", result);
         // XF-5: a call that got past argument resolution received every
         // argument; its receives are settled now, without waiting for their
         // acknowledgements (which follow on the same connection). The
@@ -101,7 +101,7 @@ impl OwnerTable {
                 }
             }
         }
-        rdt_transport::cuda::timeline("driver call receives settled", result);
+        rdt_transport::trace::timeline("driver call receives settled", result);
         // OW-12: those copies are gone from the consumer's store already.
         let released: Vec<u64> = if resolved {
             released
@@ -124,7 +124,7 @@ impl OwnerTable {
             self.released_by_callees += u64::from(copy.is_some());
         }
         self.unneed(args, consumer);
-        rdt_transport::cuda::timeline("driver call arguments released", result);
+        rdt_transport::trace::timeline("driver call arguments released", result);
         // A call submitted since still needs a released copy: it goes again.
         for &a in &released {
             let again = self.objects.get(&a).is_some_and(|e| {

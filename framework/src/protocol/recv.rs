@@ -209,7 +209,7 @@ impl<R: AsyncRead + Unpin> Receiver<R> {
             .await
             .map_err(|e| Error::Io(e.to_string()))?;
         self.read_bytes += n as u64;
-        rdt_transport::cuda::timeline("socket read", n as u64);
+        rdt_transport::trace::timeline("socket read", n as u64);
         Ok(n > 0)
     }
 

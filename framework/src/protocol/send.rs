@@ -330,7 +330,7 @@ impl Sender {
     /// of leaving the other end waiting.
     pub fn send<T: Serialize>(&self, msg: &T) -> Result<()> {
         let frame = encode(msg)?;
-        rdt_transport::cuda::timeline("frame encoded", frame.len() as u64);
+        rdt_transport::trace::timeline("frame encoded", frame.len() as u64);
         self.send_frame(frame)
     }
 
@@ -480,7 +480,7 @@ pub fn flush_deferred() {
     let Some(list) = DEFERRED.with(|d| d.borrow_mut().take()) else {
         return;
     };
-    rdt_transport::cuda::timeline("flush deferred", list.len() as u64);
+    rdt_transport::trace::timeline("flush deferred", list.len() as u64);
     for s in list {
         s.flush();
     }
@@ -494,7 +494,7 @@ impl Sender {
     /// task is woken for the rest.
     fn flush(&self) {
         let q = self.inner.queue.lock();
-        rdt_transport::cuda::timeline("flush queue locked", q.chunks.len() as u64);
+        rdt_transport::trace::timeline("flush queue locked", q.chunks.len() as u64);
         if q.closed || q.chunks.is_empty() {
             return;
         }
@@ -529,9 +529,9 @@ impl Sender {
     /// inline `send` and `flush`.
     fn write_queued(&self, mut q: parking_lot::MutexGuard<'_, WriteQueue>) {
         q.held = false;
-        rdt_transport::cuda::timeline("socket write", q.chunks.len() as u64);
+        rdt_transport::trace::timeline("socket write", q.chunks.len() as u64);
         let written = write_ready(&self.inner, &mut q.chunks);
-        rdt_transport::cuda::timeline("socket written", q.chunks.len() as u64);
+        rdt_transport::trace::timeline("socket written", q.chunks.len() as u64);
         match written {
             Ok(_) => {}
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}

@@ -61,7 +61,7 @@ impl WorkerShared {
                 futures::future::Either::Left((slot, _)) => return slot,
                 futures::future::Either::Right((Ok(list), _)) => {
                     list.premake();
-                    rdt_transport::cuda::timeline("views made on the reader's thread", id);
+                    rdt_transport::trace::timeline("views made on the reader's thread", id);
                 }
                 // The receive ended without offering it.
                 futures::future::Either::Right((Err(_), _)) => {}

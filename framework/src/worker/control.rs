@@ -26,7 +26,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                     after_frames_in_hand.len() as u64,
                     std::sync::atomic::Ordering::Relaxed,
                 );
-                rdt_transport::cuda::timeline("frames in hand handled", 0);
+                rdt_transport::trace::timeline("frames in hand handled", 0);
                 for job in after_frames_in_hand.drain(..) {
                     run_now_or_spawn(job);
                 }
@@ -71,7 +71,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                 // The actor replies itself, from its own thread (no hop back
                 // here); a full or closed mailbox fails the call at once.
                 let result = call.result;
-                rdt_transport::cuda::timeline("call received", call.call);
+                rdt_transport::trace::timeline("call received", call.call);
                 // WK-13: counted before the hand-off, so that a call
                 // ending meanwhile keeps the copies this one takes.
                 shared.uses_begin(call.ref_args());
@@ -85,11 +85,11 @@ pub(super) async fn control_loop<A: RdtActor>(
                 // after a call (no wake-up to pay here, before a READ
                 // the call waits for), else through its mailbox.
                 host::hand_over(&shared, &addr, call);
-                rdt_transport::cuda::timeline("call handed over", result);
+                rdt_transport::trace::timeline("call handed over", result);
             }
             ToWorker::Deliver { object, value } => {
                 if let Ok(d) = &value {
-                    rdt_transport::cuda::timeline("deliver received", d.xfer);
+                    rdt_transport::trace::timeline("deliver received", d.xfer);
                 }
                 if let Some(job) = on_deliver(&shared, object, value) {
                     after_frames_in_hand.push(job);
@@ -102,7 +102,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                 to,
                 group,
             } => {
-                rdt_transport::cuda::timeline("send order received", xfer);
+                rdt_transport::trace::timeline("send order received", xfer);
                 on_send(&shared, object, xfer, to, group)
             }
             ToWorker::PrepareGroup { backend, spec } => on_prepare_group(&shared, backend, spec),
@@ -161,7 +161,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                 }
             }
             ToWorker::Free { object } => {
-                rdt_transport::cuda::timeline("free start", object);
+                rdt_transport::trace::timeline("free start", object);
                 if let Some(freed) = shared.receiving.lock().get_mut(&object) {
                     // Tombstone (WK-3): the receive in flight drops its data.
                     *freed = true;
@@ -178,7 +178,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                     }
                     shared.drop_freed(v);
                 }
-                rdt_transport::cuda::timeline("free done", object);
+                rdt_transport::trace::timeline("free done", object);
             }
             ToWorker::Fetch { object, req } => {
                 // Captured here, in order (a later Free cannot overtake it);

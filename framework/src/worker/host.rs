@@ -180,7 +180,7 @@ impl<A: RdtActor> Host<A> {
             exclusive,
         )
         .instrument(span);
-        rdt_transport::cuda::timeline("call spawning", 0);
+        rdt_transport::trace::timeline("call spawning", 0);
         ctx.spawn(run.into_actor(self).map(move |(), this, ctx| {
             this.running.total -= 1;
             this.running.per_group[group] -= 1;
@@ -205,7 +205,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
     type Result = ();
 
     fn handle(&mut self, Invoke(msg): Invoke, ctx: &mut Self::Context) {
-        rdt_transport::cuda::timeline("call on the actor's thread", msg.call);
+        rdt_transport::trace::timeline("call on the actor's thread", msg.call);
         let seq = self.next_seq;
         self.next_seq += 1;
         let info = A::__method_info(msg.method).unwrap_or(MethodInfo {
@@ -224,7 +224,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
         // Fast path: every argument is here (inline, or in the store).
         let mut resolving = resolve(self.shared.clone(), msg.args).boxed_local();
         let args = (&mut resolving).now_or_never();
-        rdt_transport::cuda::timeline("call arguments asked", msg.call);
+        rdt_transport::trace::timeline("call arguments asked", msg.call);
         let waited = args.is_none();
         self.queue.push_back(Queued {
             seq,
@@ -237,7 +237,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
             // HO-1: awaited off the queue; the call takes its turn once
             // every argument is here.
             ctx.spawn(resolving.into_actor(self).map(move |args, this, ctx| {
-                rdt_transport::cuda::timeline("call arguments here", seq);
+                rdt_transport::trace::timeline("call arguments here", seq);
                 if let Some(q) = this.queue.iter_mut().find(|q| q.seq == seq) {
                     q.args = Some(args);
                 }
@@ -267,7 +267,7 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
                 // scheduler wake-up on the call's critical path.
                 match hot(shared.arrival(id)).await {
                     Slot::Ready(v) => {
-                        rdt_transport::cuda::timeline("argument resolved", id);
+                        rdt_transport::trace::timeline("argument resolved", id);
                         values.push((v.data, v.tensors))
                     }
                     Slot::Failed(e) => return Err(Error::dependency(id, e)),
@@ -292,10 +292,10 @@ async fn run_and_reply<A: RdtActor>(
     let refs = std::mem::take(&mut q.msg.refs);
     let release = std::mem::take(&mut q.msg.release);
     let t0 = std::time::Instant::now();
-    rdt_transport::cuda::timeline("call running", call);
+    rdt_transport::trace::timeline("call running", call);
     // Invariant 6 of the worker: the frees before this call took effect.
     shared.drops.settled().await;
-    rdt_transport::cuda::timeline("call start", call);
+    rdt_transport::trace::timeline("call start", call);
     // CL-2: the refs in the return value, released after the reply.
     let held = Rc::new(RefCell::new(Vec::new()));
     let (result, resolved) = match q.args.expect("only calls with their arguments start") {
@@ -306,13 +306,13 @@ async fn run_and_reply<A: RdtActor>(
         }
         Err(e) => (Err(e), false),
     };
-    rdt_transport::cuda::timeline("call done", call);
+    rdt_transport::trace::timeline("call done", call);
     // WK-13: out of the store before the `CallDone` that names them (a
     // delivery the driver sends again after reading it must find the
     // slot free); dropped after it.
     let released = shared.uses_end(&refs, if resolved { &release } else { &[] });
     let released_ids: Vec<u64> = released.iter().map(|(id, _)| *id).collect();
-    rdt_transport::cuda::timeline("call uses ended", call);
+    rdt_transport::trace::timeline("call uses ended", call);
     // HO-6: it ran (a call of this actor to itself, or any other).
     shared.self_calls.lock().remove(&result_id);
     let sent = std::time::Instant::now();
@@ -329,7 +329,7 @@ async fn run_and_reply<A: RdtActor>(
     if !delivered.is_empty() {
         fail::fail_point!("rdt::reply_after_straight");
     }
-    rdt_transport::cuda::timeline("call reply ready", call);
+    rdt_transport::trace::timeline("call reply ready", call);
     // Tests hold any reply back (past a transfer deadline, say).
     #[cfg(feature = "failpoints")]
     fail::fail_point!("rdt::call_done");
@@ -351,7 +351,7 @@ async fn run_and_reply<A: RdtActor>(
     }
     drop(held);
     shared.drop_released(released);
-    rdt_transport::cuda::timeline("call done sent", sent.elapsed().as_micros() as u64);
+    rdt_transport::trace::timeline("call done sent", sent.elapsed().as_micros() as u64);
     // Keep this thread awake for the hot window, or until the next call
     // arrives: a call that finds it asleep pays the wake-up, and one that
     // finds it listening costs the control loop no wake-up at all
@@ -409,7 +409,7 @@ async fn run_call<A: RdtActor>(
         let a = actor.borrow();
         dispatch(A::__dispatch_shared(&a, msg.method, call_args), false).await
     };
-    rdt_transport::cuda::timeline("method returned", msg.call);
+    rdt_transport::trace::timeline("method returned", msg.call);
     // A panic is the call's result once its landings are waited for, as
     // any other (XF-5: its `CallDone` settles their receives).
     let payload = ran.unwrap_or_else(|p| {
@@ -469,7 +469,7 @@ async fn run_call<A: RdtActor>(
         }
     }
     let exported = inst.export(msg.result, &payload.tensors).await?;
-    rdt_transport::cuda::timeline("exported", msg.call);
+    rdt_transport::trace::timeline("exported", msg.call);
     if inst.sidedness() != Sidedness::ThroughDriver {
         shared.store.insert(
             msg.result,

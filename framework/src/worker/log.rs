@@ -1,7 +1,8 @@
 //! The worker's subscriber: installed at boot with the default (the
 //! worker's `RUST_LOG`, else `warn`, to standard error), then reloaded with
 //! the spawn order's [`WorkerLog`]. Every line starts with the actor's
-//! name, whichever thread wrote it.
+//! name, whichever thread wrote it. With `RDT_TIMELINE` set, the
+//! timeline layer records beside it (`rdt::timeline`).
 
 use std::fs::OpenOptions;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -9,19 +10,18 @@ use std::sync::{Arc, Mutex, OnceLock};
 use tracing::{Event, Subscriber};
 use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
 use tracing_subscriber::fmt::FmtContext;
-use tracing_subscriber::layer::{Layer, Layered, SubscriberExt};
+use tracing_subscriber::layer::{Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{fmt, reload, EnvFilter, Registry};
 
 use crate::log::WorkerLog;
 
-type Filtered = Layered<reload::Layer<EnvFilter, Registry>, Registry>;
-type Output = Box<dyn Layer<Filtered> + Send + Sync>;
+type Output = Box<dyn Layer<Registry> + Send + Sync>;
 
 struct Handles {
     filter: reload::Handle<EnvFilter, Registry>,
-    output: reload::Handle<Output, Filtered>,
+    output: reload::Handle<Output, Registry>,
 }
 
 static HANDLES: OnceLock<Handles> = OnceLock::new();
@@ -33,9 +33,11 @@ pub(super) fn install(name: &str) {
     let default = WorkerLog::default();
     let (filter, filter_handle) = reload::Layer::new(filter_of(&default, name));
     let (output, output_handle) = reload::Layer::new(output_of(&default, name.into()));
+    // The filter is the output's own, so that the timeline (`RDT_TIMELINE`)
+    // sees its events whatever the log's level.
     let installed = tracing_subscriber::registry()
-        .with(filter)
-        .with(output)
+        .with(output.with_filter(filter))
+        .with(crate::env::timeline().then(crate::timeline::layer))
         .try_init()
         .is_ok();
     if installed {

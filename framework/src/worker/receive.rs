@@ -79,12 +79,12 @@ pub(super) fn on_deliver(
         }
         return None;
     }
-    rdt_transport::cuda::timeline("deliver transport found", xfer);
+    rdt_transport::trace::timeline("deliver transport found", xfer);
     // WK-4: the receive runs until done, failed or aborted by the driver;
     // its end is acknowledged exactly once (XF-5).
     let abort = shared.register_transfer(xfer);
     shared.receiving.lock().insert(object, false);
-    rdt_transport::cuda::timeline("deliver transfer registered", xfer);
+    rdt_transport::trace::timeline("deliver transfer registered", xfer);
     let worker = shared.clone();
     let from = d.from.take().unwrap_or_else(|| Peer {
         actor: 0,
@@ -114,10 +114,10 @@ pub(super) fn on_deliver(
             .get()
             .map_or(ReceiveStart::Task, |e| transport.1.receive_start(e)),
     };
-    rdt_transport::cuda::timeline("deliver start chosen", xfer);
+    rdt_transport::trace::timeline("deliver start chosen", xfer);
     let job = Box::pin(
         async move {
-            rdt_transport::cuda::timeline("receive job start", xfer);
+            rdt_transport::trace::timeline("receive job start", xfer);
             let t0 = std::time::Instant::now();
             let shared = worker;
             // The receive and the acknowledgement are boxed on their own:
@@ -132,9 +132,9 @@ pub(super) fn on_deliver(
                 #[cfg(feature = "failpoints")]
                 fail::fail_point!("rdt::receive");
                 d.value.exported.head_arrived().await?;
-                rdt_transport::cuda::timeline("receive head here", xfer);
+                rdt_transport::trace::timeline("receive head here", xfer);
                 let exported = d.value.exported.get()?;
-                rdt_transport::cuda::timeline("receive exported decoded", xfer);
+                rdt_transport::trace::timeline("receive exported decoded", xfer);
                 // Targets are ordered by the value's bytes (TG-1), which
                 // may still be arriving: they come before the receive
                 // writes into anything.
@@ -164,13 +164,13 @@ pub(super) fn on_deliver(
                     layout: d.value.exported.layout(),
                     first_reader: Some(shared.first_reader(object)),
                 };
-                rdt_transport::cuda::timeline("receive target chosen", xfer);
+                rdt_transport::trace::timeline("receive target chosen", xfer);
                 let tensors = transport
                     .1
                     .receive_list(&from, &cx, exported)
                     .await
                     .map_err(Error::from)?;
-                rdt_transport::cuda::timeline("receive returned", xfer);
+                rdt_transport::trace::timeline("receive returned", xfer);
                 // The non-tensor part, large enough to stream, may still
                 // be arriving.
                 let data = d.value.data.arrived().await.map_err(|e| {
@@ -182,7 +182,7 @@ pub(super) fn on_deliver(
                 Ok::<_, Error>((data, tensors))
             });
             let received = until_aborted(&shared, xfer, abort, receive).await;
-            rdt_transport::cuda::timeline("receive ended", xfer);
+            rdt_transport::trace::timeline("receive ended", xfer);
             let (data, received) = match received {
                 Ok((data, tensors)) => (data, Ok(tensors)),
                 Err(e) => (Bytes::new(), Err(e)),
@@ -208,7 +208,7 @@ pub(super) fn on_deliver(
             if let Some(l) = &landing {
                 shared.landing.lock().insert(object, l.clone());
             }
-            rdt_transport::cuda::timeline("receive landing noted", xfer);
+            rdt_transport::trace::timeline("receive landing noted", xfer);
             {
                 // Held across the store insert: a `Free` either finds the
                 // receive and leaves a tombstone, or finds the value stored.
@@ -230,7 +230,7 @@ pub(super) fn on_deliver(
                 if !freed && !cancelled {
                     shared.store.insert(object, slot);
                 }
-                rdt_transport::cuda::timeline("receive stored", xfer);
+                rdt_transport::trace::timeline("receive stored", xfer);
             }
             // The acknowledgement comes after the value is stored, off the
             // path of the call waiting for it; a call that ran with it
@@ -320,7 +320,7 @@ pub(super) fn on_deliver(
         }
         .instrument(span),
     );
-    rdt_transport::cuda::timeline("deliver job made", xfer);
+    rdt_transport::trace::timeline("deliver job made", xfer);
     match start {
         ReceiveStart::Now => run_now_or_spawn(job),
         ReceiveStart::AfterFramesInHand => return Some(job),
@@ -467,7 +467,7 @@ pub(super) fn run_transfer(
         tokio::spawn(job);
         return;
     };
-    rdt_transport::cuda::timeline("transfer job queued", xfer);
+    rdt_transport::trace::timeline("transfer job queued", xfer);
     if let Err((why, job)) = queue_in_group(shared, g.id, job) {
         // The job runs at once and meets its abort: a receive is
         // acknowledged as failed, a send reported, by the usual paths.

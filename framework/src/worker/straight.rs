@@ -354,7 +354,7 @@ pub(super) fn deliver_result(
         }
         match link.send(&msg) {
             Ok(()) => {
-                rdt_transport::cuda::timeline("straight delivery sent", o.xfer);
+                rdt_transport::trace::timeline("straight delivery sent", o.xfer);
                 delivered.push(o.xfer);
             }
             Err(e) => tracing::debug!(
@@ -426,7 +426,7 @@ async fn serve_link(mut s: UnixStream, shared: Arc<WorkerShared>) {
         match hot(rx.recv::<ToWorker>()).await {
             Ok(Some(ToWorker::Deliver { object, value })) => {
                 if let Ok(d) = &value {
-                    rdt_transport::cuda::timeline("straight delivery received", d.xfer);
+                    rdt_transport::trace::timeline("straight delivery received", d.xfer);
                     if shared.straight.given_up.lock().remove(d.xfer) {
                         // PD-5: the call already failed with the abort.
                         tracing::debug!(xfer = d.xfer, object, "late straight delivery dropped");

@@ -103,14 +103,12 @@ mod memory;
 pub mod ops;
 pub mod ordered_drop;
 
+pub(crate) use crate::trace::cuda_trace;
 pub use driver::{available, device_count, CudaError};
 pub use events::{events_created, Completion, FreeMarks, StreamEvent, SPIN_BEFORE_BLOCKING};
 pub(crate) use events::{Event, IpcEvent};
 pub use gpu::{gpu, gpu_by_uuid, has_context, idle_known_count, ordinal_of, Gpu};
 pub use memory::{pin_host, unpin_host, DeviceBuffer};
-// The timeline and the CUDA trace, at their old paths.
-pub(crate) use crate::trace::cuda_trace;
-pub use crate::trace::{monotonic_us, timeline, timeline_enabled, timeline_flush, tracing_enabled};
 
 #[cfg(test)]
 mod tests;

@@ -300,7 +300,7 @@ impl TensorTransport for NcclTransport {
         tensors: &'a [Tensor],
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
-            cuda::timeline("nccl send start", cx.xfer);
+            crate::trace::timeline("nccl send start", cx.xfer);
             let (comm, peer) = self.comm(cx, to)?;
             let send = |ptr, len| P2p::Send { peer, ptr, len };
             // The tensors' producers ran on rdt's stream (device_range took
@@ -320,7 +320,7 @@ impl TensorTransport for NcclTransport {
         exported: &'a Exported,
     ) -> BoxFuture<'a, Result<Vec<Tensor>, TransportError>> {
         Box::pin(async move {
-            cuda::timeline("nccl receive start", cx.xfer);
+            crate::trace::timeline("nccl receive start", cx.xfer);
             let (comm, peer) = self.comm(cx, from)?;
             let gpu = comm.gpu().clone();
             for (i, m) in exported.metas.iter().enumerate() {
@@ -364,7 +364,7 @@ impl TensorTransport for NcclTransport {
                     (ts, clean)
                 }
             };
-            cuda::timeline("nccl receive allocated", cx.xfer);
+            crate::trace::timeline("nccl receive allocated", cx.xfer);
             let recv = |ptr, len| P2p::Recv { peer, ptr, len };
             let done = enqueue(&comm, from, &tensors, recv, !clean, RECEIVE, cx.xfer).await?;
             RECEIVES.fetch_add(1, Ordering::Relaxed);
@@ -435,13 +435,13 @@ async fn enqueue(
         // SAFETY: the communicator's stream lives in this GPU's context.
         unsafe { gpu.order_stream_after_rdt(comm.raw_stream()) }.map_err(err)?;
     }
-    cuda::timeline(side.0[0], xfer);
+    crate::trace::timeline(side.0[0], xfer);
     comm.group(&ops)
         .await
         .map_err(|e| TransportError::with_peer(NAME, peer, e.0))?;
-    cuda::timeline(side.0[1], xfer);
+    crate::trace::timeline(side.0[1], xfer);
     let done = comm.record_done().map_err(err)?;
-    cuda::timeline(side.0[2], xfer);
+    crate::trace::timeline(side.0[2], xfer);
     Ok(done)
 }
 
@@ -462,7 +462,7 @@ fn keep_until_done(
             .wait_done(&done, LANDING_SPIN.max(crate::hot::window()))
             .await
             .map_err(|e| TransportError::with_peer(NAME, &peer, e.0));
-        cuda::timeline(side.0[3], xfer);
+        crate::trace::timeline(side.0[3], xfer);
         drop(kept);
         let _ = tx.send(r);
     });

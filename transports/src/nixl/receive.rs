@@ -10,7 +10,7 @@ impl NixlTransport {
         exported: &Exported,
     ) -> Result<TensorList, TransportError> {
         let err = |m: String| TransportError::with_peer(NAME, from, m);
-        crate::cuda::timeline("nixl receive start", cx.xfer);
+        crate::trace::timeline("nixl receive start", cx.xfer);
         let agent = self.agent()?;
         // Into fresh memory: through the layout's plan, made once (NX-7).
         // Into the caller's tensors: through the plan of the same layout
@@ -54,7 +54,7 @@ impl NixlTransport {
             ))
         };
         self.load_remote(&agent, h).map_err(|e| reading(e.0))?;
-        crate::cuda::timeline("nixl remote loaded", cx.xfer);
+        crate::trace::timeline("nixl remote loaded", cx.xfer);
         let Destination {
             out,
             lists,
@@ -75,7 +75,7 @@ impl NixlTransport {
         if let Into::Fresh(plan) = &into {
             self.want_ready(plan);
         }
-        crate::cuda::timeline("nixl destinations ready", cx.xfer);
+        crate::trace::timeline("nixl destinations ready", cx.xfer);
         // The tensors of a large object are made while the bytes move
         // (`TensorList::premake`). A thread waiting to use them (WK-8)
         // gets the list now, before the post (tens of µs for a large READ
@@ -84,7 +84,7 @@ impl NixlTransport {
         let offered = out.is_lazy() && cx.first_reader.as_ref().is_some_and(|r| r.offer(&out));
         if offered {
             bump(&COUNTERS.lists_made_by_reader, 1);
-            crate::cuda::timeline("nixl views offered", cx.xfer);
+            crate::trace::timeline("nixl views offered", cx.xfer);
         }
         // NX-9: UCX writes device memory on streams of its own. Work still
         // queued on rdt's stream may read what the READ overwrites: the
@@ -129,7 +129,7 @@ impl NixlTransport {
                 let _ = g.bind();
             }
         }
-        crate::cuda::timeline("nixl bound", cx.xfer);
+        crate::trace::timeline("nixl bound", cx.xfer);
         let started = std::time::Instant::now();
         let mut posted = Posted {
             agent: &agent,
@@ -149,13 +149,13 @@ impl NixlTransport {
             bump(&COUNTERS.descriptors_posted, n);
             posted.reqs.push((req, done));
         }
-        crate::cuda::timeline("nixl posted", cx.xfer);
+        crate::trace::timeline("nixl posted", cx.xfer);
         // The READ moves the bytes without this thread: it makes the
         // tensors meanwhile if no reader took them.
         if out.is_lazy() && !offered {
             out.premake();
             bump(&COUNTERS.lists_premade, 1);
-            crate::cuda::timeline("nixl views premade", cx.xfer);
+            crate::trace::timeline("nixl views premade", cx.xfer);
         }
         // Small reads end within microseconds of their post: ask for them
         // here, within the hot window (yielding to the executor between
@@ -191,13 +191,13 @@ impl NixlTransport {
             }
         }
         bump(&COUNTERS.read_nanos, started.elapsed().as_nanos() as u64);
-        crate::cuda::timeline("nixl read done", cx.xfer);
+        crate::trace::timeline("nixl read done", cx.xfer);
         // The producer hears that the read ended (its `reads_served`),
         // later and in one message per producer (PL-3): a notice sent now
         // would go out inside this process's next read. Release does not
         // wait for it (NX-5): a lost notice loses a count, nothing else.
         poller.notice(&h.agent);
-        crate::cuda::timeline("nixl notice queued", cx.xfer);
+        crate::trace::timeline("nixl notice queued", cx.xfer);
         Ok(out)
     }
 

@@ -534,14 +534,14 @@ impl NixlTransport {
             }
             // The id is the lane's address: whether destinations repeat
             // (their READ requests are kept per address) shows here.
-            crate::cuda::timeline(
+            crate::trace::timeline(
                 "nixl lane allocated",
                 crate::cuda::DeviceBuffer::device_ptr(&r),
             );
             let reg = self
                 .slab_registration(agent, &r.slab)
                 .map_err(|e| err(e.0))?;
-            crate::cuda::timeline("nixl lane registration found", 0);
+            crate::trace::timeline("nixl lane registration found", 0);
             let range = Arc::new(r);
             let range_len = crate::cuda::DeviceBuffer::len(&*range);
             let whole = Tensor::from_device_buffer(
@@ -562,7 +562,7 @@ impl NixlTransport {
             keep.push(Kept::Slab(reg));
             keep.push(Kept::Range(range));
         }
-        crate::cuda::timeline("nixl lanes ready", 0);
+        crate::trace::timeline("nixl lanes ready", 0);
         let host = if plan.host_len == 0 {
             None
         } else {
@@ -589,7 +589,7 @@ impl NixlTransport {
             lanes: lanes.into_iter().map(|l| l.whole).collect(),
             host: host.map(|(_, whole)| whole),
         };
-        crate::cuda::timeline("nixl lanes and host ready", 0);
+        crate::trace::timeline("nixl lanes and host ready", 0);
         let out = if plan.at.len() >= PLAN_MIN_TENSORS {
             TensorList::lazy(Arc::new(views))
         } else {
@@ -599,7 +599,7 @@ impl NixlTransport {
                     .collect::<Vec<_>>(),
             )
         };
-        crate::cuda::timeline("nixl views made", 0);
+        crate::trace::timeline("nixl views made", 0);
         let lists = plan
             .lists
             .iter()
@@ -683,7 +683,7 @@ impl NixlTransport {
                 continue;
             };
             bump(&COUNTERS.dests_made_ahead, 1);
-            crate::cuda::timeline("nixl destination made ahead", 0);
+            crate::trace::timeline("nixl destination made ahead", 0);
             let made = ReadyDest::new(plan, dest);
             let mut ready = self.ready.lock();
             if ready.iter().any(|r| Arc::ptr_eq(&r.plan, &made.plan)) {
