@@ -15,25 +15,7 @@ impl Runtime {
         &self,
         r: impl Borrow<ObjectRef<T>>,
     ) -> Result<T> {
-        let r = r.borrow();
-        let wv = self.inner.wait_value(r.id).await?;
-        // A value through the driver may still be arriving (cut-through).
-        wv.arrived().await?;
-        match wv.transport.sidedness() {
-            rdt_transport::Sidedness::ThroughDriver => decode_wire(&self.inner, &wv, r.id),
-            rdt_transport::Sidedness::TwoSided => Err(Error::CollectiveGet {
-                object: r.id,
-                transport: wv.transport.to_string(),
-            }),
-            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
-                // NIXL: read straight into this process, no worker involved.
-                Some(inst) => {
-                    let tensors = self.get_direct(r.id, &wv, inst, Target::Any, None).await?;
-                    decode_in_driver(&self.inner, &wv, r.id, &tensors)
-                }
-                None => self.get_via_object_store(r).await,
-            },
-        }
+        crate::refs::api::get(self, r).await
     }
 
     /// Like [`Runtime::get`], with the object's tensors received into
@@ -66,15 +48,7 @@ impl Runtime {
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<crate::Targets>,
     ) -> Result<T> {
-        let r = r.borrow();
-        let targets: crate::Targets = targets.into();
-        let (wv, tensors, copied) = self.land_in::<T>(r.id, &targets).await?;
-        decode_in_driver(
-            &self.inner,
-            &wv,
-            r.id,
-            copied.as_deref().unwrap_or(&tensors),
-        )
+        crate::refs::api::get_into(self, r, targets).await
     }
 
     /// [`get_into`](Runtime::get_into) without the value: the object's
@@ -90,8 +64,7 @@ impl Runtime {
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<crate::Targets>,
     ) -> Result<()> {
-        let targets: crate::Targets = targets.into();
-        self.land_in::<T>(r.borrow().id, &targets).await.map(drop)
+        crate::refs::api::load_into(self, r, targets).await
     }
 
     /// Object `id` received into `targets`: its value, the tensors
@@ -187,7 +160,7 @@ impl Runtime {
         &self,
         refs: &[ObjectRef<T>],
     ) -> Result<Vec<T>> {
-        futures::future::try_join_all(refs.iter().map(|r| self.get(r))).await
+        crate::refs::api::get_all(self, refs).await
     }
 
     /// Reads object `id`, held by an actor or by this driver, over a
@@ -273,7 +246,7 @@ impl Runtime {
     /// Dropping the future before it completes loses nothing: it moves no
     /// value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
-        self.inner.wait_value(r.borrow().id).await.map(|_| ())
+        crate::refs::api::wait(self, r).await
     }
 
     /// Ray's `wait`: waits until `num_returns` of `refs` are finished
@@ -296,10 +269,7 @@ impl Runtime {
         num_returns: usize,
         timeout: Option<Duration>,
     ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
-        crate::refs::wait::wait_many(refs, num_returns, timeout, |id| async move {
-            self.inner.wait_value(id).await.map(|_| ())
-        })
-        .await
+        crate::refs::api::wait_many(self, refs, num_returns, timeout).await
     }
 
     /// [`Runtime::get`] with a deadline.
@@ -313,8 +283,7 @@ impl Runtime {
         r: impl Borrow<ObjectRef<T>>,
         deadline: Duration,
     ) -> Result<T> {
-        let id = r.borrow().id;
-        crate::refs::wait::get_within(id, deadline, self.get(r)).await
+        crate::refs::api::get_timeout(self, r, deadline).await
     }
 
     /// Gets a value through the object-store path whatever its transport:
@@ -423,4 +392,91 @@ impl Inner {
         rdt_transport::trace::timeline("driver getter woke", id);
         settled
     }
+}
+
+/// The driver's side of the one client API (`refs::api`): objects read
+/// from the owner table, straight from a transport that serves the driver,
+/// or fetched through the object store.
+impl crate::refs::api::Objects for Runtime {
+    fn client(&self) -> Option<SharedClient> {
+        Some(self.inner.clone() as SharedClient)
+    }
+
+    async fn read(&self, id: u64) -> Result<crate::refs::api::Read> {
+        use crate::refs::api::{Read, ReadTensors};
+        let wv = self.inner.wait_value(id).await?;
+        // A value through the driver may still be arriving (cut-through).
+        wv.arrived().await?;
+        let wv = match wv.transport.sidedness() {
+            rdt_transport::Sidedness::ThroughDriver => wv,
+            rdt_transport::Sidedness::TwoSided => {
+                return Err(Error::CollectiveGet {
+                    object: id,
+                    transport: wv.transport.to_string(),
+                })
+            }
+            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
+                // NIXL: read straight into this process, no worker involved.
+                Some(inst) => {
+                    let tensors = self.get_direct(id, &wv, inst, Target::Any, None).await?;
+                    return Ok(Read {
+                        data: wv.data_bytes()?,
+                        tensors: ReadTensors::Made(tensors),
+                    });
+                }
+                None => self.fetch_via_object_store(id).await?,
+            },
+        };
+        let tensors = object_store::unpack(wv.exported.get()?)?;
+        Ok(Read {
+            data: wv.data_bytes()?,
+            tensors: ReadTensors::Made(tensors),
+        })
+    }
+
+    async fn read_into<T: Serialize + DeserializeOwned + 'static>(
+        &self,
+        id: u64,
+        targets: &crate::Targets,
+    ) -> Result<(crate::refs::api::Read, Option<Vec<rdt_transport::Tensor>>)> {
+        let (wv, tensors, copied) = self.land_in::<T>(id, targets).await?;
+        let read = crate::refs::api::Read {
+            data: wv.data_bytes()?,
+            tensors: crate::refs::api::ReadTensors::Made(tensors),
+        };
+        Ok((read, copied))
+    }
+
+    async fn settled(&self, id: u64) -> Result<()> {
+        self.inner.wait_value(id).await.map(|_| ())
+    }
+
+    fn put_inline<T>(&self, encoded: crate::refs::client::Encoded) -> Result<ObjectRef<T>> {
+        self.put_encoded(encoded)
+    }
+
+    async fn put_direct<T: Serialize>(
+        &self,
+        value: &T,
+        transport: Transport,
+    ) -> Result<ObjectRef<T>> {
+        self.put_exported(value, transport).await
+    }
+}
+
+/// The driver's futures stay `Send` through the one client API: a program
+/// awaits them on any tokio task (checked when the tests build).
+#[cfg(test)]
+#[allow(dead_code)]
+fn the_drivers_futures_are_send(rt: &Runtime, r: &ObjectRef<Vec<rdt_transport::Tensor>>) {
+    fn send<F: Send>(_: F) {}
+    let refs = std::slice::from_ref(r);
+    send(rt.get(r));
+    send(rt.get_into(r, Vec::<rdt_transport::Tensor>::new()));
+    send(rt.load_into(r, Vec::<rdt_transport::Tensor>::new()));
+    send(rt.get_all(refs));
+    send(rt.get_timeout(r, Duration::ZERO));
+    send(rt.wait(r));
+    send(rt.wait_many(refs, 1, None));
+    send(rt.put_with(&0u32, Transport::Nixl));
 }

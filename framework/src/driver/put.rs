@@ -7,10 +7,14 @@ impl Runtime {
     /// it, to pass to any actor. See [`Runtime::put_with`] for a direct
     /// transport.
     pub fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
-        let encoded = crate::refs::codec::encode(value).map_err(|e| Error::Decode {
-            what: "the value given to put".into(),
-            message: e.to_string(),
-        })?;
+        crate::refs::api::put(self, value)
+    }
+
+    /// [`put`](Self::put) of a value encoded already.
+    pub(super) fn put_encoded<T>(
+        &self,
+        encoded: crate::refs::client::Encoded,
+    ) -> Result<ObjectRef<T>> {
         let wv = inline_value(encoded.payload.clone(), encoded.ref_ids())?;
         // The value travels in a delivery to every consumer: check the
         // size of that whole frame, not of the value alone (OW-6).
@@ -65,9 +69,16 @@ impl Runtime {
         value: &T,
         transport: Transport,
     ) -> Result<ObjectRef<T>> {
-        if transport == Transport::ObjectStore {
-            return self.put(value);
-        }
+        crate::refs::api::put_with(self, value, transport).await
+    }
+
+    /// [`put_with`](Self::put_with) over a transport other than the object
+    /// store.
+    pub(super) async fn put_exported<T: Serialize>(
+        &self,
+        value: &T,
+        transport: Transport,
+    ) -> Result<ObjectRef<T>> {
         let refuse = || Error::TransportUnavailable {
             name: transport.name().into(),
             reason: "the driver cannot hold objects on it: put_with takes Transport::Nixl (a \

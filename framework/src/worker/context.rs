@@ -46,7 +46,7 @@ use crate::refs::client::{Client, Encoded, SharedClient};
 use crate::refs::object_ref::ObjectRef;
 use crate::refs::targets::{Registered, Targets};
 use crate::transport::Transport;
-use rdt_transport::{Blob, Sidedness, Tensor, TensorList};
+use rdt_transport::{Blob, Sidedness, Tensor};
 
 thread_local! {
     /// Borrows met while decoding on this thread, sent as one message when
@@ -359,9 +359,7 @@ impl ActorRuntime {
         &self,
         r: impl Borrow<ObjectRef<T>>,
     ) -> Result<T> {
-        let id = r.borrow().id;
-        let v = self.stored(id, None).await?;
-        self.decode(id, &v.data, &v.tensors)
+        crate::refs::api::get(self, r).await
     }
 
     /// Like [`ActorRuntime::get`], with the object's tensors received into
@@ -410,13 +408,7 @@ impl ActorRuntime {
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<Targets>,
     ) -> Result<T> {
-        let id = r.borrow().id;
-        let targets: Targets = targets.into();
-        let (v, copied) = self.land_in::<T>(id, &targets).await?;
-        match copied {
-            Some(c) => self.decode(id, &v.data, &c.into()),
-            None => self.decode(id, &v.data, &v.tensors),
-        }
+        crate::refs::api::get_into(self, r, targets).await
     }
 
     /// [`get_into`](Self::get_into) without the value: the object's
@@ -450,8 +442,7 @@ impl ActorRuntime {
         r: impl Borrow<ObjectRef<T>>,
         targets: impl Into<Targets>,
     ) -> Result<()> {
-        let targets: Targets = targets.into();
-        self.land_in::<T>(r.borrow().id, &targets).await.map(drop)
+        crate::refs::api::load_into(self, r, targets).await
     }
 
     /// Object `id` received into `targets` (AC-3): the stored value, and
@@ -566,18 +557,6 @@ impl ActorRuntime {
         rx.await.map_err(|_| Error::Shutdown)
     }
 
-    fn decode<T: DeserializeOwned + 'static>(
-        &self,
-        id: u64,
-        data: &[u8],
-        tensors: &TensorList,
-    ) -> Result<T> {
-        crate::refs::codec::decode_list(None, data, tensors).map_err(|e| Error::Decode {
-            what: format!("object {id} as {}", std::any::type_name::<T>()),
-            message: e.to_string(),
-        })
-    }
-
     /// [`ActorRuntime::get`] with a deadline.
     ///
     /// # Cancel safety
@@ -589,8 +568,7 @@ impl ActorRuntime {
         r: impl Borrow<ObjectRef<T>>,
         deadline: Duration,
     ) -> Result<T> {
-        let id = r.borrow().id;
-        crate::refs::wait::get_within(id, deadline, self.get(r)).await
+        crate::refs::api::get_timeout(self, r, deadline).await
     }
 
     /// Gets several objects: every transfer starts before any is awaited.
@@ -603,7 +581,7 @@ impl ActorRuntime {
         &self,
         refs: &[ObjectRef<T>],
     ) -> Result<Vec<T>> {
-        futures::future::try_join_all(refs.iter().map(|r| self.get(r))).await
+        crate::refs::api::get_all(self, refs).await
     }
 
     /// Waits until an object is ready (`Ok`) or failed (its error),
@@ -614,9 +592,7 @@ impl ActorRuntime {
     /// Dropping the future before it completes loses nothing: it moves no
     /// value.
     pub async fn wait<T>(&self, r: impl Borrow<ObjectRef<T>>) -> Result<()> {
-        let id = r.borrow().id;
-        self.refuse_endless_wait(id).await?;
-        self.wait_id(id).await
+        crate::refs::api::wait(self, r).await
     }
 
     async fn wait_id(&self, id: u64) -> Result<()> {
@@ -641,35 +617,14 @@ impl ActorRuntime {
         num_returns: usize,
         timeout: Option<Duration>,
     ) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
-        if timeout.is_none() && super::host::in_method_that_runs_alone() {
-            // HO-6: without a deadline, a wait that needs more of them than
-            // are not pending calls of this actor to itself never ends.
-            let own: Vec<u64> = {
-                let pending = self.w.self_calls.lock();
-                refs.iter()
-                    .map(|r| r.id)
-                    .filter(|id| pending.contains(id))
-                    .collect()
-            };
-            if let Some(&object) = own.first() {
-                if refs.len() - own.len() < num_returns {
-                    return Err(Error::WouldDeadlock {
-                        actor: self.w.name.to_string(),
-                        object,
-                    });
-                }
-            }
-        }
-        crate::refs::wait::wait_many(refs, num_returns, timeout, |id| self.wait_id(id)).await
+        crate::refs::api::wait_many(self, refs, num_returns, timeout).await
     }
 
     /// Puts `value` through the object store (its bytes go to the driver)
     /// and returns a ref to pass to any actor or to the driver. See
     /// [`ActorRuntime::put_with`] to keep its tensors here.
     pub fn put<T: Serialize>(&self, value: &T) -> Result<ObjectRef<T>> {
-        let encoded = encode(value, "put")?;
-        let wv = inline_value(encoded.payload.clone(), encoded.ref_ids())?;
-        self.send_put(wv, encoded)
+        crate::refs::api::put(self, value)
     }
 
     /// Puts `value` with its tensors kept in this worker over `transport`
@@ -689,10 +644,99 @@ impl ActorRuntime {
         value: &T,
         transport: Transport,
     ) -> Result<ObjectRef<T>> {
-        if transport == Transport::ObjectStore {
-            return self.put(value);
+        crate::refs::api::put_with(self, value, transport).await
+    }
+
+    fn send_put<T>(&self, wv: WireValue, encoded: Encoded) -> Result<ObjectRef<T>> {
+        let id = self.w.new_object();
+        if let Err(e) = self.w.tx.send(&ToDriver::Put {
+            object: id,
+            value: wv,
+        }) {
+            self.w.forget_object(id);
+            return Err(e);
         }
-        let encoded = encode(value, "put_with")?;
+        // CL-2: released after the message that carries them.
+        drop(encoded);
+        Ok(ObjectRef::adopt(id, self.w.clone() as SharedClient))
+    }
+}
+
+/// An actor's side of the one client API (`refs::api`): objects read from
+/// this worker's store, received here, or asked of the driver.
+impl crate::refs::api::Objects for ActorRuntime {
+    fn client(&self) -> Option<SharedClient> {
+        None
+    }
+
+    async fn read(&self, id: u64) -> Result<crate::refs::api::Read> {
+        let v = self.stored(id, None).await?;
+        Ok(crate::refs::api::Read {
+            data: v.data,
+            tensors: crate::refs::api::ReadTensors::Stored(v.tensors),
+        })
+    }
+
+    async fn read_into<T: Serialize + DeserializeOwned + 'static>(
+        &self,
+        id: u64,
+        targets: &Targets,
+    ) -> Result<(crate::refs::api::Read, Option<Vec<Tensor>>)> {
+        let (v, copied) = self.land_in::<T>(id, targets).await?;
+        let read = crate::refs::api::Read {
+            data: v.data,
+            tensors: crate::refs::api::ReadTensors::Stored(v.tensors),
+        };
+        Ok((read, copied))
+    }
+
+    async fn settled(&self, id: u64) -> Result<()> {
+        self.wait_id(id).await
+    }
+
+    async fn check_wait(&self, id: u64) -> Result<()> {
+        self.refuse_endless_wait(id).await
+    }
+
+    fn check_wait_many(
+        &self,
+        ids: &[u64],
+        num_returns: usize,
+        timeout: Option<Duration>,
+    ) -> Result<()> {
+        if timeout.is_none() && super::host::in_method_that_runs_alone() {
+            // HO-6: without a deadline, a wait that needs more of them than
+            // are not pending calls of this actor to itself never ends.
+            let own: Vec<u64> = {
+                let pending = self.w.self_calls.lock();
+                ids.iter()
+                    .copied()
+                    .filter(|id| pending.contains(id))
+                    .collect()
+            };
+            if let Some(&object) = own.first() {
+                if ids.len() - own.len() < num_returns {
+                    return Err(Error::WouldDeadlock {
+                        actor: self.w.name.to_string(),
+                        object,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn put_inline<T>(&self, encoded: Encoded) -> Result<ObjectRef<T>> {
+        let wv = inline_value(encoded.payload.clone(), encoded.ref_ids())?;
+        self.send_put(wv, encoded)
+    }
+
+    async fn put_direct<T: Serialize>(
+        &self,
+        value: &T,
+        transport: Transport,
+    ) -> Result<ObjectRef<T>> {
+        let encoded = crate::refs::api::encode(value, "put_with")?;
         let inst = transport.instance()?;
         for t in &encoded.payload.tensors {
             inst.check_device(t.device())?;
@@ -739,25 +783,4 @@ impl ActorRuntime {
         drop(encoded);
         Ok(ObjectRef::adopt(id, self.w.clone() as SharedClient))
     }
-
-    fn send_put<T>(&self, wv: WireValue, encoded: Encoded) -> Result<ObjectRef<T>> {
-        let id = self.w.new_object();
-        if let Err(e) = self.w.tx.send(&ToDriver::Put {
-            object: id,
-            value: wv,
-        }) {
-            self.w.forget_object(id);
-            return Err(e);
-        }
-        // CL-2: released after the message that carries them.
-        drop(encoded);
-        Ok(ObjectRef::adopt(id, self.w.clone() as SharedClient))
-    }
-}
-
-fn encode<T: Serialize>(value: &T, what: &str) -> Result<Encoded> {
-    crate::refs::codec::encode(value).map_err(|e| Error::Decode {
-        what: format!("the value given to {what}"),
-        message: e.to_string(),
-    })
 }
