@@ -33,7 +33,7 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::shape::INLINE_DIMS;
-use crate::{DType, Device, Shape, TensorMeta};
+use crate::{device::Device, dtype::DType, shape::Shape, tensor::TensorMeta};
 
 #[derive(Serialize, Deserialize)]
 struct Columns {

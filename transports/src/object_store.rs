@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
-use crate::{Blob, Device, Exported, Tensor, TensorMeta};
+use crate::{device::Device, tensor::Tensor, tensor::TensorMeta, transport::Exported, wire::Blob};
 
 /// Tensors of fewer bytes share chunk blobs (see the module docs): below
 /// the size a receiver reads into a pooled buffer of its own.

@@ -26,7 +26,7 @@ use serde::de::DeserializeOwned;
 use serde::ser::{self, Serialize};
 
 use crate::value::{ValueError, WALKING};
-use crate::{DType, Tensor};
+use crate::{dtype::DType, tensor::Tensor};
 
 /// The paths of an encoded value's tensors (PA-1).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

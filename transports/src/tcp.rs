@@ -56,7 +56,7 @@ use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransferId,
     TransportError,
 };
-use crate::{auth, Device, Exported, Tensor};
+use crate::{auth, device::Device, tensor::Tensor, transport::Exported};
 
 /// Name of this transport.
 pub const NAME: &str = "tcp";

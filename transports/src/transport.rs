@@ -78,7 +78,7 @@ use serde::{Deserialize, Serialize};
 
 use std::sync::Arc;
 
-use crate::{Blob, Device, Tensor, TensorMeta};
+use crate::{device::Device, tensor::Tensor, tensor::TensorMeta, wire::Blob};
 
 /// Identifies an object in the producer's store (the framework's object id).
 pub type ObjectKey = u64;
@@ -213,8 +213,8 @@ impl Target {
                 .into_iter()
                 .map(|t| {
                     let here = match t.device() {
-                        crate::Device::Cuda { ordinal: o, .. } => *o as usize == *ordinal,
-                        crate::Device::Cpu => true,
+                        crate::device::Device::Cuda { ordinal: o, .. } => *o as usize == *ordinal,
+                        crate::device::Device::Cpu => true,
                     };
                     if here {
                         Ok(t)
@@ -404,18 +404,18 @@ impl TransferCtx {
 /// recycles the memory (on the H200 hosts, making 10 000 views took
 /// 275–550 µs on a runtime thread, two to four times the work).
 #[derive(Clone)]
-pub struct FirstReader(Arc<dyn Fn(&crate::TensorList) -> bool + Send + Sync>);
+pub struct FirstReader(Arc<dyn Fn(&crate::tensor::TensorList) -> bool + Send + Sync>);
 
 impl FirstReader {
     /// A reader that `take`s a list offered to it: true if it will read
     /// it (and make its tensors), false if it is gone.
-    pub fn new(take: impl Fn(&crate::TensorList) -> bool + Send + Sync + 'static) -> Self {
+    pub fn new(take: impl Fn(&crate::tensor::TensorList) -> bool + Send + Sync + 'static) -> Self {
         FirstReader(Arc::new(take))
     }
 
     /// Offers `list` (a clone of it: the same list) to the reader; true
     /// if it took it.
-    pub fn offer(&self, list: &crate::TensorList) -> bool {
+    pub fn offer(&self, list: &crate::tensor::TensorList) -> bool {
         (self.0)(list)
     }
 }
@@ -573,11 +573,11 @@ pub trait TensorTransport: Send + Sync + 'static {
         from: &'a Peer,
         cx: &'a TransferCtx,
         exported: &'a Exported,
-    ) -> BoxFuture<'a, Result<crate::TensorList, TransportError>> {
+    ) -> BoxFuture<'a, Result<crate::tensor::TensorList, TransportError>> {
         Box::pin(async move {
             self.receive(from, cx, exported)
                 .await
-                .map(crate::TensorList::from)
+                .map(crate::tensor::TensorList::from)
         })
     }
 

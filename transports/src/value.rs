@@ -30,7 +30,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::metas_wire::{put_varint, take_varint};
-use crate::{DType, Shape, Tensor, TensorList};
+use crate::{dtype::DType, shape::Shape, tensor::Tensor, tensor::TensorList};
 
 /// A value split into its serialized non-tensor part and its tensors.
 #[derive(Clone, Debug, Default)]
@@ -282,7 +282,8 @@ pub fn tensors_in_order(data: &[u8]) -> Option<usize> {
     }
     let (n, _) = take_varint(data)?;
     let n = usize::try_from(n).ok()?;
-    ((IN_ORDER_MIN..=crate::MAX_TENSORS).contains(&n) && is_tensors_in_order(data, n)).then_some(n)
+    ((IN_ORDER_MIN..=crate::metas_wire::MAX_TENSORS).contains(&n) && is_tensors_in_order(data, n))
+        .then_some(n)
 }
 
 /// The last encoding [`in_order_data`] made, and its count.
@@ -293,7 +294,7 @@ static IN_ORDER_LAST: parking_lot::Mutex<Option<(usize, Bytes)>> = parking_lot::
 /// the last count asked for in this process and shared after (a weights
 /// object comes again at every step).
 pub fn in_order_data(n: usize) -> Option<Bytes> {
-    if n > crate::MAX_TENSORS {
+    if n > crate::metas_wire::MAX_TENSORS {
         return None;
     }
     let mut last = IN_ORDER_LAST.lock();

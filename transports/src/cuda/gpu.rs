@@ -16,7 +16,7 @@ use super::{
     available, device_count, Completion, CudaError, Event, FreeMarks, IpcEvent, StreamEvent,
 };
 use crate::trace::cuda_trace;
-use crate::{Device, GpuUuid};
+use crate::{device::Device, device::GpuUuid};
 
 /// Marks recorded at large frees and not yet seen passed, per device
 /// (FM-3): a bound on events made for that, never reached in practice.

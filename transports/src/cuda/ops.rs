@@ -29,7 +29,7 @@ use cudarc::nvrtc::Ptx;
 use parking_lot::Mutex;
 
 use super::{CudaError, Gpu};
-use crate::DType;
+use crate::dtype::DType;
 
 /// Threads per block of every rdt kernel.
 const BLOCK: u32 = 256;

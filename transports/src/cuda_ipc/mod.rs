@@ -77,7 +77,7 @@ use crate::process_watch::ProcessWatch;
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
-use crate::{Device, Exported, GpuUuid, Tensor};
+use crate::{device::Device, device::GpuUuid, tensor::Tensor, transport::Exported};
 
 mod handles;
 mod mappings;

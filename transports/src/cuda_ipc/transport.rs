@@ -327,8 +327,8 @@ impl TensorTransport for CudaIpcTransport {
     }
 
     /// It opens a published memory and returns: nothing to wait for.
-    fn receive_start(&self, _exported: &Exported) -> crate::ReceiveStart {
-        crate::ReceiveStart::Now
+    fn receive_start(&self, _exported: &Exported) -> crate::transport::ReceiveStart {
+        crate::transport::ReceiveStart::Now
     }
 
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {

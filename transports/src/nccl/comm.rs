@@ -297,9 +297,12 @@ impl Communicator {
         if self.nranks < 2 {
             return Ok(());
         }
-        let buf =
-            crate::Tensor::cuda_zeros(crate::DType::U8, &[2 * self.nranks], self.gpu.ordinal())
-                .map_err(|e| NcclError(e.to_string()))?;
+        let buf = crate::tensor::Tensor::cuda_zeros(
+            crate::dtype::DType::U8,
+            &[2 * self.nranks],
+            self.gpu.ordinal(),
+        )
+        .map_err(|e| NcclError(e.to_string()))?;
         let base = buf
             .with_device_buffer(|d| d.device_ptr())
             .map_err(|e| NcclError(e.to_string()))?;

@@ -59,7 +59,7 @@ use crate::transport::{
     check_received, Exported, GroupSpec, ObjectKey, Peer, Sidedness, Target, TensorTransport,
     TransferCtx, TransferId, TransportError,
 };
-use crate::{cuda, Device, Tensor};
+use crate::{cuda, device::Device, tensor::Tensor};
 pub use api::{available, NcclError};
 pub use comm::{Communicator, P2p, UniqueId};
 
@@ -167,7 +167,7 @@ const CUDA_ONLY: &str =
 /// [`CUDA_ONLY`] for tensor `i` of an object, naming it.
 fn check_tensor_device(
     i: usize,
-    dtype: crate::DType,
+    dtype: crate::dtype::DType,
     shape: &[usize],
     device: &Device,
 ) -> Result<(), TransportError> {
@@ -359,7 +359,7 @@ impl TensorTransport for NcclTransport {
                             clean &= c;
                             Ok(t)
                         })
-                        .collect::<Result<_, crate::TensorError>>()
+                        .collect::<Result<_, crate::tensor::TensorError>>()
                         .map_err(err)?;
                     (ts, clean)
                 }

@@ -29,16 +29,16 @@ impl TensorTransport for NixlTransport {
     /// offered to the call's thread, WK-8, and making them holds the loop),
     /// and not a first read from a producer (loading its metadata and
     /// connecting take milliseconds that would hold the loop).
-    fn receive_start(&self, exported: &Exported) -> crate::ReceiveStart {
+    fn receive_start(&self, exported: &Exported) -> crate::transport::ReceiveStart {
         let small_from_known = || {
             exported.metas.len() < PLAN_MIN_TENSORS
                 && HandlesWire::agent_of(&exported.handles)
                     .is_some_and(|a| self.remotes.lock().contains_key(a))
         };
         if small_from_known() {
-            crate::ReceiveStart::AfterFramesInHand
+            crate::transport::ReceiveStart::AfterFramesInHand
         } else {
-            crate::ReceiveStart::Task
+            crate::transport::ReceiveStart::Task
         }
     }
 

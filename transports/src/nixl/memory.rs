@@ -331,13 +331,13 @@ pub(super) enum Kept {
     Range(#[allow(dead_code)] Arc<crate::cuda::alloc::SlabRange>),
     Slab(#[allow(dead_code)] Arc<Registered>),
     /// The receive as a writer of its targets (TG-4).
-    Writing(#[allow(dead_code)] crate::Writing),
+    Writing(#[allow(dead_code)] crate::transport::Writing),
 }
 
 /// The rdt slab a tensor's device bytes lie in, and their offset there (a
 /// range made by rdt's allocator, or a slice of one; a view adds its own
 /// offset).
-pub(super) fn slab_of(d: &crate::DeviceBytes<'_>) -> Option<(Arc<Slab>, usize)> {
+pub(super) fn slab_of(d: &crate::tensor::DeviceBytes<'_>) -> Option<(Arc<Slab>, usize)> {
     let any = d.buffer().as_any();
     if let Some(r) = any.downcast_ref::<SlabRange>() {
         return Some((r.slab.clone(), r.offset + d.offset()));

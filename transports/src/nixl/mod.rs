@@ -133,7 +133,10 @@ use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, Target, TensorTransport, TransferCtx,
     TransportError,
 };
-use crate::{Device, Exported, ExternalMemory, MakeTensors, Tensor, TensorList, TensorMeta};
+use crate::{
+    device::Device, tensor::ExternalMemory, tensor::MakeTensors, tensor::Tensor,
+    tensor::TensorList, tensor::TensorMeta, transport::Exported,
+};
 
 use agent::{Agent, Desc, Mem};
 pub use api::NixlError;

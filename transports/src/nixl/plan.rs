@@ -147,7 +147,7 @@ pub(super) struct ReadPlan {
     /// Where each tensor lands.
     pub(super) at: Vec<At>,
     /// Each distinct (dtype, shape) of the object, once.
-    pub(super) kinds: Vec<(crate::DType, crate::Shape)>,
+    pub(super) kinds: Vec<(crate::dtype::DType, crate::shape::Shape)>,
     /// Each tensor's index in `kinds`: making 10 000 views reads 4 bytes
     /// of this and a few kinds, not 10 000 metadata entries of 72 bytes.
     pub(super) kind_of: Vec<u32>,
@@ -177,8 +177,10 @@ pub(super) const SMALL_PLANS_KEPT: usize = 8;
 /// The distinct (dtype, shape) pairs of `metas` in order of first use,
 /// and each tensor's index among them (a model's parameters have a few
 /// hundred shapes at most).
-pub(super) fn kinds_of(metas: &[TensorMeta]) -> (Vec<(crate::DType, crate::Shape)>, Vec<u32>) {
-    let mut index: rustc_hash::FxHashMap<(crate::DType, &[usize]), u32> = Default::default();
+pub(super) fn kinds_of(
+    metas: &[TensorMeta],
+) -> (Vec<(crate::dtype::DType, crate::shape::Shape)>, Vec<u32>) {
+    let mut index: rustc_hash::FxHashMap<(crate::dtype::DType, &[usize]), u32> = Default::default();
     let mut kinds = Vec::new();
     let kind_of = metas
         .iter()

@@ -230,7 +230,7 @@ impl NixlTransport {
         let region = HostRegion::new(&agent, len).map_err(|e| err(e.0))?;
         // The host tensors are views of one tensor over the region.
         let whole = Tensor::from_external(
-            crate::DType::U8,
+            crate::dtype::DType::U8,
             &[region.len],
             Device::Cpu,
             Box::new(NixlHostMem {

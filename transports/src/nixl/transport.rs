@@ -545,7 +545,7 @@ impl NixlTransport {
             let range = Arc::new(r);
             let range_len = crate::cuda::DeviceBuffer::len(&*range);
             let whole = Tensor::from_device_buffer(
-                crate::DType::U8,
+                crate::dtype::DType::U8,
                 &[range_len],
                 range.slab.gpu.device(),
                 Box::new(crate::cuda::alloc::SlabSlice::new(
@@ -570,7 +570,7 @@ impl NixlTransport {
             keep.push(Kept::Host(region.clone()));
             let len = region.len;
             let whole = Tensor::from_external(
-                crate::DType::U8,
+                crate::dtype::DType::U8,
                 &[len],
                 Device::Cpu,
                 Box::new(NixlHostMem {

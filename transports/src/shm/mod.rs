@@ -129,7 +129,10 @@ use serde::{Deserialize, Serialize};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
-use crate::{DType, Device, Exported, ExternalMemory, Tensor, TensorMeta};
+use crate::{
+    device::Device, dtype::DType, tensor::ExternalMemory, tensor::Tensor, tensor::TensorMeta,
+    transport::Exported,
+};
 
 /// Name of this transport in attributes and errors.
 pub const NAME: &str = "shm";
@@ -478,8 +481,8 @@ impl TensorTransport for ShmTransport {
     }
 
     /// It opens a published memory and returns: nothing to wait for.
-    fn receive_start(&self, _exported: &Exported) -> crate::ReceiveStart {
-        crate::ReceiveStart::Now
+    fn receive_start(&self, _exported: &Exported) -> crate::transport::ReceiveStart {
+        crate::transport::ReceiveStart::Now
     }
 
     fn check_device(&self, device: &Device) -> Result<(), TransportError> {

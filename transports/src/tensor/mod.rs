@@ -42,7 +42,7 @@ use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 
 use crate::cuda::DeviceBuffer;
-use crate::{DType, Device, Element, Shape};
+use crate::{device::Device, dtype::DType, dtype::Element, shape::Shape};
 
 mod access;
 mod cuda;
