@@ -113,7 +113,7 @@ async fn a_pass_is_seen_as_spans_and_counted() {
     metrics::set_global_recorder(counters.clone()).expect("the test's recorder");
     deadline(60, async {
         let rt = Runtime::start().await.unwrap();
-        let (p, c, _) = rdt_integration_tests::tcp_pair(&rt).await;
+        let (p, c, g) = rdt_integration_tests::tcp_pair(&rt).await;
         let n = 1 << 18;
         let r = p.make(1.0, n).transport(Transport::Tcp).remote();
         assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), n as f64);
@@ -161,6 +161,38 @@ async fn a_pass_is_seen_as_spans_and_counted() {
         );
         assert_eq!(counters.get("rdt_rx_bytes{transport=tcp}"), 4 * n as u64);
         assert_eq!(counters.get("rdt_calls{outcome=ok}"), m.calls_ok);
+
+        // A span per spawn, group operation and death.
+        let spawns = spans.named("spawn");
+        for who in ["Producer", "Consumer"] {
+            let s = spawns
+                .iter()
+                .find(|f| f.get("actor_type").map(String::as_str) == Some(who))
+                .unwrap_or_else(|| panic!("a spawn span for the {who}: {spawns:?}"));
+            assert!(s["actor"].starts_with(who), "{s:?}");
+            assert_eq!(s.get("outcome").map(String::as_str), Some("ok"), "{s:?}");
+        }
+        let groups = spans.named("group");
+        let made = groups
+            .iter()
+            .find(|f| f.get("op").map(String::as_str) == Some("create"))
+            .unwrap_or_else(|| panic!("a group span: {groups:?}"));
+        assert_eq!(made["backend"], "tcp", "{made:?}");
+        assert_eq!(made["members"], "2", "{made:?}");
+        assert_eq!(made["group"], g.0.to_string(), "{made:?}");
+        assert_eq!(
+            made.get("outcome").map(String::as_str),
+            Some("ok"),
+            "{made:?}"
+        );
+        p.raw().kill();
+        p.raw().exited().await.unwrap();
+        let deaths = spans.named("death");
+        let d = deaths
+            .iter()
+            .find(|f| f.get("actor") == Some(&p.id().0.to_string()))
+            .unwrap_or_else(|| panic!("a death span for the producer: {deaths:?}"));
+        assert!(d["cause"].contains("killed"), "{d:?}");
     })
     .await
 }

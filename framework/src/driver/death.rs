@@ -81,6 +81,8 @@ impl Inner {
     }
 
     pub(super) fn on_death(&self, actor: u64, detail: String) {
+        let span = tracing::info_span!(parent: None, "death", actor, cause = %detail);
+        let _in = span.enter();
         if !self.mark_dead(actor, detail) {
             return;
         }

@@ -1,6 +1,7 @@
 //! Collective groups: created and destroyed step by step, checked against calls, broken when a member dies.
 
 use super::*;
+use tracing::Instrument;
 
 impl Runtime {
     /// Creates a collective group of `backend` (a collective transport:
@@ -19,6 +20,33 @@ impl Runtime {
         actors: &[ActorId],
         backend: Transport,
     ) -> Result<GroupId> {
+        let span = tracing::info_span!(
+            parent: None,
+            "group",
+            op = "create",
+            backend = backend.name(),
+            members = actors.len(),
+            group = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let done = self
+            .create_group(actors, backend)
+            .instrument(span.clone())
+            .await;
+        match &done {
+            Ok(g) => {
+                span.record("group", g.0);
+                span.record("outcome", "ok");
+            }
+            Err(_) => {
+                span.record("outcome", "failed");
+            }
+        }
+        done
+    }
+
+    /// [`create_collective_group`](Self::create_collective_group), within its span.
+    async fn create_group(&self, actors: &[ActorId], backend: Transport) -> Result<GroupId> {
         if !backend.is_collective() {
             return Err(Error::Group(format!(
                 "{backend} is not a collective transport (collective: tcp, nccl); one-sided transports need no group"
@@ -211,6 +239,27 @@ impl Runtime {
     ///
     /// Dropping the future does not stop the teardown once ordered.
     pub async fn destroy_collective_group(&self, group: GroupId) -> Result<()> {
+        let span = tracing::info_span!(
+            parent: None,
+            "group",
+            op = "destroy",
+            group = group.0,
+            outcome = tracing::field::Empty,
+        );
+        let done = self.destroy_group(group).instrument(span.clone()).await;
+        match &done {
+            Ok(()) => {
+                span.record("outcome", "ok");
+            }
+            Err(_) => {
+                span.record("outcome", "failed");
+            }
+        }
+        done
+    }
+
+    /// [`destroy_collective_group`](Self::destroy_collective_group), within its span.
+    async fn destroy_group(&self, group: GroupId) -> Result<()> {
         let rx = {
             let mut st = self.inner.lock();
             let st = &mut *st;

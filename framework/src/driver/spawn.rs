@@ -1,6 +1,7 @@
 //! Spawning actors: on a new worker process or a volunteer that joined by hand, with their GPUs and spawn order.
 
 use super::*;
+use tracing::Instrument;
 
 /// SP-1: undoes a spawn that did not finish, on an error or when its
 /// future is dropped: the worker is killed (its reaper reaps it), and the
@@ -131,17 +132,36 @@ impl<A: Actor> std::future::IntoFuture for Spawn<A> {
                 },
             })?;
             let short = A::NAME.rsplit("::").next().unwrap_or(A::NAME);
-            let raw = if self.remote {
+            let span = tracing::info_span!(
+                parent: None,
+                "spawn",
+                actor_type = short,
+                actor = tracing::field::Empty,
+                outcome = tracing::field::Empty,
+            );
+            let spawned = if self.remote {
                 self.rt
                     .inner
                     .spawn_on_volunteer(A::NAME, short, self.name, args)
-                    .await?
+                    .instrument(span.clone())
+                    .await
             } else {
                 self.rt
                     .inner
                     .spawn_raw(A::NAME, short, self.name, args, self.gpus)
-                    .await?
+                    .instrument(span.clone())
+                    .await
             };
+            match &spawned {
+                Ok(raw) => {
+                    span.record("actor", raw.name());
+                    span.record("outcome", "ok");
+                }
+                Err(_) => {
+                    span.record("outcome", "failed");
+                }
+            }
+            let raw = spawned?;
             Ok(A::Handle::from(raw))
         })
     }
