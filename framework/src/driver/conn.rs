@@ -5,13 +5,6 @@
 use super::*;
 use crate::owner::Outbox;
 
-/// Queues `msg` for actor `to` behind what was decided before it.
-pub(super) fn send_to(out: &mut Outbox, to: u64, msg: &ToWorker) {
-    if let Err(e) = out.send(to, msg) {
-        tracing::error!("could not encode a message for actor {to}: {e}");
-    }
-}
-
 /// Moves the outbox onto the actors' connections, oldest first. Called
 /// under the lock, which defers the socket writes (`protocol::defer_writes`)
 /// to its release: the order of frames on each connection is the order

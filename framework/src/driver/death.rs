@@ -16,7 +16,7 @@ impl Runtime {
             st.shutting_down = true;
             for (id, a) in &st.actors {
                 if a.dead.is_none() {
-                    send_to(&mut st.table.outbox, *id, &ToWorker::Shutdown);
+                    st.table.outbox.send_small(*id, &ToWorker::Shutdown);
                 }
             }
             st.processes.values().map(|p| p.exit.clone()).collect()
@@ -76,7 +76,11 @@ impl Inner {
                 }
             }
             // A worker that joined by hand: ask it to exit.
-            None => send_to(&mut self.lock().table.outbox, actor, &ToWorker::Shutdown),
+            None => self
+                .lock()
+                .table
+                .outbox
+                .send_small(actor, &ToWorker::Shutdown),
         }
     }
 
@@ -178,7 +182,9 @@ impl Inner {
         // Transports in the other workers drop what they keep for it.
         for (id, a) in st.actors.iter() {
             if *id != actor && a.dead.is_none() {
-                send_to(&mut st.table.outbox, *id, &ToWorker::PeerGone { actor });
+                st.table
+                    .outbox
+                    .send_small(*id, &ToWorker::PeerGone { actor });
             }
         }
         // A collective group cannot go on without a member (as in Ray):

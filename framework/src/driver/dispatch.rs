@@ -170,11 +170,10 @@ impl Inner {
                 self.sync_transfers(st);
             }
             ToDriver::Watch { req, object } => match settled(st, object) {
-                Some(result) => send_to(
-                    &mut st.table.outbox,
-                    actor,
-                    &ToWorker::Settled { req, result },
-                ),
+                Some(result) => st
+                    .table
+                    .outbox
+                    .send_small(actor, &ToWorker::Settled { req, result }),
                 None => {
                     let (tx, rx) = oneshot::channel();
                     if let Some(e) = st.table.objects.get_mut(&object) {
@@ -186,21 +185,17 @@ impl Inner {
                         let Some(inner) = me.upgrade() else { return };
                         let mut st = inner.lock();
                         let result = settled(&st, object).unwrap_or(Err(Error::Shutdown));
-                        send_to(
-                            &mut st.table.outbox,
-                            actor,
-                            &ToWorker::Settled { req, result },
-                        );
+                        st.table
+                            .outbox
+                            .send_small(actor, &ToWorker::Settled { req, result });
                     });
                 }
             },
             ToDriver::Probe { req, object } => {
                 let state = settled(st, object);
-                send_to(
-                    &mut st.table.outbox,
-                    actor,
-                    &ToWorker::Probed { req, state },
-                );
+                st.table
+                    .outbox
+                    .send_small(actor, &ToWorker::Probed { req, state });
             }
             ToDriver::Kill { actor: target } => {
                 // Off this lock: killing takes it.

@@ -79,35 +79,23 @@ impl Runtime {
         Vec<rdt_transport::Tensor>,
         Option<Vec<rdt_transport::Tensor>>,
     )> {
-        let wv = self.inner.wait_value(id).await?;
-        wv.arrived().await?;
-        let wv = match wv.transport.sidedness() {
-            rdt_transport::Sidedness::TwoSided => {
-                return Err(Error::CollectiveGet {
-                    object: id,
-                    transport: wv.transport.to_string(),
-                })
+        let wv = match self.readable(id).await? {
+            Readable::Direct(wv, inst) => {
+                let metas = &wv.exported.get()?.metas;
+                // TG-1, TG-2: ordered and checked before any byte moves.
+                let ordered = targets.resolve::<T>(id, &wv.data_bytes()?, metas.len(), &|i| {
+                    metas.get(i).cloned()
+                })?;
+                crate::refs::wait::check_targets(id, metas, &ordered)?;
+                let target = Target::Tensors(ordered.clone());
+                // TG-4: a READ that outlives this future counts as the
+                // targets' writer (`Targets::idle`).
+                let gate = Arc::new(targets.gate());
+                let tensors = self.get_direct(id, &wv, inst, target, Some(gate)).await?;
+                let copied = crate::refs::wait::into_targets(id, &ordered, &tensors)?;
+                return Ok((wv, tensors, copied));
             }
-            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
-                Some(inst) => {
-                    let metas = &wv.exported.get()?.metas;
-                    // TG-1, TG-2: ordered and checked before any byte moves.
-                    let ordered =
-                        targets.resolve::<T>(id, &wv.data_bytes()?, metas.len(), &|i| {
-                            metas.get(i).cloned()
-                        })?;
-                    crate::refs::wait::check_targets(id, metas, &ordered)?;
-                    let target = Target::Tensors(ordered.clone());
-                    // TG-4: a READ that outlives this future counts as the
-                    // targets' writer (`Targets::idle`).
-                    let gate = Arc::new(targets.gate());
-                    let tensors = self.get_direct(id, &wv, inst, target, Some(gate)).await?;
-                    let copied = crate::refs::wait::into_targets(id, &ordered, &tensors)?;
-                    return Ok((wv, tensors, copied));
-                }
-                None => self.fetch_via_object_store(id).await?,
-            },
-            rdt_transport::Sidedness::ThroughDriver => wv,
+            Readable::Inline(wv) => wv,
         };
         let tensors = object_store::unpack(wv.exported.get()?)?;
         let ordered = targets.resolve::<T>(id, &wv.data_bytes()?, tensors.len(), &|i| {
@@ -115,6 +103,28 @@ impl Runtime {
         })?;
         let copied = crate::refs::wait::into_targets(id, &ordered, &tensors)?;
         Ok((wv, tensors, copied))
+    }
+
+    /// Object `id`'s value once it settled, and how the driver reads it:
+    /// straight from a transport that serves the driver, or with its
+    /// tensors inline (the object store's own, or fetched through it). A
+    /// collective transport's value cannot be read here.
+    pub(super) async fn readable(&self, id: u64) -> Result<Readable> {
+        let wv = self.inner.wait_value(id).await?;
+        // A value through the driver may still be arriving (cut-through).
+        wv.arrived().await?;
+        match wv.transport.sidedness() {
+            rdt_transport::Sidedness::ThroughDriver => Ok(Readable::Inline(wv)),
+            rdt_transport::Sidedness::TwoSided => Err(Error::CollectiveGet {
+                object: id,
+                transport: wv.transport.to_string(),
+            }),
+            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
+                // NIXL: read straight into this process, no worker involved.
+                Some(inst) => Ok(Readable::Direct(wv, inst)),
+                None => Ok(Readable::Inline(self.fetch_via_object_store(id).await?)),
+            },
+        }
     }
 
     /// Like [`Runtime::get`], with every tensor read straight into this
@@ -136,7 +146,8 @@ impl Runtime {
         match driver_transport(wv.transport) {
             Some(inst) => {
                 let tensors = self.get_direct(r.id, &wv, inst, Target::Host, None).await?;
-                decode_in_driver(&self.inner, &wv, r.id, &tensors)
+                let read = direct_read(&wv, tensors)?;
+                crate::refs::api::decode(self, r.id, &read)
             }
             None => Err(Error::TransportUnavailable {
                 name: wv.transport.to_string(),
@@ -299,11 +310,12 @@ impl Runtime {
         let id = r.borrow().id;
         let wv = self.inner.wait_value(id).await?;
         wv.arrived().await?;
-        if wv.transport == Transport::ObjectStore {
-            return decode_wire(&self.inner, &wv, id);
-        }
-        let wv = self.fetch_via_object_store(id).await?;
-        decode_wire(&self.inner, &wv, id)
+        let wv = if wv.transport == Transport::ObjectStore {
+            wv
+        } else {
+            self.fetch_via_object_store(id).await?
+        };
+        crate::refs::api::decode(self, id, &inline_read(&wv)?)
     }
 
     /// Object `id` (ready, on a transport other than the object store)
@@ -324,11 +336,9 @@ impl Runtime {
                 });
             }
             st.fetches.insert(req, (p, tx));
-            send_to(
-                &mut st.table.outbox,
-                p,
-                &ToWorker::Fetch { object: id, req },
-            );
+            st.table
+                .outbox
+                .send_small(p, &ToWorker::Fetch { object: id, req });
         }
         let wv = rx.await.map_err(|_| Error::Shutdown)??;
         wv.arrived().await?;
@@ -336,31 +346,28 @@ impl Runtime {
     }
 }
 
-/// Decodes a value whose bytes are all here ([`WireValue::arrived`]).
-pub(super) fn decode_wire<T: DeserializeOwned + 'static>(
-    inner: &Arc<Inner>,
-    wv: &WireValue,
-    id: u64,
-) -> Result<T> {
-    let tensors = object_store::unpack(wv.exported.get()?)?;
-    decode_in_driver(inner, wv, id, &tensors)
+/// How the driver reads a settled value ([`Runtime::readable`]).
+pub(super) enum Readable {
+    /// Straight from the transport, which serves the driver.
+    Direct(WireValue, Arc<dyn rdt_transport::TensorTransport>),
+    /// Its tensors inline, all here ([`WireValue::arrived`]).
+    Inline(WireValue),
 }
 
-/// Decodes object `id`'s value in the driver, with `tensors` put back; refs
-/// in it become driver refs. Never called under the state lock (a ref
-/// read takes it).
-pub(super) fn decode_in_driver<T: DeserializeOwned + 'static>(
-    inner: &Arc<Inner>,
+/// A value whose tensors are inline, read: its tensors put back.
+fn inline_read(wv: &WireValue) -> Result<crate::refs::api::Read> {
+    let tensors = object_store::unpack(wv.exported.get()?)?;
+    direct_read(wv, tensors)
+}
+
+/// A value with the tensors read for it.
+fn direct_read(
     wv: &WireValue,
-    id: u64,
-    tensors: &[rdt_transport::Tensor],
-) -> Result<T> {
-    let client = inner.clone() as SharedClient;
-    crate::refs::codec::decode(Some(&client), &wv.data_bytes()?, tensors).map_err(|e| {
-        Error::Decode {
-            what: format!("object {id} as {}", std::any::type_name::<T>()),
-            message: e.to_string(),
-        }
+    tensors: Vec<rdt_transport::Tensor>,
+) -> Result<crate::refs::api::Read> {
+    Ok(crate::refs::api::Read {
+        data: wv.data_bytes()?,
+        tensors: crate::refs::api::ReadTensors::Made(tensors),
     })
 }
 
@@ -403,35 +410,13 @@ impl crate::refs::api::Objects for Runtime {
     }
 
     async fn read(&self, id: u64) -> Result<crate::refs::api::Read> {
-        use crate::refs::api::{Read, ReadTensors};
-        let wv = self.inner.wait_value(id).await?;
-        // A value through the driver may still be arriving (cut-through).
-        wv.arrived().await?;
-        let wv = match wv.transport.sidedness() {
-            rdt_transport::Sidedness::ThroughDriver => wv,
-            rdt_transport::Sidedness::TwoSided => {
-                return Err(Error::CollectiveGet {
-                    object: id,
-                    transport: wv.transport.to_string(),
-                })
+        match self.readable(id).await? {
+            Readable::Direct(wv, inst) => {
+                let tensors = self.get_direct(id, &wv, inst, Target::Any, None).await?;
+                direct_read(&wv, tensors)
             }
-            rdt_transport::Sidedness::OneSided => match driver_transport(wv.transport) {
-                // NIXL: read straight into this process, no worker involved.
-                Some(inst) => {
-                    let tensors = self.get_direct(id, &wv, inst, Target::Any, None).await?;
-                    return Ok(Read {
-                        data: wv.data_bytes()?,
-                        tensors: ReadTensors::Made(tensors),
-                    });
-                }
-                None => self.fetch_via_object_store(id).await?,
-            },
-        };
-        let tensors = object_store::unpack(wv.exported.get()?)?;
-        Ok(Read {
-            data: wv.data_bytes()?,
-            tensors: ReadTensors::Made(tensors),
-        })
+            Readable::Inline(wv) => inline_read(&wv),
+        }
     }
 
     async fn read_into<T: Serialize + DeserializeOwned + 'static>(
@@ -440,11 +425,7 @@ impl crate::refs::api::Objects for Runtime {
         targets: &crate::Targets,
     ) -> Result<(crate::refs::api::Read, Option<Vec<rdt_transport::Tensor>>)> {
         let (wv, tensors, copied) = self.land_in::<T>(id, targets).await?;
-        let read = crate::refs::api::Read {
-            data: wv.data_bytes()?,
-            tensors: crate::refs::api::ReadTensors::Made(tensors),
-        };
-        Ok((read, copied))
+        Ok((direct_read(&wv, tensors)?, copied))
     }
 
     async fn settled(&self, id: u64) -> Result<()> {

@@ -103,7 +103,7 @@ impl Runtime {
                     bootstrap: Vec::new(),
                 },
             };
-            send_to(&mut st.table.outbox, ranks[0], &order);
+            st.table.outbox.send_small(ranks[0], &order);
             let (tx, rx) = oneshot::channel();
             st.group_ops.insert(
                 id,
@@ -144,7 +144,7 @@ impl Runtime {
                                 bootstrap: bootstrap.clone(),
                             },
                         };
-                        send_to(&mut st.table.outbox, *a, &order);
+                        st.table.outbox.send_small(*a, &order);
                     }
                     let (tx, rx) = oneshot::channel();
                     st.group_ops.insert(
@@ -198,11 +198,9 @@ impl Runtime {
                 st.group_ops.remove(&id);
                 if let Some(g) = st.groups.remove(&id) {
                     for a in g.ranks {
-                        send_to(
-                            &mut st.table.outbox,
-                            a,
-                            &ToWorker::DestroyGroup { group: id },
-                        );
+                        st.table
+                            .outbox
+                            .send_small(a, &ToWorker::DestroyGroup { group: id });
                     }
                 }
                 Err(e)
@@ -277,11 +275,9 @@ impl Runtime {
             // OW-15: sends held in the group go ahead of the leave order.
             st.table.send_held_in_group(group.0);
             for a in &live {
-                send_to(
-                    &mut st.table.outbox,
-                    *a,
-                    &ToWorker::DestroyGroup { group: group.0 },
-                );
+                st.table
+                    .outbox
+                    .send_small(*a, &ToWorker::DestroyGroup { group: group.0 });
             }
             let (tx, rx) = oneshot::channel();
             if live.is_empty() {
@@ -355,8 +351,7 @@ pub(super) fn break_groups_where(st: &mut State, which: impl Fn(&Group) -> bool,
         tracing::warn!("tearing down collective group {id}: {reason}");
         g.broken = Some(reason.to_string());
         for a in &g.ranks {
-            send_to(
-                &mut st.table.outbox,
+            st.table.outbox.send_small(
                 *a,
                 &ToWorker::AbortGroup {
                     group: *id,

@@ -92,10 +92,7 @@ impl Runtime {
         if !inst.serves_driver() {
             return Err(refuse());
         }
-        let encoded = crate::refs::codec::encode(value).map_err(|e| Error::Decode {
-            what: "the value given to put_with".into(),
-            message: e.to_string(),
-        })?;
+        let encoded = crate::refs::api::encode(value, "put_with")?;
         let refs = encoded.ref_ids();
         let payload = encoded.payload.clone();
         for t in &payload.tensors {

@@ -86,15 +86,16 @@ pub(crate) trait Objects: Sync {
     ) -> impl Future<Output = Result<ObjectRef<T>>>;
 }
 
-/// Decodes a value read here, refs bound to `c`'s client.
-fn decode<C: Objects, T: DeserializeOwned + 'static>(
+/// Decodes a value read here, refs bound to `c`'s client. Never called
+/// under the driver's state lock (a ref read takes it).
+pub(crate) fn decode<C: Objects, T: DeserializeOwned + 'static>(
     c: &C,
     id: u64,
-    data: &[u8],
-    tensors: &ReadTensors,
+    read: &Read,
 ) -> Result<T> {
     let client = c.client();
-    match tensors {
+    let data = &read.data;
+    match &read.tensors {
         ReadTensors::Made(t) => crate::refs::codec::decode(client.as_ref(), data, t),
         ReadTensors::Stored(l) => crate::refs::codec::decode_list(client.as_ref(), data, l),
     }
@@ -110,7 +111,7 @@ pub(crate) async fn get<C: Objects, T: DeserializeOwned + 'static>(
 ) -> Result<T> {
     let id = r.borrow().id;
     let read = c.read(id).await?;
-    decode(c, id, &read.data, &read.tensors)
+    decode(c, id, &read)
 }
 
 pub(crate) async fn get_into<C: Objects, T: Serialize + DeserializeOwned + 'static>(
@@ -122,8 +123,15 @@ pub(crate) async fn get_into<C: Objects, T: Serialize + DeserializeOwned + 'stat
     let targets: Targets = targets.into();
     let (read, copied) = c.read_into::<T>(id, &targets).await?;
     match copied {
-        Some(t) => decode(c, id, &read.data, &ReadTensors::Made(t)),
-        None => decode(c, id, &read.data, &read.tensors),
+        Some(t) => decode(
+            c,
+            id,
+            &Read {
+                data: read.data,
+                tensors: ReadTensors::Made(t),
+            },
+        ),
+        None => decode(c, id, &read),
     }
 }
 

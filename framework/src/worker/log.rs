@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use tracing::{Event, Subscriber};
 use tracing_subscriber::fmt::format::{self, FormatEvent, FormatFields};
+use tracing_subscriber::fmt::writer::BoxMakeWriter;
 use tracing_subscriber::fmt::FmtContext;
 use tracing_subscriber::layer::{Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
@@ -78,33 +79,27 @@ fn output_of(log: &WorkerLog, name: Arc<str>) -> Output {
             }
         }
     });
-    let full = || Named {
-        name: name.clone(),
-        inner: format::Format::default(),
+    // A file gets no colours; standard error keeps the default.
+    let ansi = file.is_none();
+    let writer = match file {
+        Some(f) => BoxMakeWriter::new(Mutex::new(f)),
+        None => BoxMakeWriter::new(std::io::stderr),
     };
-    let compact = || Named {
-        name: name.clone(),
-        inner: format::Format::default().compact(),
-    };
-    match (file, log.compact) {
-        (Some(f), false) => fmt::layer()
-            .with_ansi(false)
-            .with_writer(Mutex::new(f))
-            .event_format(full())
-            .boxed(),
-        (Some(f), true) => fmt::layer()
-            .with_ansi(false)
-            .with_writer(Mutex::new(f))
-            .event_format(compact())
-            .boxed(),
-        (None, false) => fmt::layer()
-            .with_writer(std::io::stderr)
-            .event_format(full())
-            .boxed(),
-        (None, true) => fmt::layer()
-            .with_writer(std::io::stderr)
-            .event_format(compact())
-            .boxed(),
+    let layer = fmt::layer().with_ansi(ansi).with_writer(writer);
+    if log.compact {
+        layer
+            .event_format(Named {
+                name,
+                inner: format::Format::default().compact(),
+            })
+            .boxed()
+    } else {
+        layer
+            .event_format(Named {
+                name,
+                inner: format::Format::default(),
+            })
+            .boxed()
     }
 }
 
