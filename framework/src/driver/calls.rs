@@ -168,7 +168,7 @@ impl Inner {
         let StagedCall { call, actor, msg } = staged;
         if let Some(reader) = st.readers.get(&actor) {
             // After the call's frames are written, not before.
-            protocol::notify_after_flush(reader);
+            st.after_unlock.notify(reader);
         }
         rdt_transport::trace::timeline("driver call sending", call);
         if let Err(e) = st.table.outbox.send(actor, &msg) {

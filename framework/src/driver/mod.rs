@@ -10,8 +10,8 @@
 //! 2. The driver-side state (owner table, actors, pending calls) sits behind
 //!    one mutex that is never held across an `.await`; sends under it only
 //!    queue frames, in the order decided under it, and the socket writes
-//!    happen once it is released (`Inner::lock`,
-//!    `protocol::defer_writes`): no thread waits on it for a system call.
+//!    happen once it is released (`Inner::lock`, `protocol::Deferred`):
+//!    no thread waits on it for a system call.
 //! 3. A worker's death (connection end) fails its pending calls, its spawn,
 //!    its fetches and its objects at once (see `owner` invariant 4).
 //! 4. Background tasks hold the runtime weakly, so dropping the last

@@ -75,16 +75,18 @@ impl Drop for StateGuard<'_> {
         let freed_held = (self.guard.as_mut())
             .map(|st| st.table.take_freed_held())
             .unwrap_or_default();
-        // Unlock first, then wake the getters whose values settled (a
+        // The outbox goes onto the connections first, still under the
+        // lock, in the order it was decided (OW-7), queued, not written.
+        // Then unlock, then wake the getters whose values settled (a
         // getter's first step is to take the lock: woken under it, it
         // waited there, parked, while this thread finished the message;
         // 4 µs of a 4 KiB pass in the 2×H200 timelines), then write what
-        // was sent meanwhile (invariant 2: the frames are queued in order
-        // already; a getter's own frames queue behind them).
-        // The outbox goes onto the connections first, still under the
-        // lock, in the order it was decided (OW-7).
+        // was queued (invariant 2: a getter's own frames queue behind
+        // them) and wake the readers of the actors called.
+        let mut deferred = protocol::Deferred::default();
         if let Some(st) = self.guard.as_deref_mut() {
-            write_outbox(&mut st.table.outbox, &st.conns);
+            deferred = std::mem::take(&mut st.after_unlock);
+            write_outbox(&mut st.table.outbox, &st.conns, &mut deferred);
         }
         rdt_transport::trace::timeline("driver unlocking", woken.len() as u64);
         drop(self.guard.take());
@@ -92,7 +94,7 @@ impl Drop for StateGuard<'_> {
         wake(woken);
         drop(freed_held);
         rdt_transport::trace::timeline("driver getters woken", 0);
-        protocol::flush_deferred();
+        deferred.flush();
     }
 }
 
@@ -102,9 +104,9 @@ impl Inner {
     /// once it is released (invariant 2): no thread waits on this lock for a
     /// socket write.
     pub(crate) fn lock(&self) -> StateGuard<'_> {
-        let guard = self.state.lock();
-        protocol::defer_writes();
-        StateGuard { guard: Some(guard) }
+        StateGuard {
+            guard: Some(self.state.lock()),
+        }
     }
 }
 
@@ -178,6 +180,9 @@ pub(crate) struct State {
     /// Wakes a worker's reader into its hot read when a call is submitted
     /// to it (`read_worker`).
     pub(super) readers: HashMap<u64, Arc<tokio::sync::Notify>>,
+    /// What waits for the lock's release: the readers to wake after the
+    /// outbox is written (`send_call`).
+    pub(super) after_unlock: protocol::Deferred,
     pub(super) joining: HashMap<u64, oneshot::Sender<Joined>>,
     pub(super) spawning: HashMap<u64, oneshot::Sender<Result<()>>>,
     pub(super) fetches: HashMap<u64, (u64, oneshot::Sender<Result<WireValue>>)>,

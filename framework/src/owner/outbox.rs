@@ -17,7 +17,7 @@ pub(crate) struct Outgoing {
     /// The message, encoded with its length in front.
     pub frame: wire::Frame,
     /// Nothing waits for it (a `Free`): it may wait for the next frame on
-    /// its connection (`Sender::send_soon`).
+    /// its connection (`protocol::Deferred::send_soon`).
     pub soon: bool,
 }
 
@@ -73,7 +73,7 @@ impl Outbox {
     }
 
     /// Queues a `Free` of `object` for `to`, which nothing waits for: it
-    /// goes with the next frame on the connection (`Sender::send_soon`).
+    /// goes with the next frame on the connection (`protocol::Deferred::send_soon`).
     pub fn send_free(&mut self, to: u64, object: u64) {
         match encode(&ToWorker::Free { object }) {
             Ok(frame) => self.items.push(Outgoing {

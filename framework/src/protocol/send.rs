@@ -65,7 +65,7 @@ fn encode<T: Serialize>(msg: &T) -> Result<wire::Frame> {
     wire::to_frame_with_length(msg).map_err(|e| Error::Protocol(e.to_string()))
 }
 
-/// The longest a frame sent with [`Sender::send_soon`] waits for the next
+/// The longest a frame sent with [`Deferred::send_soon`] waits for the next
 /// frame on its connection before the writer task writes it.
 pub const SOON: Duration = Duration::from_millis(1);
 
@@ -73,7 +73,7 @@ pub(super) struct SenderInner {
     half: WriteHalf,
     pub(super) queue: parking_lot::Mutex<WriteQueue>,
     wake: Notify,
-    /// Frames were held by [`Sender::send_soon`]: the writer task writes
+    /// Frames were held by [`Deferred::send_soon`]: the writer task writes
     /// them within [`SOON`] if no other frame took them first.
     soon: Notify,
     /// `soon` was notified and the writer has not written since.
@@ -123,7 +123,7 @@ struct ForwardCounts {
 pub(super) struct WriteQueue {
     pub(super) chunks: VecDeque<Chunk>,
     closed: bool,
-    /// Every queued frame came from [`Sender::send_soon`] and nobody is
+    /// Every queued frame came from [`Deferred::send_soon`] and nobody is
     /// writing them yet: the next frame, or the writer task within
     /// [`SOON`], writes them.
     pub(super) held: bool,
@@ -262,23 +262,28 @@ impl Sender {
             .store(max, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Sends a frame already encoded (with its length:
-    /// `wire::to_frame_with_length`), which nothing waits for, with the next frame on this
+    /// Queues a frame already encoded (with its length:
+    /// `wire::to_frame_with_length`), which nothing waits for, to go out with the next frame on this
     /// connection, or within [`SOON`] if none comes: no system call now.
     ///
     /// For frees. Each was a socket write on the path of whatever the
     /// driver did next (a `drop` of a ref, the reply that released an
     /// argument): 3–5 µs of a 50 µs hand-off on the GPU hosts. Order is
     /// kept: a held frame goes out before any frame sent after it. Over
-    /// TLS (whose writer task writes everything) it is [`send_encoded`](Self::send_encoded).
-    pub fn send_soon_encoded(&self, frame: wire::Frame) -> Result<()> {
+    /// TLS (whose writer task writes everything) it is sent as any frame.
+    /// The frame is queued; what is left to do (a flush, or waking the
+    /// writer task to write within [`SOON`]) is returned.
+    fn queue_soon(&self, frame: wire::Frame) -> Result<SoonQueued> {
         if matches!(self.inner.half, WriteHalf::Tls(_)) || !frame.blobs.is_empty() || frame.status {
             // Only small, whole frames wait.
-            return self.send_frame(frame);
+            return Ok(match self.queue(frame, false)? {
+                true => SoonQueued::Flush,
+                false => SoonQueued::Taken,
+            });
         }
         let mut q = self.inner.queue.lock();
         if q.closed {
-            return Ok(());
+            return Ok(SoonQueued::Taken);
         }
         if q.chunks.is_empty() {
             q.held = true;
@@ -289,26 +294,17 @@ impl Sender {
         if !held {
             // The writer task is writing the queue; it takes this too.
             self.inner.wake.notify_one();
+            Ok(SoonQueued::Taken)
         } else if !self
             .inner
             .soon_armed
             .swap(true, std::sync::atomic::Ordering::AcqRel)
         {
-            self.arm_soon();
+            // Armed once per holding, so a connection is woken once.
+            Ok(SoonQueued::Arm)
+        } else {
+            Ok(SoonQueued::Taken)
         }
-        Ok(())
-    }
-
-    /// Wakes the writer task to write held frames within [`SOON`]. Under
-    /// the driver's state lock ([`defer_writes`]) the wake waits for
-    /// [`flush_deferred`]: waking a task that slept costs the waking
-    /// thread a system call (1–2 µs on the GPU hosts), and the thread
-    /// under the lock is usually the reader handling a call's end, whose
-    /// getter wakes only after the unlock. A frame that comes meanwhile
-    /// takes the held ones along anyway. Called once per arming
-    /// (`soon_armed`), so a connection is listed once.
-    fn arm_soon(&self) {
-        wake_after_flush(Wake::WriterSoon(self.clone()));
     }
 
     /// Whether `other` sends on the same connection.
@@ -334,14 +330,20 @@ impl Sender {
         self.send_frame(frame)
     }
 
-    /// [`send`](Self::send) of a frame already encoded (with its length:
-    /// `wire::to_frame_with_length`), as the driver's outbox holds them.
-    pub fn send_encoded(&self, frame: wire::Frame) -> Result<()> {
-        self.send_frame(frame)
-    }
-
     /// [`send`](Self::send) of a frame already encoded.
     fn send_frame(&self, frame: wire::Frame) -> Result<()> {
+        if self.queue(frame, false)? {
+            self.flush();
+        }
+        Ok(())
+    }
+
+    /// Queues `frame` behind those already queued, and writes nothing:
+    /// returns whether the caller must [`flush`](Self::flush) (the queue
+    /// was empty, so no writer task writes it). `behind_own` says the
+    /// caller flushes this connection anyway (it queued earlier frames
+    /// here): then the writer task is not woken either.
+    fn queue(&self, frame: wire::Frame, behind_own: bool) -> Result<bool> {
         let len = frame.len() - 8;
         let max_frame = self
             .inner
@@ -354,7 +356,7 @@ impl Sender {
         }
         let mut q = self.inner.queue.lock();
         if q.closed {
-            return Ok(());
+            return Ok(false);
         }
         // Held frames (`send_soon`) go out with this one.
         let was_empty = q.chunks.is_empty() || q.held;
@@ -377,115 +379,121 @@ impl Sender {
         if frame.status {
             q.chunks.push_back(Chunk::Status(arriving));
         }
-        // Under the driver's state lock (`defer_writes`): whether this
-        // connection is listed for `flush_deferred` already.
-        let listed = DEFERRED.with(|d| {
-            d.borrow()
-                .as_ref()
-                .map(|l| l.iter().any(|s| s.same_connection(self)))
-        });
-        match listed {
-            // Behind frames the flush writes (a delivery, then its call):
-            // it takes this one too. Waking the writer task instead cost
-            // a system call on the call's path (the task slept) and raced
-            // the flush for the socket.
-            Some(true) => return Ok(()),
-            // Queued in order now, written by the flush once the lock is
-            // released.
-            Some(false) if was_empty => {
-                drop(q);
-                DEFERRED.with(|d| {
-                    if let Some(list) = d.borrow_mut().as_mut() {
-                        list.push(self.clone());
-                    }
-                });
-                return Ok(());
-            }
-            _ => {}
-        }
-        if was_empty {
-            self.write_queued(q);
+        drop(q);
+        if behind_own {
+            // Behind frames the caller's flush writes (a delivery, then
+            // its call): it takes this one too. Waking the writer task
+            // instead would cost a system call and race the flush for the
+            // socket.
+            Ok(false)
+        } else if was_empty {
+            Ok(true)
         } else {
             // The writer task has the earlier frames; it takes this one too.
-            drop(q);
             self.inner.wake.notify_one();
+            Ok(false)
+        }
+    }
+}
+
+/// What is left to do for a frame [`Sender::queue_soon`] queued.
+enum SoonQueued {
+    /// Nothing: the writer task has it, or will within [`SOON`].
+    Taken,
+    /// The connection's queue must be flushed.
+    Flush,
+    /// The writer task must be woken, to write the held frames within
+    /// [`SOON`].
+    Arm,
+}
+
+/// Frames queued on connections, and tasks to wake, once a lock is
+/// released: the driver queues its outbox here while it holds its state
+/// lock (so the frames on each connection keep the order of the decisions
+/// made under it, driver invariant 2) and runs [`flush`](Self::flush) after
+/// the unlock, so no thread waits on the lock for a socket write or for a
+/// wake-up's system call (1–3 µs each on the GPU hosts).
+#[derive(Default)]
+pub struct Deferred {
+    /// Connections this holds frames for, each once.
+    pub(super) flush: Vec<Sender>,
+    /// Connections whose writer task must be woken for held frames.
+    pub(super) soon: Vec<Sender>,
+    /// Tasks to notify after the writes (a worker's reader, woken when a
+    /// call goes out: the call's frames should not wait for the wake).
+    tasks: Vec<Arc<tokio::sync::Notify>>,
+}
+
+impl std::fmt::Debug for Deferred {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deferred")
+            .field("flush", &self.flush.len())
+            .field("soon", &self.soon.len())
+            .field("tasks", &self.tasks.len())
+            .finish()
+    }
+}
+
+impl Deferred {
+    /// Queues `frame` (encoded with its length) on `conn`, in order behind
+    /// what is queued there; written by [`flush`](Self::flush). A frame
+    /// over the connection's limit is refused; a closed connection drops
+    /// it (its reader reports the death).
+    pub fn send(&mut self, conn: &Sender, frame: wire::Frame) -> Result<()> {
+        let listed = self.listed(conn);
+        if conn.queue(frame, listed)? {
+            self.flush.push(conn.clone());
         }
         Ok(())
     }
-}
 
-thread_local! {
-    /// Senders with frames queued while this thread defers writes (see
-    /// [`defer_writes`]).
-    static DEFERRED: std::cell::RefCell<Option<Vec<Sender>>> = const { std::cell::RefCell::new(None) };
-    /// Wake-ups that wait for this thread's deferred writes (see
-    /// [`wake_after_flush`]).
-    pub(super) static DEFERRED_WAKES: std::cell::RefCell<Vec<Wake>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// A wake-up of another task that waits for [`flush_deferred`].
-pub(super) enum Wake {
-    /// A connection's writer task, for its held frames ([`Sender::arm_soon`]).
-    WriterSoon(Sender),
-    /// A task of the caller's ([`notify_after_flush`]).
-    Task(Arc<tokio::sync::Notify>),
-}
-
-impl Wake {
-    fn now(self) {
-        match self {
-            Wake::WriterSoon(s) => s.inner.soon.notify_one(),
-            Wake::Task(t) => t.notify_one(),
+    /// [`send`](Self::send) of a frame nothing waits for
+    /// ([`Deferred::send_soon`]): it may wait up to [`SOON`] for the
+    /// next frame on its connection.
+    pub fn send_soon(&mut self, conn: &Sender, frame: wire::Frame) -> Result<()> {
+        if self.listed(conn) {
+            // Written by the flush, with the frames before it.
+            return self.send(conn, frame);
         }
-    }
-}
-
-/// Does `wake` once this thread's deferred writes ([`defer_writes`]) are
-/// written, if `knob` is on and the thread defers writes; else now.
-fn wake_after_flush(wake: Wake) {
-    if DEFERRED.with(|d| d.borrow().is_some()) {
-        DEFERRED_WAKES.with(|d| d.borrow_mut().push(wake));
-    } else {
-        wake.now();
-    }
-}
-
-/// Notifies `task` once this thread's deferred writes ([`defer_writes`])
-/// are written, or now if it defers none. The driver wakes a worker's
-/// reader this way when it submits a call: the reader slept, so the wake
-/// is a system call (2-3 µs on the GPU hosts), and the call's frames
-/// should not wait for it; the reply comes long after.
-pub fn notify_after_flush(task: &Arc<tokio::sync::Notify>) {
-    wake_after_flush(Wake::Task(task.clone()));
-}
-
-/// From now until [`flush_deferred`] on this thread, [`Sender::send`] queues
-/// its frame in order and leaves the socket write for later. The driver
-/// does this while it holds its state lock (so the order of frames on each
-/// connection is the order of decisions made under the lock) and writes
-/// after releasing it: no other thread waits on the lock for a system call.
-pub fn defer_writes() {
-    DEFERRED.with(|d| {
-        let mut d = d.borrow_mut();
-        if d.is_none() {
-            *d = Some(Vec::new());
+        match conn.queue_soon(frame)? {
+            SoonQueued::Flush => self.flush.push(conn.clone()),
+            SoonQueued::Arm => self.soon.push(conn.clone()),
+            SoonQueued::Taken => {}
         }
-    });
-}
-
-/// Ends [`defer_writes`] and writes what was queued meanwhile (without
-/// blocking: what the socket does not take now, each connection's writer
-/// task writes).
-pub fn flush_deferred() {
-    let Some(list) = DEFERRED.with(|d| d.borrow_mut().take()) else {
-        return;
-    };
-    rdt_transport::trace::timeline("flush deferred", list.len() as u64);
-    for s in list {
-        s.flush();
+        Ok(())
     }
-    for wake in DEFERRED_WAKES.with(|d| std::mem::take(&mut *d.borrow_mut())) {
-        wake.now();
+
+    /// Notifies `task` after the writes of [`flush`](Self::flush).
+    pub fn notify(&mut self, task: &Arc<tokio::sync::Notify>) {
+        self.tasks.push(task.clone());
+    }
+
+    /// Whether nothing waits here.
+    pub fn is_empty(&self) -> bool {
+        self.flush.is_empty() && self.soon.is_empty() && self.tasks.is_empty()
+    }
+
+    fn listed(&self, conn: &Sender) -> bool {
+        self.flush.iter().any(|s| s.same_connection(conn))
+    }
+
+    /// Writes what was queued, up to what each socket takes now (without
+    /// blocking: each connection's writer task writes the rest), then
+    /// wakes the writer tasks of held frames and the tasks to notify.
+    pub fn flush(self) {
+        if self.is_empty() {
+            return;
+        }
+        rdt_transport::trace::timeline("flush deferred", self.flush.len() as u64);
+        for s in self.flush {
+            s.flush();
+        }
+        for s in self.soon {
+            s.inner.soon.notify_one();
+        }
+        for t in self.tasks {
+            t.notify_one();
+        }
     }
 }
 

@@ -107,22 +107,21 @@ async fn frames_round_trip_and_oversize_frames_are_refused() {
     .unwrap();
 }
 
-/// A frame sent with `send_soon` costs no write: it goes out with the
+/// A frame queued with `send_soon` costs no write: it goes out with the
 /// next frame, before it, or from the writer task within `SOON`.
 #[tokio::test]
 async fn a_frame_sent_soon_goes_with_the_next_frame_or_on_its_own_soon() {
     tokio::time::timeout(Duration::from_secs(10), async {
         let (tx, mut rx) = connected(1 << 20);
-        tx.send_soon_encoded(
-            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 1 }).unwrap(),
-        )
-        .unwrap();
+        let mut deferred = Deferred::default();
+        deferred.send_soon(&tx, free_frame(1)).unwrap();
         {
             let q = tx.inner.queue.lock();
             assert!(q.held && q.chunks.len() == 1, "held, not written");
         }
         tx.send(&ToWorker::Ping).unwrap();
         assert!(!tx.inner.queue.lock().held);
+        deferred.flush();
         assert!(matches!(
             rx.recv::<ToWorker>().await.unwrap(),
             Some(ToWorker::Free { object: 1 })
@@ -132,56 +131,54 @@ async fn a_frame_sent_soon_goes_with_the_next_frame_or_on_its_own_soon() {
             Some(ToWorker::Ping)
         ));
         // Alone, it still arrives (the writer task, after SOON).
-        tx.send_soon_encoded(
-            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 2 }).unwrap(),
-        )
-        .unwrap();
-        tx.send_soon_encoded(
-            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 3 }).unwrap(),
-        )
-        .unwrap();
+        let mut deferred = Deferred::default();
+        deferred.send_soon(&tx, free_frame(2)).unwrap();
+        deferred.send_soon(&tx, free_frame(3)).unwrap();
+        deferred.flush();
         expect_frees(&mut rx, &[2, 3]).await;
     })
     .await
     .expect("deadline");
 }
 
-/// A frame sent with `send_soon` while writes are deferred (the
-/// driver's lock) wakes no writer then: the wake waits for
-/// `flush_deferred`, and the frame still arrives on its own.
+fn free_frame(object: u64) -> wire::Frame {
+    wire::to_frame_with_length(&ToWorker::Free { object }).unwrap()
+}
+
+/// A frame queued with `Deferred::send_soon` (the driver's lock) wakes
+/// no writer then: the wake waits for `Deferred::flush`, and the frame
+/// still arrives on its own.
 #[tokio::test]
-async fn a_frame_sent_soon_under_deferred_writes_wakes_the_writer_after_the_flush() {
+async fn a_frame_queued_soon_wakes_the_writer_after_the_flush() {
     tokio::time::timeout(Duration::from_secs(10), async {
         let (tx, mut rx) = connected(1 << 20);
-        defer_writes();
-        tx.send_soon_encoded(
-            rdt_transport::wire::to_frame_with_length(&ToWorker::Free { object: 7 }).unwrap(),
-        )
-        .unwrap();
-        let parked = DEFERRED_WAKES.with(|d| d.borrow().len());
-        assert_eq!(parked, 1, "the writer's wake waits for the flush");
-        flush_deferred();
-        assert_eq!(DEFERRED_WAKES.with(|d| d.borrow().len()), 0);
+        let mut deferred = Deferred::default();
+        deferred.send_soon(&tx, free_frame(7)).unwrap();
+        assert_eq!(deferred.soon.len(), 1, "the writer's wake waits for the flush");
+        assert!(deferred.flush.is_empty(), "a held frame needs no flush");
+        deferred.flush();
         expect_frees(&mut rx, &[7]).await;
     })
     .await
     .expect("deadline");
 }
 
-/// Two frames on one connection while writes are deferred (a delivery
-/// and its call, under the driver's lock): the second wakes no writer
-/// task, so nothing is written before `flush_deferred`, which writes
-/// both, in order. Before, the second woke the writer task, which
-/// wrote them under the lock (and cost the sender a wake-up).
+/// Two frames on one connection queued under the lock (a delivery and
+/// its call): the second wakes no writer task, so nothing is written
+/// before `Deferred::flush`, which writes both, in order. Were the
+/// writer task woken, it would write them under the lock (and cost the
+/// sender a wake-up).
 #[tokio::test(flavor = "current_thread")]
 async fn a_frame_behind_deferred_ones_waits_for_the_flush() {
     tokio::time::timeout(Duration::from_secs(10), async {
         let (tx, mut rx) = connected(1 << 20);
-        defer_writes();
-        tx.send(&ToWorker::Free { object: 1 }).unwrap();
-        tx.send(&ToWorker::Free { object: 2 }).unwrap();
+        let mut deferred = Deferred::default();
+        deferred.send(&tx, free_frame(1)).unwrap();
+        deferred.send(&tx, free_frame(2)).unwrap();
+        deferred.send_soon(&tx, free_frame(3)).unwrap();
+        assert_eq!(deferred.flush.len(), 1, "the connection is listed once");
         // Every task the sends woke runs during these yields (one
-        // thread): a woken writer would write both frames now.
+        // thread): a woken writer would write the frames now.
         for _ in 0..16 {
             tokio::task::yield_now().await;
         }
@@ -192,35 +189,47 @@ async fn a_frame_behind_deferred_ones_waits_for_the_flush() {
                 "nothing is written before the flush"
             );
         }
-        assert_eq!(tx.inner.queue.lock().chunks.len(), 2, "both still queued");
-        flush_deferred();
-        expect_frees(&mut rx, &[1, 2]).await;
+        assert_eq!(tx.inner.queue.lock().chunks.len(), 3, "all still queued");
+        deferred.flush();
+        expect_frees(&mut rx, &[1, 2, 3]).await;
     })
     .await
     .expect("deadline");
 }
 
-/// A task notified with `notify_after_flush` while writes are
-/// deferred hears it only once they are flushed; without deferred
-/// writes, at once.
+/// A frame over the connection's limit is refused when queued, and the
+/// frames queued before it still go out.
 #[tokio::test]
-async fn a_notify_after_flush_waits_for_the_flush() {
+async fn a_deferred_frame_over_the_limit_is_refused_and_loses_nothing() {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        let (tx, mut rx) = connected(1 << 20);
+        tx.set_max_frame(64);
+        let mut deferred = Deferred::default();
+        deferred.send(&tx, free_frame(1)).unwrap();
+        let big = wire::to_frame_with_length(&vec![0u8; 1024]).unwrap();
+        let err = deferred.send(&tx, big).unwrap_err();
+        assert!(err.to_string().contains("exceeds the control frame limit"), "{err}");
+        deferred.flush();
+        expect_frees(&mut rx, &[1]).await;
+    })
+    .await
+    .expect("deadline");
+}
+
+/// A task handed to `Deferred::notify` hears it only at the flush.
+#[tokio::test]
+async fn a_deferred_notify_waits_for_the_flush() {
     tokio::time::timeout(Duration::from_secs(10), async {
         let task = Arc::new(tokio::sync::Notify::new());
-        defer_writes();
-        notify_after_flush(&task);
-        {
-            let mut heard = std::pin::pin!(task.notified());
-            assert!(
-                futures::poll!(heard.as_mut()).is_pending(),
-                "not before the flush"
-            );
-            flush_deferred();
-            heard.await;
-        }
-        notify_after_flush(&task);
+        let mut deferred = Deferred::default();
+        deferred.notify(&task);
         let mut heard = std::pin::pin!(task.notified());
-        assert!(futures::poll!(heard.as_mut()).is_ready(), "at once");
+        assert!(
+            futures::poll!(heard.as_mut()).is_pending(),
+            "not before the flush"
+        );
+        deferred.flush();
+        heard.await;
     })
     .await
     .expect("deadline");
