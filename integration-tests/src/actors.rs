@@ -2010,4 +2010,11 @@ impl Logger {
     fn warn(&self, line: String) {
         tracing::warn!(line = %line, "the actor warns");
     }
+
+    /// Says so at `info`, then has `to` log `line` at `info`: a call made
+    /// while running one (the trace tests).
+    async fn relay(&self, to: LoggerHandle, line: String) -> rdt::Result<()> {
+        tracing::info!("relaying");
+        rdt::runtime().get(to.info(line).remote()).await
+    }
 }

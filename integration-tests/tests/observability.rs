@@ -9,60 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use rdt::prelude::*;
+use rdt_integration_tests::capture::Spans;
 use rdt_integration_tests::deadline;
-use tracing::field::{Field, Visit};
-use tracing::span::{Attributes, Id, Record};
-use tracing_subscriber::layer::{Context, Layer};
-use tracing_subscriber::prelude::*;
-
-/// A span's fields, by name, as text.
-type FieldValues = HashMap<String, String>;
-
-/// Each span's name and fields, by id.
-#[derive(Default, Clone)]
-struct Spans(Arc<Mutex<HashMap<u64, (String, FieldValues)>>>);
-
-struct Fields<'a>(&'a mut FieldValues);
-
-impl Visit for Fields<'_> {
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        self.0.insert(
-            field.name().to_string(),
-            format!("{value:?}").trim_matches('"').to_string(),
-        );
-    }
-
-    fn record_str(&mut self, field: &Field, value: &str) {
-        self.0.insert(field.name().to_string(), value.to_string());
-    }
-}
-
-impl<S: tracing::Subscriber> Layer<S> for Spans {
-    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _: Context<'_, S>) {
-        let mut fields = HashMap::new();
-        attrs.record(&mut Fields(&mut fields));
-        self.0
-            .lock()
-            .unwrap()
-            .insert(id.into_u64(), (attrs.metadata().name().to_string(), fields));
-    }
-
-    fn on_record(&self, id: &Id, values: &Record<'_>, _: Context<'_, S>) {
-        if let Some((_, fields)) = self.0.lock().unwrap().get_mut(&id.into_u64()) {
-            values.record(&mut Fields(fields));
-        }
-    }
-}
-
-impl Spans {
-    /// The fields of every span named `name`.
-    fn named(&self, name: &str) -> Vec<FieldValues> {
-        (self.0.lock().unwrap().values())
-            .filter(|(n, _)| n == name)
-            .map(|(_, f)| f.clone())
-            .collect()
-    }
-}
 
 /// Counters by name and labels (`name{k=v,...}`).
 #[derive(Default, Clone)]
@@ -101,14 +49,7 @@ impl Recorder for Counters {
 
 #[tokio::test]
 async fn a_pass_is_seen_as_spans_and_counted() {
-    let spans = Spans::default();
-    tracing_subscriber::registry()
-        .with(
-            spans
-                .clone()
-                .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
-        )
-        .init();
+    let spans = Spans::install();
     let counters = Counters::default();
     metrics::set_global_recorder(counters.clone()).expect("the test's recorder");
     deadline(60, async {

@@ -6,6 +6,7 @@
 use rdt::prelude::*;
 use rdt::WorkerLog;
 use rdt_integration_tests::actors::Logger;
+use rdt_integration_tests::capture::Spans;
 use rdt_integration_tests::deadline;
 
 /// A fresh path for a log in the system's temporary folder.
@@ -77,6 +78,77 @@ async fn at_the_default_level_a_healthy_worker_is_quiet_and_a_warning_shows() {
             .unwrap_or_else(|| panic!("the warning in {}:\n{text}", path.display()));
         assert!(line.starts_with(&format!("{} ", a.raw().name())), "{line}");
         assert!(line.contains("WARN"), "{line}");
+    })
+    .await;
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A call's trace crosses processes: the worker's `call` span names the
+/// driver's (`caller_span`) and its trace, and a call an actor makes while
+/// it runs one joins that trace, in the driver and in the callee's worker.
+#[tokio::test]
+async fn a_calls_trace_follows_it_into_the_workers_and_their_calls() {
+    let spans = Spans::install();
+    let path = std::env::temp_dir().join(format!("rdt-call-trace-{}.log", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    deadline(60, async {
+        let rt = Runtime::builder()
+            .worker_log(WorkerLog::new().filter("info").file(&path))
+            .start()
+            .await
+            .unwrap();
+        let a = rt.spawn::<Logger>(()).await.unwrap();
+        let b = rt.spawn::<Logger>(()).await.unwrap();
+        rt.get(a.relay(b.clone(), "traced line".to_string()).remote())
+            .await
+            .unwrap();
+        rt.shutdown().await;
+
+        let calls = spans.named("call");
+        let method = |m: &str| {
+            calls
+                .iter()
+                .find(|f| f.get("method").map(String::as_str) == Some(m))
+                .unwrap_or_else(|| panic!("a driver call span for {m}: {calls:?}"))
+                .clone()
+        };
+        let (relay, info) = (method("relay"), method("info"));
+        assert_eq!(
+            relay["trace"], relay["call"],
+            "a program's call starts a trace: {relay:?}"
+        );
+        assert!(!relay.contains_key("caller_span"), "{relay:?}");
+        assert_eq!(
+            info["trace"], relay["trace"],
+            "the actor's call joins it: {info:?}"
+        );
+        let made_in_a: u64 = info["caller_span"].parse().unwrap();
+        assert_ne!(made_in_a, 0, "the relay's span in its worker: {info:?}");
+
+        let text = std::fs::read_to_string(&path).expect("the workers wrote their log");
+        let line = |needle: &str| {
+            text.lines()
+                .find(|l| l.contains(needle))
+                .unwrap_or_else(|| panic!("{needle:?} in {}:\n{text}", path.display()))
+                .to_string()
+        };
+        let relaying = line("relaying");
+        assert!(
+            relaying.starts_with(&format!("{} ", a.raw().name())),
+            "{relaying}"
+        );
+        assert!(
+            relaying.contains(&format!("trace={}", relay["trace"]))
+                && relaying.contains(&format!("caller_span={}", relay["span_id"])),
+            "the relay's worker span is the child of the driver's: {relaying}\n{relay:?}"
+        );
+        let said = line("traced line");
+        assert!(said.starts_with(&format!("{} ", b.raw().name())), "{said}");
+        assert!(
+            said.contains(&format!("trace={}", relay["trace"]))
+                && said.contains(&format!("caller_span={}", info["span_id"])),
+            "the nested call's worker span is the child of its driver span: {said}\n{info:?}"
+        );
     })
     .await;
     let _ = std::fs::remove_file(&path);

@@ -24,10 +24,12 @@ impl Inner {
         let msg = SubmitMsg {
             actor,
             method,
+            method_name: String::new(),
             args: wire_args,
             result: id,
             transport,
             error: early,
+            context: None,
         };
         let mut guard = self.lock();
         let mut staged = self.stage_call(&mut guard, msg, method_name);
@@ -83,12 +85,17 @@ impl Inner {
         let SubmitMsg {
             actor,
             method,
+            method_name: _,
             args: wire_args,
             result: id,
             transport,
             error,
+            context,
         } = msg;
         let call = self.next_id();
+        // A call the driver's program made starts a trace; one an actor
+        // made while it ran a call joins that call's.
+        let trace = context.map_or(call, |c| c.trace);
         rdt_transport::trace::timeline("driver submit", call);
         let mut arg_ids = Vec::new();
         let mut nested = Vec::new();
@@ -127,6 +134,21 @@ impl Inner {
             .copied()
             .filter(|&a| st.table.releasable(a, actor))
             .collect();
+        let span = tracing::info_span!(
+            parent: None,
+            "call",
+            call,
+            actor = %actor_name(&st.actors, actor),
+            method = method_name,
+            result = id,
+            trace,
+            caller_span = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        if let Some(c) = context {
+            span.record("caller_span", c.caller_span);
+        }
+        let context = CallContext::under(trace, &span);
         st.calls.insert(
             call,
             PendingCall {
@@ -134,15 +156,7 @@ impl Inner {
                 result: id,
                 args: arg_ids,
                 nested,
-                span: tracing::info_span!(
-                    parent: None,
-                    "call",
-                    call,
-                    actor = %actor_name(&st.actors, actor),
-                    method = method_name,
-                    result = id,
-                    outcome = tracing::field::Empty,
-                ),
+                span,
             },
         );
         tracing::trace!(call, method = method_name, "submit");
@@ -157,6 +171,7 @@ impl Inner {
                 result: id,
                 transport,
                 release,
+                context,
             }),
         })
     }

@@ -102,11 +102,12 @@ impl Inner {
                 GroupOp::answered(&mut st.group_ops, group, actor, result);
             }
             ToDriver::Hello { .. } => tracing::warn!("actor {actor} said hello twice; ignored"),
-            ToDriver::Submit(msg) => {
+            ToDriver::Submit(mut msg) => {
                 if !self.new_actor_object(st, actor, msg.result) {
                     return;
                 }
-                self.submit_locked(st, msg, "(submitted by an actor)");
+                let method_name = std::mem::take(&mut msg.method_name);
+                self.submit_locked(st, msg, &method_name);
             }
             ToDriver::Put { object, value } => {
                 if !self.new_actor_object(st, actor, object) {

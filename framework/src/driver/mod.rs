@@ -41,7 +41,7 @@ use crate::ids::{ActorId, GroupId};
 use crate::owner::{actor_name, ActorInfo, Actors, GroupLookup, ObjState, OwnerTable};
 use crate::protocol::boot::{env as wenv, DEFAULT_MAX_FRAME};
 use crate::protocol::{
-    self, CallMsg, SubmitMsg, ToDriver, ToWorker, WireArg, WireExported, WireValue,
+    self, CallContext, CallMsg, SubmitMsg, ToDriver, ToWorker, WireArg, WireExported, WireValue,
 };
 use crate::refs::client::ArgOut;
 use crate::refs::client::{Client, SharedClient};

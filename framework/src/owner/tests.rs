@@ -146,6 +146,7 @@ impl Pair {
             result,
             transport,
             release: release.clone(),
+            context: crate::protocol::CallContext::default(),
         });
         self.table.outbox.send(actor, &msg).expect("a call fits");
         let args = args.to_vec();

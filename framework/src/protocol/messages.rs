@@ -33,6 +33,33 @@ pub struct CallMsg {
     /// ends, unless another call it holds takes them too (OW-12): the
     /// driver's last need of them from this actor, when it was submitted.
     pub release: Vec<u64>,
+    /// The trace it belongs to and the span that made it.
+    pub context: CallContext,
+}
+
+/// What a call carries of where it came from, as tarpc's `Context` does:
+/// the trace it belongs to and its caller's span, so the worker's `call`
+/// span names the driver's, and a call an actor makes while it runs one
+/// stays in that call's trace, across processes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallContext {
+    /// The trace: the id of the first call of the chain, the one the
+    /// driver's program made.
+    pub trace: u64,
+    /// The caller's `call` span, as the subscriber of the caller's process
+    /// numbered it (`tracing::Id::into_u64`); 0 where it had none (no
+    /// subscriber took the span).
+    pub caller_span: u64,
+}
+
+impl CallContext {
+    /// The context of calls made under `span`, in `trace`.
+    pub fn under(trace: u64, span: &tracing::Span) -> Self {
+        CallContext {
+            trace,
+            caller_span: span.id().map_or(0, |id| id.into_u64()),
+        }
+    }
 }
 
 impl CallMsg {
@@ -131,6 +158,8 @@ pub struct SubmitMsg {
     pub actor: u64,
     /// Method index in that actor's impl.
     pub method: u32,
+    /// The method's name, for the driver's span of the call.
+    pub method_name: String,
     /// Arguments; refs among them are the submitter's, held until the
     /// message is queued (CL-2).
     pub args: Vec<WireArg>,
@@ -142,6 +171,9 @@ pub struct SubmitMsg {
     /// Why the call cannot run (an argument did not encode): the result
     /// fails with it at once.
     pub error: Option<Error>,
+    /// The call the submitter was running when it made this one, if any:
+    /// this one joins its trace.
+    pub context: Option<CallContext>,
 }
 
 /// Driver → worker.

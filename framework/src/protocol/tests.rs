@@ -154,7 +154,11 @@ async fn a_frame_queued_soon_wakes_the_writer_after_the_flush() {
         let (tx, mut rx) = connected(1 << 20);
         let mut deferred = Deferred::default();
         deferred.send_soon(&tx, free_frame(7)).unwrap();
-        assert_eq!(deferred.soon.len(), 1, "the writer's wake waits for the flush");
+        assert_eq!(
+            deferred.soon.len(),
+            1,
+            "the writer's wake waits for the flush"
+        );
         assert!(deferred.flush.is_empty(), "a held frame needs no flush");
         deferred.flush();
         expect_frees(&mut rx, &[7]).await;
@@ -208,7 +212,10 @@ async fn a_deferred_frame_over_the_limit_is_refused_and_loses_nothing() {
         deferred.send(&tx, free_frame(1)).unwrap();
         let big = wire::to_frame_with_length(&vec![0u8; 1024]).unwrap();
         let err = deferred.send(&tx, big).unwrap_err();
-        assert!(err.to_string().contains("exceeds the control frame limit"), "{err}");
+        assert!(
+            err.to_string().contains("exceeds the control frame limit"),
+            "{err}"
+        );
         deferred.flush();
         expect_frees(&mut rx, &[1]).await;
     })

@@ -154,14 +154,17 @@ impl WorkerShared {
         if own {
             self.self_calls.lock().insert(id);
         }
+        let context = super::host::current_call();
         let msg = |args, error| {
             ToDriver::Submit(SubmitMsg {
                 actor,
                 method,
+                method_name: method_name.to_string(),
                 args,
                 result: id,
                 transport,
                 error,
+                context,
             })
         };
         if let Err(e) = self.tx.send(&msg(wire_args, error)) {

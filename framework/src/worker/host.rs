@@ -47,7 +47,7 @@ use tracing::Instrument;
 use super::{panic_message, Landed, Slot, StoredValue, WorkerShared};
 use crate::actor::{Actor as RdtActor, CallArgs, Concurrency, MethodInfo};
 use crate::error::{Error, Result};
-use crate::protocol::{CallMsg, ToDriver, WireArg, WireExported, WireValue};
+use crate::protocol::{CallContext, CallMsg, ToDriver, WireArg, WireExported, WireValue};
 use crate::transport::Transport;
 
 /// Calls that may queue at one actor; beyond, a call fails at once with
@@ -97,6 +97,20 @@ struct Header {
     refs: Vec<u64>,
     /// The copies it may drop when it ends (WK-13, OW-12).
     release: Vec<u64>,
+    /// Its trace and its caller's span.
+    context: CallContext,
+}
+
+tokio::task_local! {
+    /// The call this task runs, for the calls its method makes: they join
+    /// its trace ([`current_call`]).
+    static CURRENT_CALL: CallContext;
+}
+
+/// The context for a call made now: that of the call this task runs (its
+/// trace, its span), if it runs one. A task the method spawned runs none.
+pub(super) fn current_call() -> Option<CallContext> {
+    CURRENT_CALL.try_with(|c| *c).ok()
 }
 
 /// A call's arguments, ready for the method.
@@ -166,20 +180,29 @@ impl<A: RdtActor> Host<A> {
         self.running.total += 1;
         self.running.per_group[group] += 1;
         self.running.exclusive = exclusive;
-        let span = tracing::debug_span!(
+        // The child of the driver's span of this call (`caller_span`, in
+        // the driver's process), in its trace.
+        let span = tracing::info_span!(
             "call",
             call = q.msg.call,
             actor = %self.shared.name,
             method = q.info.name,
+            trace = q.msg.context.trace,
+            caller_span = q.msg.context.caller_span,
         );
-        let run = run_and_reply::<A>(
-            self.actor.clone(),
-            self.shared.clone(),
-            ctx.address(),
-            q,
-            exclusive,
-        )
-        .instrument(span);
+        let calls_made_here = CallContext::under(q.msg.context.trace, &span);
+        let run = CURRENT_CALL
+            .scope(
+                calls_made_here,
+                run_and_reply::<A>(
+                    self.actor.clone(),
+                    self.shared.clone(),
+                    ctx.address(),
+                    q,
+                    exclusive,
+                ),
+            )
+            .instrument(span);
         rdt_transport::trace::timeline("call spawning", 0);
         ctx.spawn(run.into_actor(self).map(move |(), this, ctx| {
             this.running.total -= 1;
@@ -220,6 +243,7 @@ impl<A: RdtActor> Handler<Invoke> for Host<A> {
             transport: msg.transport,
             refs: msg.ref_args().collect(),
             release: msg.release,
+            context: msg.context,
         };
         // Fast path: every argument is here (inline, or in the store).
         let mut resolving = resolve(self.shared.clone(), msg.args).boxed_local();
