@@ -7,6 +7,8 @@
 //! | --- | --- | --- |
 //! | `rdt_transfers` | counter | transfers that ended, by `transport` and `outcome` (`done`, `failed`, `aborted`, `not_sent`) |
 //! | `rdt_rx_bytes` | counter | tensor bytes of the transfers that arrived, by `transport` (NIXL's `rx_bytes`) |
+//! | `rdt_descriptors` | counter | memory regions those transfers moved (one per tensor as exported), by `transport` (NIXL's `descriptors`) |
+//! | `rdt_xfer_time` | histogram | seconds from a transfer's start to its arrival, as the driver saw them, by `transport` (NIXL's `xfer_time`) |
 //! | `rdt_calls` | counter | calls that ended, by `outcome` (`ok`, `err`) |
 
 use std::collections::BTreeMap;
@@ -68,6 +70,8 @@ pub struct TransportMetrics {
     pub bytes: u64,
     /// Their tensors.
     pub tensors: u64,
+    /// Their time from start to arrival, summed, as the driver saw them.
+    pub time: std::time::Duration,
     /// Transfers that failed.
     pub failed: u64,
     /// Transfers the driver aborted (deadline, death).
@@ -85,12 +89,14 @@ pub(crate) struct Counts {
 }
 
 impl Counts {
-    /// A transfer over `transport` of `bytes` in `tensors` ended.
+    /// A transfer over `transport` of `bytes` in `tensors` ended, `took`
+    /// after it started.
     pub(crate) fn transfer_ended(
         &mut self,
         transport: &'static str,
         bytes: u64,
         tensors: u64,
+        took: std::time::Duration,
         outcome: Outcome,
     ) {
         metrics::counter!("rdt_transfers", "transport" => transport, "outcome" => outcome.as_str())
@@ -99,9 +105,13 @@ impl Counts {
         match outcome {
             Outcome::Done => {
                 metrics::counter!("rdt_rx_bytes", "transport" => transport).increment(bytes);
+                metrics::counter!("rdt_descriptors", "transport" => transport).increment(tensors);
+                metrics::histogram!("rdt_xfer_time", "transport" => transport)
+                    .record(took.as_secs_f64());
                 m.transfers += 1;
                 m.bytes += bytes;
                 m.tensors += tensors;
+                m.time += took;
             }
             Outcome::Failed => m.failed += 1,
             Outcome::Aborted => m.aborted += 1,

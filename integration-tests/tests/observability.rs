@@ -42,8 +42,21 @@ impl Recorder for Counters {
         Gauge::noop()
     }
 
-    fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
-        Histogram::noop()
+    /// A histogram counts its samples under its name and labels, like a
+    /// counter.
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        Histogram::from_arc(Arc::new(Samples(
+            self.register_counter(key, &Metadata::new("", metrics::Level::INFO, None)),
+        )))
+    }
+}
+
+/// Counts a histogram's samples.
+struct Samples(Counter);
+
+impl metrics::HistogramFn for Samples {
+    fn record(&self, _: f64) {
+        self.0.increment(1);
     }
 }
 
@@ -84,6 +97,8 @@ async fn a_pass_is_seen_as_spans_and_counted() {
             .unwrap_or_else(|| panic!("a transfer span over tcp: {transfers:?}"));
         assert_eq!(t["bytes"], (4 * n).to_string(), "{t:?}");
         assert_eq!(t["tensors"], "1", "{t:?}");
+        assert_eq!(t["descriptors"], "1", "{t:?}");
+        assert_eq!(t["warm"], "false", "the first between the two: {t:?}");
         assert!(t["producer"].starts_with("Producer"), "{t:?}");
         assert!(t["consumer"].starts_with("Consumer"), "{t:?}");
         assert!(t.contains_key("xfer") && t.contains_key("object"), "{t:?}");
@@ -94,6 +109,7 @@ async fn a_pass_is_seen_as_spans_and_counted() {
         assert_eq!(tcp.transfers, 1, "{m:?}");
         assert_eq!(tcp.bytes, 4 * n as u64, "{m:?}");
         assert_eq!((tcp.tensors, tcp.failed, tcp.aborted), (1, 0, 0), "{m:?}");
+        assert!(tcp.time > std::time::Duration::ZERO, "{m:?}");
         assert!(m.calls_ok >= 2, "the make and the sum: {m:?}");
         assert_eq!(
             counters.get("rdt_transfers{outcome=done,transport=tcp}"),
@@ -102,6 +118,24 @@ async fn a_pass_is_seen_as_spans_and_counted() {
         );
         assert_eq!(counters.get("rdt_rx_bytes{transport=tcp}"), 4 * n as u64);
         assert_eq!(counters.get("rdt_calls{outcome=ok}"), m.calls_ok);
+        assert_eq!(counters.get("rdt_descriptors{transport=tcp}"), 1);
+        assert_eq!(
+            counters.get("rdt_xfer_time{transport=tcp}"),
+            1,
+            "one sample of the transfer's time"
+        );
+
+        // The next transfer between the two is warm.
+        let r = p.make(2.0, n).transport(Transport::Tcp).remote();
+        assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), 2.0 * n as f64);
+        drop(r);
+        rt.transfers_settled().await;
+        let mut tcp_spans: Vec<_> = (spans.named("transfer").into_iter())
+            .filter(|f| f.get("transport").map(String::as_str) == Some("tcp"))
+            .collect();
+        tcp_spans.sort_by_key(|f| f["xfer"].parse::<u64>().unwrap());
+        let warmth: Vec<&str> = tcp_spans.iter().map(|f| f["warm"].as_str()).collect();
+        assert_eq!(warmth, ["false", "true"], "{tcp_spans:?}");
 
         // A span per spawn, group operation and death.
         let spawns = spans.named("spawn");

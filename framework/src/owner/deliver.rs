@@ -21,13 +21,35 @@ impl OwnerTable {
             (self.objects.get(&t.object)).map_or((0, 0), |e| (e_bytes(e) as u64, e_tensors(e)));
         t.span.record("bytes", bytes);
         t.span.record("tensors", tensors);
+        t.span.record("descriptors", tensors);
         t.span.record("outcome", outcome.as_str());
-        self.counts
-            .transfer_ended(t.transport.name(), bytes, tensors, outcome);
+        if outcome == Outcome::Done {
+            self.warm.insert(t.pair());
+        }
+        self.counts.transfer_ended(
+            t.transport.name(),
+            bytes,
+            tensors,
+            t.started.elapsed(),
+            outcome,
+        );
         if t.large {
             self.send_next_held(t.consumer, actors);
         }
         Some(t)
+    }
+
+    /// Tracks `t` until its end; its span says whether a transfer between
+    /// its ends over its transport ended well before (`warm`) or not.
+    fn track_transfer(&mut self, xfer: u64, t: InFlight) {
+        t.span.record("warm", self.warm.contains(&t.pair()));
+        self.transfers.insert(xfer, t);
+    }
+
+    /// The pairs of `actor` (dead) are cold again: no transfer uses them.
+    pub(super) fn forget_warm(&mut self, actor: ActorId) {
+        self.warm
+            .retain(|&(_, p, c)| p != Some(actor) && c != actor);
     }
 
     /// OW-15: sends the held sends of `consumer`, oldest first, as long as
@@ -197,25 +219,19 @@ impl OwnerTable {
         e.straight.push((consumer, xfer));
         self.straight_orders += 1;
         e.sent_elsewhere = true;
-        self.transfers.insert(
+        let transport = e.transport;
+        self.track_transfer(
             xfer,
             InFlight {
                 object: id,
                 producer: Some(producer),
                 consumer,
-                transport: e.transport,
+                transport,
                 two_sided: false,
                 large: false,
                 call: None,
-                span: transfer_span(
-                    xfer,
-                    id,
-                    e.transport,
-                    Some(producer),
-                    consumer,
-                    actors,
-                    true,
-                ),
+                span: transfer_span(xfer, id, transport, Some(producer), consumer, actors, true),
+                started: std::time::Instant::now(),
             },
         );
         true
@@ -316,7 +332,9 @@ impl OwnerTable {
                             order,
                         });
                 }
-                self.transfers.extend(started);
+                if let Some((xfer, t)) = started {
+                    self.track_transfer(xfer, t);
+                }
                 if self.transfers.contains_key(&xfer) {
                     self.started.push(xfer);
                 }
@@ -510,6 +528,7 @@ pub(super) fn start_direct(
             large,
             call,
             span: transfer_span(xfer, id, e.transport, e.producer, consumer, actors, false),
+            started: std::time::Instant::now(),
         },
     ))
 }

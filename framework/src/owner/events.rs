@@ -267,6 +267,7 @@ impl OwnerTable {
         for xfer in ended {
             self.abort(xfer, err.clone(), actors);
         }
+        self.forget_warm(actor);
         let ids: Vec<u64> = self.objects.keys().copied().collect();
         for id in ids {
             let e = self.objects.get_mut(&id).expect("listed above");

@@ -333,6 +333,8 @@ pub(crate) struct InFlight {
     /// Its `transfer` span, from its start to its end (its bytes, tensors
     /// and `outcome` recorded then).
     pub span: tracing::Span,
+    /// When it started (`rdt_xfer_time`).
+    pub started: std::time::Instant,
 }
 
 impl InFlight {
@@ -341,6 +343,12 @@ impl InFlight {
     /// another call (the transfers one call needs go together).
     fn holds_back(&self, consumer: ActorId, call: Option<u64>) -> bool {
         self.large && self.consumer == consumer && self.call != call
+    }
+
+    /// Its two ends and its transport: what a connection and its memory
+    /// registrations are made for.
+    fn pair(&self) -> WarmPair {
+        (self.transport.name(), self.producer, self.consumer)
     }
 }
 
@@ -401,6 +409,10 @@ impl ActorInfo {
 
 pub(crate) type Actors = HashMap<ActorId, ActorInfo>;
 
+/// A transport and the two ends of a transfer over it (producer `None`:
+/// the driver).
+type WarmPair = (&'static str, Option<ActorId>, ActorId);
+
 /// The table.
 #[derive(Default)]
 pub(crate) struct OwnerTable {
@@ -408,6 +420,9 @@ pub(crate) struct OwnerTable {
     /// The messages decided, in order, for the driver to write (OW-7).
     pub outbox: Outbox,
     transfers: HashMap<u64, InFlight>,
+    /// The pairs a transfer ended well between: a transfer between them
+    /// again is `warm` (their connection and registrations are made).
+    warm: std::collections::HashSet<WarmPair>,
     /// Transfers started and ended since the driver last looked: it arms
     /// their deadlines, and wakes those waiting for transfers to settle.
     /// A straight order its producer answered counts as ended here (OW-9:
@@ -572,8 +587,10 @@ pub(crate) fn actor_name(actors: &Actors, a: ActorId) -> String {
         .unwrap_or_else(|| format!("actor {a}"))
 }
 
-/// A transfer's span in the driver, from its start to its end, where its
-/// bytes, tensors and `outcome` are recorded (`end_transfer`).
+/// A transfer's span in the driver, from its start to its end: `warm`
+/// is recorded when it is tracked (`track_transfer`), its bytes, tensors,
+/// descriptors (the memory regions its value is exported as, one per
+/// tensor) and `outcome` at its end (`end_transfer`).
 fn transfer_span(
     xfer: u64,
     object: u64,
@@ -595,6 +612,8 @@ fn transfer_span(
         transport = transport.name(),
         bytes = tracing::field::Empty,
         tensors = tracing::field::Empty,
+        descriptors = tracing::field::Empty,
+        warm = tracing::field::Empty,
         producer = %name(producer),
         consumer = %name(Some(consumer)),
         straight,
