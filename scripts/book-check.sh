@@ -6,7 +6,8 @@
 #   2. every ```rust block is an include of compiled code (the line after the
 #      fence starts with {{#include or {{#rustdoc_include});
 #   3. no dated work-log heading ("## Session 41: …");
-#   4. `mdbook build book` prints no WARN and no ERROR.
+#   4. links to headings name headings that exist;
+#   5. `mdbook build book` prints no WARN and no ERROR.
 # Usage: scripts/book-check.sh   (from anywhere in the repository; needs mdbook
 # on PATH or in ~/.cargo/bin)
 set -euo pipefail
@@ -83,6 +84,12 @@ worklog="$(grep -rnE '^#+ .*[Ss]ession [0-9]' --include='*.md' "$src" || true)"
 if [ -n "$worklog" ]; then
     echo "book-check: work-log headings (the history belongs in git and bench-results/DECISIONS.md):" >&2
     echo "$worklog" | sed 's/^/  /' >&2
+    fail=1
+fi
+
+# 3b. Links to headings name headings that exist.
+if ! python3 scripts/book-anchors.py "$src"; then
+    echo "book-check: links to headings that do not exist (above)" >&2
     fail=1
 fi
 

@@ -501,9 +501,9 @@ impl Consumer {
         Ok(rdt::runtime().metrics().received_over(transport.parse()?))
     }
 
-    /// This worker's hot window, in microseconds (`rdt::data::hot`).
+    /// This worker's hot window, in microseconds (`rdt::data::rt::hot`).
     async fn hot_window_us(&mut self) -> u64 {
-        rdt::data::hot::window().as_micros() as u64
+        rdt::data::rt::hot::window().as_micros() as u64
     }
 
     /// Sums every tensor, checking tensor `i` holds only `i` (as

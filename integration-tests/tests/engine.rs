@@ -383,7 +383,7 @@ async fn wk_1_workers_run_rusts_process_start_up() {
     .await;
 }
 
-/// The hot window (`rdt::data::hot`): the builder's value reaches every
+/// The hot window (`rdt::data::rt::hot`): the builder's value reaches every
 /// worker, and calls and direct transfers with a window (threads polling
 /// instead of sleeping, on whatever cores this machine has) give the same
 /// results as without; a window of zero turns it off.
@@ -403,7 +403,7 @@ async fn hot_window_reaches_workers_and_changes_no_result() {
             let c = rt.spawn::<Consumer>(()).await.unwrap();
             let us = rt.get(c.hot_window_us().remote()).await.unwrap();
             assert_eq!(us, window.as_micros() as u64);
-            assert_eq!(rdt::data::hot::window(), window);
+            assert_eq!(rdt::data::rt::hot::window(), window);
             for i in 1..=20u64 {
                 let r = p.make(1.0, i as usize).transport(Transport::Shm).remote();
                 assert_eq!(rt.get(c.sum(&r).remote()).await.unwrap(), i as f64);

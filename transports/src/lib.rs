@@ -8,17 +8,12 @@
 #![deny(missing_docs)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-pub mod arriving;
-pub mod auth;
 pub mod cuda;
 pub mod cuda_ipc;
 mod device;
 mod dtype;
 #[cfg(any(feature = "nccl", feature = "nixl"))]
-mod dynlib;
 mod env;
-mod free_list;
-pub mod hot;
 mod metas_wire;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -26,9 +21,8 @@ pub mod nccl;
 pub mod nixl;
 pub mod object_store;
 pub mod paths;
-mod process_watch;
-pub mod recent;
 pub mod registry;
+pub mod rt;
 mod shape;
 pub mod shm;
 pub mod tcp;

@@ -193,7 +193,7 @@ pub fn set_copy_as_it_goes(on: bool) {
 fn copied_as_it_goes(t: &Tensor) -> Result<Blob, TransportError> {
     let err = |e: &dyn std::fmt::Display| TransportError::new(NAME, e.to_string());
     let len = t.nbytes();
-    let (blob, mut writer) = crate::arriving::Arriving::new(len)
+    let (blob, mut writer) = crate::wire::arriving::Arriving::new(len)
         .map_err(|e| err(&format!("allocating {len} bytes of host staging: {e}")))?;
     let base = writer.spare().as_mut_ptr();
     let (steps, gpu) = t
@@ -410,7 +410,7 @@ fn check_counts(exported: &Exported) -> Result<(), TransportError> {
     Ok(())
 }
 
-fn not_arrived(e: crate::arriving::ArriveError) -> TransportError {
+fn not_arrived(e: crate::wire::arriving::ArriveError) -> TransportError {
     TransportError::new(NAME, format!("a tensor's bytes did not arrive: {e}"))
 }
 
@@ -438,7 +438,7 @@ const DEVICE_STEP: usize = 16 << 20;
 /// copy overlaps the socket instead of following it; the others are built
 /// once their bytes are all in. Fails with the loss if bytes never come.
 pub async fn unpack_arriving(exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
-    use crate::arriving::{ArriveError, Progress};
+    use crate::wire::arriving::{ArriveError, Progress};
     if exported.all_here() || crate::cuda::available().is_err() {
         exported.arrived().await.map_err(not_arrived)?;
         return unpack(exported);

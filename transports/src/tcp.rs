@@ -7,7 +7,7 @@
 //! producer to [`send`](TensorTransport::send) and the consumer to
 //! [`receive`](TensorTransport::receive), both with the same transfer id.
 //! The producer connects to the consumer lazily (one connection per peer,
-//! reused), authenticates with the runtime secret ([`crate::auth`]), names
+//! reused), authenticates with the runtime secret ([`crate::rt::auth`]), names
 //! itself (`u64` actor id), and then writes transfers:
 //!
 //! `u64 xfer | u32 count | u64 len × count | bytes of each tensor`
@@ -56,7 +56,7 @@ use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransferId,
     TransportError,
 };
-use crate::{auth, device::Device, tensor::Tensor, transport::Exported};
+use crate::{device::Device, rt::auth, tensor::Tensor, transport::Exported};
 
 /// Name of this transport.
 pub const NAME: &str = "tcp";

@@ -123,9 +123,9 @@ impl Exported {
     }
 
     /// Waits until every inline blob is here (a receiver may hand the
-    /// value on while they still arrive: [`crate::arriving`]); the first
+    /// value on while they still arrive: [`crate::wire::arriving`]); the first
     /// one lost, if any.
-    pub async fn arrived(&self) -> Result<(), crate::arriving::ArriveError> {
+    pub async fn arrived(&self) -> Result<(), crate::wire::arriving::ArriveError> {
         for b in &self.inline {
             b.arrived().await?;
         }

@@ -72,7 +72,7 @@ impl RuntimeBuilder {
     /// trades CPU time for that latency. Default: 5 ms on machines with 8
     /// cores or more, none on smaller ones (`RDT_HOT_WINDOW_US`
     /// overrides the default); `Duration::ZERO` turns it off. See
-    /// [`rdt_transport::hot`].
+    /// [`rdt_transport::rt::hot`].
     pub fn hot_window(mut self, d: Duration) -> Self {
         self.config.hot_window = Some(d);
         self

@@ -393,7 +393,7 @@ impl Inner {
             rx
         };
         // Handed the value (OW-14). A dropped sender means the runtime went
-        // away. Hot (rdt_transport::hot): a value that arrives within the
+        // away. Hot (rdt_transport::rt::hot): a value that arrives within the
         // window is seen at once, not after this thread is woken.
         let settled = hot(rx).await.map_err(|_| Error::Shutdown)?;
         rdt_transport::trace::timeline("driver getter woke", id);

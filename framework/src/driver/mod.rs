@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use crate::protocol::inline_value;
 use parking_lot::Mutex;
-use rdt_transport::hot::{self, hot};
 use rdt_transport::object_store;
+use rdt_transport::rt::hot::{self, hot};
 use rdt_transport::{Blob, Target};
 use serde::de::DeserializeOwned;
 use serde::Serialize;

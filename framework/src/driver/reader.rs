@@ -20,7 +20,7 @@ pub(super) async fn read_worker(
     let mut last = tokio::time::Instant::now();
     let mut seen = rx.bytes_read();
     let end = loop {
-        // Hot (rdt_transport::hot) while the worker runs calls of ours:
+        // Hot (rdt_transport::rt::hot) while the worker runs calls of ours:
         // their answers are read at once, not after this thread is woken.
         // Idle workers' readers sleep (a driver may have thousands), and
         // a submit wakes them into the hot read (recv is cancel-safe).

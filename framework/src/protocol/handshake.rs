@@ -32,11 +32,11 @@ pub fn size_socket_buffers(sock: &impl std::os::fd::AsRawFd) {
 }
 
 /// How long a peer may take to authenticate.
-pub const HANDSHAKE_TIMEOUT: Duration = rdt_transport::auth::HANDSHAKE_TIMEOUT;
+pub const HANDSHAKE_TIMEOUT: Duration = rdt_transport::rt::auth::HANDSHAKE_TIMEOUT;
 
 /// A fresh random secret for a runtime.
 pub fn new_secret() -> [u8; 32] {
-    rdt_transport::auth::random32()
+    rdt_transport::rt::auth::random32()
 }
 
 /// Accepting side of the handshake (invariant 1) on a plain stream (Unix
@@ -47,13 +47,13 @@ pub async fn accept_plain<S: AsyncRead + tokio::io::AsyncWrite + Unpin>(
 ) -> Result<()> {
     tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        rdt_transport::auth::accept_async(stream, &secret),
+        rdt_transport::rt::auth::accept_async(stream, &secret),
     )
     .await
     .map_err(|_| Error::Protocol("peer did not authenticate in time".into()))?
     .map_err(|e| match e {
         // The peer went away mid-handshake: an I/O error, not a violation.
-        rdt_transport::auth::AuthError::Io(e) => Error::Io(format!("handshake: {e}")),
+        rdt_transport::rt::auth::AuthError::Io(e) => Error::Io(format!("handshake: {e}")),
         e => Error::Protocol(e.to_string()),
     })
 }
@@ -65,7 +65,7 @@ pub async fn connect_plain<S: AsyncRead + tokio::io::AsyncWrite + Unpin>(
 ) -> Result<()> {
     tokio::time::timeout(
         HANDSHAKE_TIMEOUT,
-        rdt_transport::auth::connect_async(stream, secret),
+        rdt_transport::rt::auth::connect_async(stream, secret),
     )
     .await
     .map_err(|_| Error::Protocol("the driver did not authenticate in time".into()))?
@@ -85,7 +85,7 @@ pub async fn accept_tls(
             .accept(stream)
             .await
             .map_err(|e| Error::Protocol(format!("TLS handshake: {e}")))?;
-        rdt_transport::auth::accept_async(&mut tls, &secret)
+        rdt_transport::rt::auth::accept_async(&mut tls, &secret)
             .await
             .map_err(|e| Error::Protocol(e.to_string()))?;
         Ok(TlsStream::from(tls))
@@ -129,7 +129,7 @@ pub async fn connect_tls(
             .connect(name, tcp)
             .await
             .map_err(|e| Error::Protocol(format!("TLS handshake with {addr}: {e}")))?;
-        rdt_transport::auth::connect_async(&mut tls, secret)
+        rdt_transport::rt::auth::connect_async(&mut tls, secret)
             .await
             .map_err(|e| Error::Protocol(e.to_string()))?;
         Ok((TlsStream::from(tls), ip))

@@ -106,7 +106,7 @@ pub struct SpawnOrder {
     /// Deadline of a direct transfer, in milliseconds.
     pub transfer_timeout_ms: u64,
     /// The hot window set by the driver's builder, in microseconds
-    /// (`None`: the worker's own default, `rdt_transport::hot`).
+    /// (`None`: the worker's own default, `rdt_transport::rt::hot`).
     pub hot_window_us: Option<u64>,
     /// For workers over TCP: exit when the driver is silent this long
     /// (it pings every quarter of it), so a worker cut off from its driver

@@ -1,7 +1,7 @@
 //! Reading frames: the `Receiver` of a connection and its direct reads.
 
-use rdt_transport::arriving::{Arriving, ArrivingWriter};
 use rdt_transport::wire;
+use rdt_transport::wire::arriving::{Arriving, ArrivingWriter};
 use rdt_transport::Blob;
 use serde::de::DeserializeOwned;
 use std::collections::VecDeque;
@@ -48,7 +48,7 @@ impl AsyncRead for ReadHalf {
             // Pending, with the waker registered: tokio has not seen the
             // socket readable. In a process that spins (hot window), ask
             // the socket itself (see `read_directly`).
-            Poll::Pending if !rdt_transport::hot::window().is_zero() => read_directly(fd, buf),
+            Poll::Pending if !rdt_transport::rt::hot::window().is_zero() => read_directly(fd, buf),
             other => other,
         }
     }
@@ -60,7 +60,7 @@ impl AsyncRead for ReadHalf {
 /// Why: tokio learns that a socket is readable only when some worker
 /// thread polls its I/O driver, and while one worker sleeps in
 /// `epoll_wait` holding the driver, a thread that spins in a hot wait
-/// (`rdt_transport::hot`) cannot poll it: the bytes are seen only after
+/// (`rdt_transport::rt::hot`) cannot poll it: the bytes are seen only after
 /// the kernel wakes the sleeper, 5–12 µs on the GPU hosts' VMs, on every
 /// hop of a call (timelines of cached `cuda_ipc` hand-offs, 2026-11-24).
 /// A non-blocking `recv` from the spinning thread sees them at once.

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use rdt_transport::arriving::{Arriving, Progress};
+use rdt_transport::wire::arriving::{Arriving, Progress};
 use rdt_transport::wire::{self, FramePart};
 use serde::Serialize;
 use std::collections::VecDeque;

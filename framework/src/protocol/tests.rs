@@ -250,8 +250,8 @@ async fn a_deferred_notify_waits_for_the_flush() {
 async fn a_hot_poll_reads_bytes_tokio_has_not_seen() {
     use std::io::Write;
     use std::task::Poll;
-    let window = rdt_transport::hot::window();
-    rdt_transport::hot::set_window(Duration::from_millis(5));
+    let window = rdt_transport::rt::hot::window();
+    rdt_transport::rt::hot::set_window(Duration::from_millis(5));
     let (mut a, b) = std::os::unix::net::UnixStream::pair().unwrap();
     b.set_nonblocking(true).unwrap();
     let b = UnixStream::from_std(b).unwrap();
@@ -264,7 +264,7 @@ async fn a_hot_poll_reads_bytes_tokio_has_not_seen() {
         let mut recv = std::pin::pin!(rx.recv::<ToDriver>());
         futures::poll!(recv.as_mut())
     };
-    rdt_transport::hot::set_window(window);
+    rdt_transport::rt::hot::set_window(window);
     assert!(
         matches!(polled, Poll::Ready(Ok(Some(ToDriver::Pong)))),
         "the first poll, before tokio saw the socket readable, found the frame"
@@ -679,7 +679,7 @@ async fn a_large_blob_is_handed_up_and_forwarded_while_it_arrives() {
         let mut seen = 0;
         while seen < len / 4 {
             match arriving.progress_beyond(seen).await {
-                rdt_transport::arriving::Progress::Filling(n) => seen = n,
+                rdt_transport::wire::arriving::Progress::Filling(n) => seen = n,
                 p => panic!("ended early: {p:?}"),
             }
         }

@@ -33,7 +33,7 @@ pub struct WireValue {
 impl WireValue {
     /// Waits until every byte of the value is here: a receiver hands a
     /// value on while its large blobs still arrive (cut-through,
-    /// `rdt_transport::arriving`). The error says the bytes were lost on
+    /// `rdt_transport::wire::arriving`). The error says the bytes were lost on
     /// the way.
     pub async fn arrived(&self) -> Result<()> {
         for b in self.blobs() {
@@ -220,7 +220,7 @@ impl WireExported {
 /// after it started on it, 2×H200).
 pub(crate) struct RecentHeads;
 
-type Heads = rdt_transport::recent::Recent<(Bytes, Arc<Decoded>)>;
+type Heads = rdt_transport::rt::recent::Recent<(Bytes, Arc<Decoded>)>;
 
 impl RecentHeads {
     /// The smallest head kept with the large ones.
@@ -345,7 +345,7 @@ mod data_wire {
     }
 }
 
-fn lost_bytes(e: rdt_transport::arriving::ArriveError) -> Error {
+fn lost_bytes(e: rdt_transport::wire::arriving::ArriveError) -> Error {
     Error::Transport(rdt_transport::TransportError::new(
         rdt_transport::object_store::NAME,
         format!("a value's bytes did not arrive whole: {e}"),

@@ -41,7 +41,7 @@ pub fn boot_before_main() {
     if !RDT_MAIN.is_empty() || !is_worker() {
         return;
     }
-    crate::startup::rust_start_up();
+    crate::process::startup::rust_start_up();
     boot_if_worker();
 }
 

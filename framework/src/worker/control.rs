@@ -32,7 +32,7 @@ pub(super) async fn control_loop<A: RdtActor>(
                 }
             }
         }
-        // Hot (rdt_transport::hot): the next message of a pass often comes
+        // Hot (rdt_transport::rt::hot): the next message of a pass often comes
         // within the window; waking this thread after it slept costs more.
         let next = match heartbeat {
             None => hot(rx.recv::<ToWorker>()).await,

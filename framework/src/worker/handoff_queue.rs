@@ -8,7 +8,7 @@
 //! over, then posts the READ the call waits for.
 //!
 //! After each call the actor's thread stays awake for the hot window
-//! (`rdt_transport::hot`), polling. While it does, it *listens*: the
+//! (`rdt_transport::rt::hot`), polling. While it does, it *listens*: the
 //! control loop puts the next call in a queue here and wakes nobody, and
 //! the listener, on the actor's thread, moves it into the mailbox (a wake
 //! within one thread is a queue push, no system call).

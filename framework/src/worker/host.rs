@@ -40,7 +40,7 @@ use actix::prelude::*;
 use bytes::Bytes;
 use futures::future::LocalBoxFuture;
 use futures::FutureExt;
-use rdt_transport::hot::{self, hot};
+use rdt_transport::rt::hot::{self, hot};
 use rdt_transport::{Blob, Sidedness};
 use tracing::Instrument;
 

@@ -64,7 +64,7 @@ use actix::prelude::*;
 use bytes::Bytes;
 use futures::FutureExt;
 use parking_lot::Mutex;
-use rdt_transport::hot::{self, hot};
+use rdt_transport::rt::hot::{self, hot};
 use rdt_transport::{object_store, Peer, ReceiveStart, Sidedness, Target, Tensor, TensorList};
 use tokio::net::UnixStream;
 use tokio::sync::{oneshot, Notify};

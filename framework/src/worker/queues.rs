@@ -34,7 +34,7 @@ pub(super) fn start_group_queue(
         .name(format!("rdt-group-{group}"))
         .spawn(move || {
             rt.block_on(async move {
-                // Hot (rdt_transport::hot): the next transfer of a pass
+                // Hot (rdt_transport::rt::hot): the next transfer of a pass
                 // often comes within the window, and waking this thread
                 // after it slept costs more than the spin.
                 while let Some(job) = next_job(&mut rx, hot::window()).await {

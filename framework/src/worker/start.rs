@@ -7,7 +7,7 @@ use crate::protocol::boot::Joined;
 /// Entry point of a worker hosting `A`; never returns.
 #[doc(hidden)]
 pub fn run_worker<A: RdtActor>(start: WorkerStart) -> ! {
-    crate::heap::tune_worker_heap();
+    crate::process::heap::tune_worker_heap();
     if let Err(e) = worker_main::<A>(start) {
         eprintln!("rdt worker: {e}");
         std::process::exit(1);

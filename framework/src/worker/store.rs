@@ -87,7 +87,7 @@ impl Store {
         loop {
             // Polled hot (an actor's call waiting for its argument): look,
             // and register nothing, so the thread that stores the value
-            // need not wake this one (`rdt_transport::hot::polled_hot`).
+            // need not wake this one (`rdt_transport::rt::hot::polled_hot`).
             if hot::polled_hot() {
                 if let Some(v) = ready(self) {
                     return v;

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use rdt_transport::hot::hot;
+use rdt_transport::rt::hot::hot;
 use rdt_transport::{Peer, Sidedness};
 use tokio::net::UnixStream;
 
@@ -97,7 +97,7 @@ pub(super) struct PeerDelivery {
 /// few cores the two streams compete for them.
 ///
 /// [`RuntimeBuilder::straight_large_values`]: crate::RuntimeBuilder::straight_large_values
-/// [`MIN_CORES_TO_SPIN`]: rdt_transport::hot::MIN_CORES_TO_SPIN
+/// [`MIN_CORES_TO_SPIN`]: rdt_transport::rt::hot::MIN_CORES_TO_SPIN
 pub const STRAIGHT_LARGE_FROM: usize = 1 << 20;
 
 /// The default of `straight_large`: the environment's `RDT_STRAIGHT_LARGE`
@@ -107,7 +107,7 @@ fn straight_large_default() -> bool {
         Some(on) => on,
         None => {
             std::thread::available_parallelism().map_or(1, |n| n.get())
-                >= rdt_transport::hot::MIN_CORES_TO_SPIN
+                >= rdt_transport::rt::hot::MIN_CORES_TO_SPIN
         }
     }
 }

@@ -57,7 +57,7 @@ use memmap2::MmapRaw;
 use parking_lot::Mutex;
 
 use super::{CudaError, DeviceBuffer, Gpu};
-use crate::free_list::FreeList;
+use crate::rt::free_list::FreeList;
 
 /// Size of a shared slab; larger tensors get a slab of their own.
 pub const SLAB_BYTES: usize = 64 << 20;

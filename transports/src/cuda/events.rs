@@ -170,7 +170,7 @@ impl StreamEvent {
     pub async fn wait(self: Arc<Self>) -> Result<(), CudaError> {
         use std::sync::atomic::Ordering::Acquire;
         if self.watched.load(Acquire) && !self.seen_passed.load(Acquire) {
-            let window = crate::hot::window();
+            let window = crate::rt::hot::window();
             let t0 = std::time::Instant::now();
             let mut asked = t0;
             let in_runtime = tokio::runtime::Handle::try_current().is_ok();
@@ -209,7 +209,7 @@ const WATCHED_SPIN: std::time::Duration = std::time::Duration::from_micros(1);
 /// Waits until `passed(&on)` says yes, without blocking the executor
 /// thread: asks at once; then, as a small transfer or kernel is usually
 /// done within microseconds, asks again, yielding between asks, for a
-/// bounded moment (within the hot window, crate::hot, for as long: a
+/// bounded moment (within the hot window, crate::rt::hot, for as long: a
 /// wake-up after sleeping costs more than the spin) before paying a
 /// hand-off to the blocking pool (tens of microseconds), where
 /// `synchronize(on)` waits in the driver (contract point 5: never spin on
@@ -222,7 +222,7 @@ async fn wait_for_gpu<T: Send + 'static>(
     if passed(&on)? {
         return Ok(());
     }
-    let limit = SPIN_BEFORE_BLOCKING.max(crate::hot::window());
+    let limit = SPIN_BEFORE_BLOCKING.max(crate::rt::hot::window());
     let spin = std::time::Instant::now();
     while spin.elapsed() < limit {
         if tokio::runtime::Handle::try_current().is_ok() {

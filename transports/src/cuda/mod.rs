@@ -29,7 +29,7 @@
 //! not be given any. Otherwise it records an event and asks `cuEventQuery`
 //! again, yielding between asks, for at most [`SPIN_BEFORE_BLOCKING`]
 //! (about what a hand-off to the blocking pool costs: a short wait pays no
-//! more than that) or the hot window ([`crate::hot`]) if that is longer;
+//! more than that) or the hot window ([`crate::rt::hot`]) if that is longer;
 //! if the GPU is not there yet it waits in
 //! `cuEventSynchronize` on tokio's blocking pool (exact wake-up, no
 //! executor thread blocked or spinning for long; outside a tokio runtime

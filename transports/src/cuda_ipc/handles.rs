@@ -133,7 +133,7 @@ pub(super) fn open_counters(h: &Handles) -> Result<Arc<Counters>, String> {
     }
     // Watched before its identity is checked: if the pid was reused in
     // between, the check fails (the new process has no such memfd).
-    let watch = crate::process_watch::watch(h.pid);
+    let watch = crate::rt::process_watch::watch(h.pid);
     if !records_still_there(h) {
         return Err(gone());
     }

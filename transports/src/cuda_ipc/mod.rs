@@ -73,7 +73,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cuda::alloc::{self, Counters, Region, SlabRange};
 use crate::cuda::{CudaError, DeviceBuffer, Event, Gpu, IpcEvent};
-use crate::process_watch::ProcessWatch;
+use crate::rt::process_watch::ProcessWatch;
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };

@@ -146,7 +146,7 @@ fn a_cached_producer_that_exited_is_an_error() {
     // A process that has exited, cached as if it had sent tensors.
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let pid = child.id();
-    let watch = crate::process_watch::watch(pid);
+    let watch = crate::rt::process_watch::watch(pid);
     child.wait().unwrap();
     let Some(watch) = watch else {
         return; // it was reaped before the watch: nothing to check

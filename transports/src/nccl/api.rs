@@ -100,7 +100,7 @@ pub(crate) fn api() -> Result<&'static Api, NcclError> {
 fn load() -> Result<Api, NcclError> {
     let tried = candidates();
     // SAFETY: loading NCCL runs its (well-behaved) initializers.
-    let (lib, path) = unsafe { crate::dynlib::open_first(&tried) }.map_err(|_| {
+    let (lib, path) = unsafe { crate::rt::dynlib::open_first(&tried) }.map_err(|_| {
         NcclError(format!(
             "the NCCL library was not found (tried {}); install NCCL 2.18 or newer \
                  (the libnccl2 package, or `pip install nvidia-nccl-cu13`) and put it on \

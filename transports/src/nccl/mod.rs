@@ -459,7 +459,7 @@ fn keep_until_done(
     let (tx, rx) = oneshot::channel();
     tokio::spawn(async move {
         let r = comm
-            .wait_done(&done, LANDING_SPIN.max(crate::hot::window()))
+            .wait_done(&done, LANDING_SPIN.max(crate::rt::hot::window()))
             .await
             .map_err(|e| TransportError::with_peer(NAME, &peer, e.0));
         crate::trace::timeline(side.0[3], xfer);

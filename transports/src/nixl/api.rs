@@ -198,7 +198,7 @@ pub(crate) fn api() -> Result<&'static Api, NixlError> {
 fn load() -> Result<Api, NixlError> {
     let tried = candidates();
     // SAFETY: loading NIXL runs its (well-behaved) initializers.
-    let (lib, path) = unsafe { crate::dynlib::open_first(&tried) }.map_err(|errors| {
+    let (lib, path) = unsafe { crate::rt::dynlib::open_first(&tried) }.map_err(|errors| {
         NixlError(format!(
             "libnixl_capi.so was not found ({}). Install NIXL with \
                  `scripts/install-nixl.sh` (it runs `pip install --no-deps --target DIR \

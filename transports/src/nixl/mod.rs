@@ -127,8 +127,8 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::cuda::alloc::{Slab, SlabRange};
-use crate::free_list::FreeList;
 use crate::registry::ProcessContext;
+use crate::rt::free_list::FreeList;
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, Target, TensorTransport, TransferCtx,
     TransportError,

@@ -291,7 +291,7 @@ fn run(agent: Arc<Agent>, rx: Receiver<Msg>, notices: Arc<Notices>) {
         if live.is_empty() && abandoned.is_empty() {
             continue;
         }
-        if idle_since.elapsed() < crate::hot::window() {
+        if idle_since.elapsed() < crate::rt::hot::window() {
             std::thread::yield_now();
             continue;
         }

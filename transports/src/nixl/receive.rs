@@ -161,7 +161,7 @@ impl NixlTransport {
         // here, within the hot window (yielding to the executor between
         // asks), and hand the rest to the poller. Waking the poller and
         // being woken by it cost more than such a read on a busy host.
-        let window = crate::hot::window();
+        let window = crate::rt::hot::window();
         let spin = read_spin().min(window);
         let posted_at = std::time::Instant::now();
         let mut yielded = false;

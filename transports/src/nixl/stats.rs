@@ -130,8 +130,8 @@ pub(super) fn bump(c: &AtomicU64, n: u64) {
 /// [`set_read_spin`]'s default.
 pub const DEFAULT_READ_SPIN: std::time::Duration = std::time::Duration::from_micros(30);
 
-pub(super) static READ_SPIN: crate::hot::MicrosSetting =
-    crate::hot::MicrosSetting::new("RDT_NIXL_READ_SPIN_US");
+pub(super) static READ_SPIN: crate::rt::hot::MicrosSetting =
+    crate::rt::hot::MicrosSetting::new("RDT_NIXL_READ_SPIN_US");
 
 /// How long a receive asks NIXL for its READs again at once, without
 /// yielding to the executor, after posting them (within the hot window

@@ -24,12 +24,12 @@ pub struct NixlTransport {
     /// Peer agents loaded, by name.
     pub(super) remotes: Mutex<HashMap<String, RemoteAgent>>,
     /// Read plans of recent layouts, the last used first (NX-7).
-    pub(super) plans: crate::recent::Recent<Arc<ReadPlan>>,
+    pub(super) plans: crate::rt::recent::Recent<Arc<ReadPlan>>,
     /// The same for small objects (fewer than [`PLAN_MIN_TENSORS`]), kept
     /// apart so that they never push out a large object's plan.
-    pub(super) small_plans: crate::recent::Recent<Arc<ReadPlan>>,
+    pub(super) small_plans: crate::rt::recent::Recent<Arc<ReadPlan>>,
     /// Plans of recent receives into target tensors (NX-8).
-    pub(super) target_plans: crate::recent::Recent<Arc<TargetPlan>>,
+    pub(super) target_plans: crate::rt::recent::Recent<Arc<TargetPlan>>,
     /// Destinations made ahead for small device reads (NX-11), at most
     /// one per plan and [`SMALL_PLANS_KEPT`] in all.
     pub(super) ready: Mutex<Vec<ReadyDest>>,
@@ -105,9 +105,9 @@ impl NixlTransport {
             exports: Default::default(),
             slabs: Default::default(),
             remotes: Default::default(),
-            plans: crate::recent::Recent::new(PLANS_KEPT),
-            small_plans: crate::recent::Recent::new(SMALL_PLANS_KEPT),
-            target_plans: crate::recent::Recent::new(PLANS_KEPT),
+            plans: crate::rt::recent::Recent::new(PLANS_KEPT),
+            small_plans: crate::rt::recent::Recent::new(SMALL_PLANS_KEPT),
+            target_plans: crate::rt::recent::Recent::new(PLANS_KEPT),
             ready: Default::default(),
             wanted: Default::default(),
         }

@@ -9,7 +9,7 @@
 //! `u32 header_len | header (postcard) | u32 blob_count | u64 len × count | blob bytes… | [status]`
 //! All integers are little-endian. The top bit of `blob_count` says the
 //! frame ends with one status byte: a frame that forwards blobs still
-//! arriving ([`crate::arriving`]) is written before all its bytes exist,
+//! arriving ([`crate::wire::arriving`]) is written before all its bytes exist,
 //! and the status, written last, says whether they all did (`0`) or not:
 //! the source failed ([`STATUS_LOST`]) or the writer gave up waiting for
 //! it ([`STATUS_STALLED`]), and the rest of the blob bytes are padding. A
@@ -21,11 +21,13 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::arriving::{ArriveError, Arriving, Progress};
+pub mod arriving;
+
+use arriving::{ArriveError, Arriving, Progress};
 
 /// Bytes carried out of band in a frame: all here, or still arriving
 /// (a receiver hands a message on before its large blobs are in; see
-/// [`crate::arriving`]).
+/// [`crate::wire::arriving`]).
 #[derive(Clone)]
 pub struct Blob(Repr);
 
