@@ -13,16 +13,18 @@
 //! `u64 xfer | u32 count | u64 len × count | bytes of each tensor`
 //!
 //! (little-endian). The consumer's connection thread reads each transfer
-//! into freshly allocated buffers and files it under its id, where
-//! `receive` picks it up — whichever comes first waits for the other.
+//! into one buffer and files it under its id, where `receive` picks it up
+//! — whichever comes first waits for the other.
 //!
 //! # Invariants
 //! 1. Tensor bytes are written straight from the producer's storage (under
-//!    its read lock, on a blocking thread) and read straight into the
-//!    consumer's new storage: no staging copy on either side. The one
-//!    exception is a tensor in memory shared with other processes (an `shm`
-//!    tensor): no Rust reference may be formed over it, so it is sent from
-//!    a snapshot ([`Tensor::with_bytes`]).
+//!    its read lock, on a blocking thread), except that tensors smaller
+//!    than the write buffer are gathered in it first, and they are read
+//!    straight into the consumer's storage: one buffer per transfer, from
+//!    the host pool when large (reused, so a pass faults in no fresh
+//!    pages), the tensors slices of it. A tensor in memory shared with
+//!    other processes (an `shm` tensor) is sent from a snapshot
+//!    ([`Tensor::with_bytes`]): no Rust reference may be formed over it.
 //! 2. All tensors of one object move in one exchange, in metadata order.
 //! 3. Transfers to one peer are serialized on its connection, so their
 //!    order is the driver's order.
@@ -42,12 +44,13 @@
 //!    would; the listener faces the network of a joined worker.)
 
 use std::collections::HashMap;
-use std::io::{BufReader, Read, Write};
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
@@ -56,6 +59,7 @@ use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransferId,
     TransportError,
 };
+use crate::cuda::host_pool::{HostBuf, MIN_POOLED};
 use crate::{device::Device, rt::auth, tensor::Tensor, transport::Exported};
 
 /// Name of this transport.
@@ -89,7 +93,7 @@ fn start_in_process(
     .map_err(|e| format!("could not listen on {}: {e}", cx.bind))
 }
 
-type Arrival = Result<Vec<Vec<u8>>, String>;
+type Arrival = Result<Vec<Bytes>, String>;
 
 enum Slot {
     Arrived(Arrival),
@@ -392,7 +396,20 @@ fn serve(mut s: TcpStream, secret: &[u8], inbox: &Inbox, handshake: Handshake) {
 /// Largest tensor count in one transfer (a sanity bound against garbage).
 const MAX_TENSORS: usize = 1 << 20;
 
-fn read_transfer<R: Read>(r: &mut R) -> std::io::Result<Option<(TransferId, Vec<Vec<u8>>)>> {
+/// Where a received tensor's bytes start in the transfer's buffer: a
+/// multiple of this, any dtype's alignment.
+const ALIGN: usize = 64;
+
+/// The sender's write buffer, which gathers small tensors.
+const WRITE_BUFFER: usize = 1 << 20;
+
+/// Reads one transfer: its head, then every tensor's bytes into one
+/// buffer, each at an offset aligned for any dtype, so the tensors are
+/// slices of it (no allocation per tensor). A large buffer comes from the
+/// host pool: reused across passes, it costs no page fault per pass
+/// (invariant 1). The lengths are an authenticated peer's (`serve`);
+/// a buffer is only as large as their sum.
+fn read_transfer<R: Read>(r: &mut R) -> std::io::Result<Option<(TransferId, Vec<Bytes>)>> {
     let mut head = [0u8; 12];
     match r.read_exact(&mut head) {
         Ok(()) => {}
@@ -407,28 +424,44 @@ fn read_transfer<R: Read>(r: &mut R) -> std::io::Result<Option<(TransferId, Vec<
             "implausible tensor count",
         ));
     }
-    let mut lens = Vec::with_capacity(count);
+    let mut places = Vec::with_capacity(count);
+    let mut total = 0usize;
     for _ in 0..count {
         let mut l = [0u8; 8];
         r.read_exact(&mut l)?;
-        lens.push(u64::from_le_bytes(l) as usize);
+        let len = usize::try_from(u64::from_le_bytes(l)).ok();
+        let at = total.next_multiple_of(ALIGN);
+        total = len.and_then(|len| at.checked_add(len)).ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidData, "implausible tensor length")
+        })?;
+        places.push((at, total));
     }
-    let mut bufs = Vec::with_capacity(count);
-    for len in lens {
-        let mut b = Vec::new();
-        // Grow as bytes arrive rather than trusting the length up front.
-        let got = r.by_ref().take(len as u64).read_to_end(&mut b)?;
-        if got != len {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "transfer cut short",
-            ));
+    let fill = |buf: &mut [u8], r: &mut R| -> std::io::Result<()> {
+        for &(at, end) in &places {
+            r.read_exact(&mut buf[at..end])?;
         }
-        bufs.push(b);
-    }
+        Ok(())
+    };
+    let whole = if total >= MIN_POOLED {
+        let mut buf = HostBuf::new(total)?;
+        fill(buf.as_mut_slice(), r)?;
+        buf.freeze()
+    } else {
+        let mut buf = vec![0u8; total];
+        fill(&mut buf, r)?;
+        Bytes::from(buf)
+    };
+    // Only the tensors' bytes are exposed, each written above (HP-3).
+    let bufs = places
+        .iter()
+        .map(|&(at, end)| whole.slice(at..end))
+        .collect();
     Ok(Some((xfer, bufs)))
 }
 
+/// Writes one transfer. Large tensors go to the socket straight from their
+/// storage; small ones are gathered into the writer's buffer, so many
+/// small tensors cost a few large writes, not one system call each.
 fn write_transfer(s: &mut TcpStream, xfer: TransferId, tensors: &[Tensor]) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(12 + 8 * tensors.len());
     head.extend_from_slice(&xfer.to_le_bytes());
@@ -436,14 +469,16 @@ fn write_transfer(s: &mut TcpStream, xfer: TransferId, tensors: &[Tensor]) -> st
     for t in tensors {
         head.extend_from_slice(&(t.nbytes() as u64).to_le_bytes());
     }
-    s.write_all(&head)?;
+    let mut out = BufWriter::with_capacity(WRITE_BUFFER, s);
+    out.write_all(&head)?;
     for t in tensors {
         // Invariant 1: straight from private storage; a snapshot of memory
-        // shared with other processes.
-        t.with_bytes(|b| s.write_all(b))
+        // shared with other processes. (A write at least as large as the
+        // buffer bypasses it.)
+        t.with_bytes(|b| out.write_all(b))
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))??;
     }
-    s.flush()
+    out.flush()
 }
 
 impl TensorTransport for TcpTransport {
@@ -605,7 +640,7 @@ impl TensorTransport for TcpTransport {
                 .metas
                 .iter()
                 .zip(bufs)
-                .map(|(m, b)| Tensor::from_bytes(m.dtype, &m.shape, b))
+                .map(|(m, b)| Tensor::from_shared_bytes(m.dtype, &m.shape, b))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| TransportError::with_peer(NAME, from, e.to_string()))?;
             check_received(NAME, &exported.metas, &tensors)?;
@@ -692,7 +727,16 @@ mod tests {
     /// seconds: a worker went from 4 to 1 244 threads under 2 000).
     #[test]
     fn idle_strangers_do_not_cost_a_thread_each() {
-        let threads = || std::fs::read_dir("/proc/self/task").unwrap().count();
+        // This transport's connection threads (by name: the other tests
+        // of this binary start threads of their own meanwhile).
+        let threads = || {
+            (std::fs::read_dir("/proc/self/task").unwrap().flatten())
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|c| c.trim() == "rdt-tcp-recv")
+                })
+                .count()
+        };
         let a = TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
         let endpoint = a.endpoint().unwrap();
         let before = threads();
@@ -796,7 +840,7 @@ mod tests {
         assert_eq!(abandoned(&inbox), [2, 3]);
 
         // Late bytes of a remembered transfer are dropped, with the record.
-        inbox.arrive(2, Ok(vec![vec![1, 2, 3]]));
+        inbox.arrive(2, Ok(vec![Bytes::from_static(&[1, 2, 3])]));
         assert!(inbox.slots.lock().is_empty());
         assert_eq!(abandoned(&inbox), [3]);
         // Those of a forgotten one are filed like any arrival.
