@@ -25,9 +25,13 @@
 //!   one tensor of 1 KiB, 1 MiB, 64 MiB and 256 MiB over every CPU
 //!   transport this build has (`nixl` where NIXL is installed:
 //!   `scripts/install-nixl.sh`), with the object-store path as the
-//!   baseline; and, from 1 MiB, the object store's own raw floor
-//!   (`raw_relay`: the same bytes through two plain processes, two Unix
-//!   socket crossings one after the other into reused buffers). Then, per
+//!   baseline; and, from 1 MiB, the raw floors of the same bytes: the
+//!   object store's (`raw_relay`: two plain processes, two Unix socket
+//!   crossings one after the other into reused buffers), `tcp`'s
+//!   (`raw_tcp`: two plain processes streaming over loopback TCP into a
+//!   reused buffer), `nixl`'s (`raw_nixl`: one NIXL READ of registered host
+//!   memory between two plain processes) and one warm in-process copy
+//!   (`memcpy`), each transport's ratio to its floor printed. Then, per
 //!   transport, the per-tensor cost: an object of 10 000 tensors of
 //!   4 KiB against one tensor of the same 40.96 MB, both kept by the
 //!   producer and passed again every time (a weights sync), with their
@@ -387,6 +391,198 @@ fn bench_relay(bytes: usize, iters: usize, label: &str) -> Row {
     )
 }
 
+const TCP_SINK_ENV: &str = "RDT_BENCH_TCP_SINK";
+
+/// The raw floor of the `tcp` pass, as a process: listens on loopback,
+/// prints its port, then reads each length-prefixed frame into a buffer
+/// it reuses and acknowledges it with one byte.
+fn tcp_sink_server() -> ! {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the tcp sink");
+    println!("{}", listener.local_addr().expect("its address").port());
+    std::io::stdout().flush().expect("print the port");
+    let (mut s, _) = listener.accept().expect("accept");
+    s.set_nodelay(true).ok();
+    let mut len = [0u8; 8];
+    let mut buf = Vec::new();
+    while s.read_exact(&mut len).is_ok() {
+        buf.resize(u64::from_le_bytes(len) as usize, 0);
+        if s.read_exact(&mut buf).is_err() || s.write_all(&[1]).is_err() {
+            break;
+        }
+    }
+    std::process::exit(0)
+}
+
+/// The same bytes between two plain processes over loopback TCP, as a
+/// good implementation streams them: this process writes each frame from
+/// a buffer it reuses, the sink reads it into one it reuses and
+/// acknowledges (kernel-tuned socket buffers, no delay): the floor under
+/// a `tcp` pass, with none of rdt's work. The first pass (buffers faulted
+/// in, the connection's windows grown) is not timed.
+fn bench_raw_tcp(bytes: usize, iters: usize, label: &str) -> Row {
+    use std::io::{BufRead, Read, Write};
+    let mut sink = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(TCP_SINK_ENV, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the tcp sink");
+    let mut port = String::new();
+    std::io::BufReader::new(sink.stdout.take().expect("piped"))
+        .read_line(&mut port)
+        .expect("the sink's port");
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port.trim().parse::<u16>().unwrap()))
+        .expect("connect to the sink");
+    s.set_nodelay(true).ok();
+    let payload = vec![1u8; bytes];
+    let mut ack = [0u8; 1];
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + 1 {
+        let t = Instant::now();
+        s.write_all(&(bytes as u64).to_le_bytes()).unwrap();
+        s.write_all(&payload).unwrap();
+        s.read_exact(&mut ack).unwrap();
+        if i > 0 {
+            samples.push(t.elapsed());
+        }
+    }
+    drop(s);
+    let _ = sink.wait();
+    row(
+        "transports",
+        &format!("pass {label}"),
+        "raw_tcp",
+        Kind::Bandwidth,
+        bytes as u64,
+        samples,
+    )
+}
+
+/// One warm copy of the same bytes inside one process (both buffers
+/// faulted in before): the floor under any pass that copies them once.
+fn bench_memcpy(bytes: usize, iters: usize, label: &str) -> Row {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + 1 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        if i > 0 {
+            samples.push(t.elapsed());
+        }
+    }
+    row(
+        "transports",
+        &format!("pass {label}"),
+        "memcpy",
+        Kind::Bandwidth,
+        bytes as u64,
+        samples,
+    )
+}
+
+const NIXL_HOLDER_ENV: &str = "RDT_BENCH_NIXL_HOLDER";
+
+/// What the raw NIXL holder offers: its connection metadata, and per
+/// size, the address of its registered host buffer and the registration's
+/// metadata.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct NixlHeld {
+    conn: Vec<u8>,
+    buffers: Vec<(usize, u64, Vec<u8>)>,
+}
+
+/// The raw floor of the `nixl` pass, as a process: one NIXL agent (UCX)
+/// registers a host buffer of each size in `sizes` (comma-separated),
+/// prints what a reader loads as one JSON line, and keeps them until its
+/// stdin closes.
+fn nixl_holder_server(sizes: &str) -> ! {
+    use rdt::data::nixl::raw::{Memory, RawAgent};
+    use std::io::{Read, Write};
+    let agent = RawAgent::new(&format!("raw-holder-{}", std::process::id())).expect("a NIXL agent");
+    let mut kept = Vec::new();
+    let mut buffers = Vec::new();
+    for bytes in sizes.split(',').filter_map(|b| b.parse::<usize>().ok()) {
+        let b = vec![3u8; bytes];
+        let md = (agent.register(Memory::Host, b.as_ptr() as u64, bytes)).expect("register");
+        buffers.push((bytes, b.as_ptr() as u64, md));
+        kept.push(b);
+    }
+    let held = NixlHeld {
+        conn: agent.connection_md().expect("connection metadata"),
+        buffers,
+    };
+    println!("{}", serde_json::to_string(&held).unwrap());
+    std::io::stdout().flush().expect("print the plan");
+    let mut rest = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut rest);
+    for b in &kept {
+        let _ = agent.deregister(Memory::Host, b.as_ptr() as u64, b.len());
+    }
+    std::process::exit(0)
+}
+
+/// One NIXL READ of the same registered host bytes between two plain
+/// processes (the holder, a child; this process reads into a registered
+/// buffer it reuses): the floor under a `nixl` pass on the CPU. The
+/// first READ (connection set-up) is not timed. `None` without NIXL.
+fn bench_raw_nixl(sizes: &[(usize, usize, &str)]) -> Vec<Row> {
+    use rdt::data::nixl::raw::{Memory, RawAgent};
+    use std::io::BufRead;
+    if rdt::data::nixl::available().is_err() {
+        return Vec::new();
+    }
+    let list: Vec<String> = sizes.iter().map(|s| s.0.to_string()).collect();
+    let mut holder = std::process::Command::new(std::env::current_exe().unwrap())
+        .env(NIXL_HOLDER_ENV, list.join(","))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the NIXL holder");
+    let mut line = String::new();
+    std::io::BufReader::new(holder.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .expect("the holder's plan");
+    let held: NixlHeld = serde_json::from_str(&line).expect("the holder's plan");
+    let agent = RawAgent::new(&format!("raw-reader-{}", std::process::id())).expect("a NIXL agent");
+    let peer = agent.load_remote(&held.conn).expect("load the holder");
+    let mut rows = Vec::new();
+    for (&(bytes, iters, label), (_, addr, md)) in sizes.iter().zip(&held.buffers) {
+        agent.load_remote(md).expect("load the registration");
+        let local = vec![0u8; bytes];
+        let base = local.as_ptr() as u64;
+        agent.register(Memory::Host, base, bytes).expect("register");
+        let mut samples = Vec::with_capacity(iters);
+        for i in 0..iters + 1 {
+            let t = Instant::now();
+            agent
+                .read(
+                    (Memory::Host, &[(base, bytes)]),
+                    (Memory::Host, &[(*addr, bytes)]),
+                    &peer,
+                    &[],
+                )
+                .expect("a READ");
+            if i > 0 {
+                samples.push(t.elapsed());
+            }
+        }
+        let _ = agent.deregister(Memory::Host, base, bytes);
+        rows.push(row(
+            "transports",
+            &format!("pass {label}"),
+            "raw_nixl",
+            Kind::Bandwidth,
+            bytes as u64,
+            samples,
+        ));
+    }
+    drop(holder.stdin.take());
+    let _ = holder.wait();
+    rows
+}
+
 async fn bench_echo(iters: usize) -> Row {
     let dir = tempfile_dir();
     let path = format!("{dir}/echo.sock");
@@ -577,6 +773,7 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
     rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp)
         .await?;
     let mut rows = Vec::new();
+    let mut nixl_floors = Vec::new();
     let sizes: &[(usize, &str)] = &[
         (1 << 10, "1 KiB"),
         (1 << 20, "1 MiB"),
@@ -594,13 +791,20 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             (false, b) if b >= 1 << 20 => 50,
             _ => 500,
         };
-        // The object store's raw floor, same size, same run.
-        if bytes >= 1 << 20
-            && only_transport
-                .as_deref()
-                .is_none_or(|t| t == "object_store")
-        {
-            rows.push(bench_relay(bytes, iters, label));
+        // The raw floors, same size, same run: the object store's relay,
+        // plain TCP, one warm copy (and one NIXL READ, below).
+        let floor = |name: &str| only_transport.as_deref().is_none_or(|t| t == name);
+        if bytes >= 1 << 20 {
+            if floor("object_store") {
+                rows.push(bench_relay(bytes, iters, label));
+            }
+            if floor("tcp") {
+                rows.push(bench_raw_tcp(bytes, iters, label));
+            }
+            if floor("nixl") {
+                nixl_floors.push((bytes, iters, label));
+            }
+            rows.push(bench_memcpy(bytes, iters, label));
         }
         for transport in cpu_transports() {
             if only_transport
@@ -630,6 +834,9 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
                 samples,
             ));
         }
+    }
+    if cpu_transports().contains(&Transport::Nixl) {
+        rows.extend(bench_raw_nixl(&nixl_floors));
     }
     // `--size 40960000` selects this case alone.
     if only_size.is_none_or(|s| s == MANY_N * many_each()) {
@@ -947,8 +1154,45 @@ fn print(rows: &[Row]) {
             );
         }
     }
+    // Each direct transport against its own raw floor, and every copying
+    // pass against one warm copy of its bytes.
+    for r in rows
+        .iter()
+        .filter(|r| matches!(r.transport.as_str(), "tcp" | "nixl"))
+    {
+        let floor = format!("raw_{}", r.transport);
+        if let Some(f) = rows
+            .iter()
+            .find(|b| b.case == r.case && b.transport == floor)
+        {
+            println!(
+                "ratio: {} {} moves {:.2}x the GB/s of {floor}",
+                r.case,
+                r.transport,
+                f.median_us / r.median_us
+            );
+        }
+    }
     for r in rows.iter().filter(|r| {
-        !matches!(r.transport.as_str(), "object_store" | "raw_relay") && r.suite == "transports"
+        matches!(r.transport.as_str(), "object_store" | "tcp" | "nixl") && r.suite == "transports"
+    }) {
+        if let Some(m) = rows
+            .iter()
+            .find(|b| b.case == r.case && b.transport == "memcpy")
+        {
+            println!(
+                "ratio: {} {} takes {:.2}x a warm memcpy",
+                r.case,
+                r.transport,
+                r.median_us / m.median_us
+            );
+        }
+    }
+    for r in rows.iter().filter(|r| {
+        !matches!(
+            r.transport.as_str(),
+            "object_store" | "raw_relay" | "raw_tcp" | "raw_nixl" | "memcpy"
+        ) && r.suite == "transports"
     }) {
         if let Some(base) = rows
             .iter()
@@ -1005,6 +1249,12 @@ async fn main() -> rdt::Result<()> {
     }
     if let Ok(spec) = std::env::var(RELAY_ENV) {
         relay_server(&spec);
+    }
+    if std::env::var(TCP_SINK_ENV).is_ok() {
+        tcp_sink_server();
+    }
+    if let Ok(sizes) = std::env::var(NIXL_HOLDER_ENV) {
+        nixl_holder_server(&sizes);
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let suite = args.first().cloned().unwrap_or_else(|| "control".into());

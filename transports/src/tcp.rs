@@ -55,11 +55,11 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
 
+use crate::cuda::host_pool::{HostBuf, MIN_POOLED};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransferId,
     TransportError,
 };
-use crate::cuda::host_pool::{HostBuf, MIN_POOLED};
 use crate::{device::Device, rt::auth, tensor::Tensor, transport::Exported};
 
 /// Name of this transport.
