@@ -67,26 +67,34 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[rdt::actor]
 pub struct Source {
-    kept: Option<Tensor>,
-    many: Vec<Tensor>,
+    /// One kept tensor per transport: a tensor a transport exported lives
+    /// where that transport put it (`shm` moves it into shared memory),
+    /// and a row measures its transport's steady state, not the move of
+    /// one tensor from another transport's memory.
+    kept: std::collections::HashMap<String, Tensor>,
+    /// The many-tensor object, per transport likewise.
+    many: std::collections::HashMap<String, Vec<Tensor>>,
 }
 
 #[rdt::actor]
 impl Source {
     fn new() -> Self {
         Source {
-            kept: None,
-            many: Vec::new(),
+            kept: Default::default(),
+            many: Default::default(),
         }
     }
 
     /// `n` tensors of `each` bytes, allocated once and handed out again
     /// (weights-sync style: a model's many parameters, every pass).
-    async fn many(&mut self, n: usize, each: usize) -> Vec<Tensor> {
-        if self.many.len() != n || self.many.first().is_some_and(|t| t.nbytes() != each) {
-            self.many = (0..n).map(|i| Tensor::full(i as u8, &[each])).collect();
+    /// `n` tensors of `each` bytes, made once per transport and handed out
+    /// again.
+    async fn many(&mut self, n: usize, each: usize, transport: String) -> Vec<Tensor> {
+        let many = self.many.entry(transport).or_default();
+        if many.len() != n || many.first().is_some_and(|t| t.nbytes() != each) {
+            *many = (0..n).map(|i| Tensor::full(i as u8, &[each])).collect();
         }
-        self.many.clone()
+        many.clone()
     }
 
     async fn ping(&mut self, x: u64) -> u64 {
@@ -98,14 +106,14 @@ impl Source {
         Tensor::full(1u8, &[n])
     }
 
-    /// A tensor of `bytes` bytes, allocated once and handed out again
-    /// (weights-sync style: the same buffer every pass).
-    async fn tensor(&mut self, bytes: usize) -> Tensor {
-        match &self.kept {
+    /// A tensor of `bytes` bytes, allocated once per transport and handed
+    /// out again (weights-sync style: the same buffer every pass).
+    async fn tensor(&mut self, bytes: usize, transport: String) -> Tensor {
+        match self.kept.get(&transport) {
             Some(t) if t.nbytes() == bytes => t.clone(),
             _ => {
                 let t = Tensor::full(1u8, &[bytes]);
-                self.kept = Some(t.clone());
+                self.kept.insert(transport, t.clone());
                 t
             }
         }
@@ -115,16 +123,12 @@ impl Source {
     /// finished) once and handed out again: a pass of it over `cuda_ipc`
     /// is a hand-off.
     async fn cuda_tensor(&mut self, bytes: usize) -> rdt::Result<Tensor> {
-        if let Some(t) = self
-            .kept
-            .as_ref()
-            .filter(|t| t.is_cuda() && t.nbytes() == bytes)
-        {
+        if let Some(t) = (self.kept.get("cuda_ipc")).filter(|t| t.nbytes() == bytes) {
             return Ok(t.clone());
         }
         let t = Tensor::cuda_full(1u8, &[bytes], 0)?;
         t.cuda_ready().await?;
-        self.kept = Some(t.clone());
+        self.kept.insert("cuda_ipc".into(), t.clone());
         Ok(t)
     }
 }
@@ -679,7 +683,10 @@ async fn control(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
         let mut samples = Vec::new();
         for i in 0..iters + iters / 10 {
             let t = Instant::now();
-            let r = src.tensor(16).transport(transport).remote();
+            let r = src
+                .tensor(16, transport.name().to_string())
+                .transport(transport)
+                .remote();
             let v = rt.get(sink.touch(&r).remote()).await?;
             assert_eq!(v, 2);
             drop(r);
@@ -817,7 +824,10 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
             let mut samples = Vec::new();
             for i in 0..iters + 1 {
                 let t = Instant::now();
-                let r = src.tensor(bytes).transport(transport).remote();
+                let r = src
+                    .tensor(bytes, transport.name().to_string())
+                    .transport(transport)
+                    .remote();
                 let v = rt.get(sink.touch(&r).remote()).await?;
                 assert_eq!(v, 2);
                 drop(r);
@@ -884,14 +894,20 @@ async fn many_tensors(
         // The first pass of each allocates (unmeasured).
         for i in 0..iters + 1 {
             let t = Instant::now();
-            let r = src.tensor(MANY_N * each).transport(transport).remote();
+            let r = src
+                .tensor(MANY_N * each, transport.name().to_string())
+                .transport(transport)
+                .remote();
             let sum = rt.get(sink.touch_strided(&r, each).remote()).await?;
             assert_eq!(sum, MANY_N as u64, "one byte of 1 read per tensor's worth");
             drop(r);
             let one_took = t.elapsed();
             let t = Instant::now();
             rdt::data::trace::timeline("driver many start", i as u64);
-            let r = src.many(MANY_N, each).transport(transport).remote();
+            let r = src
+                .many(MANY_N, each, transport.name().to_string())
+                .transport(transport)
+                .remote();
             let sum = rt.get(sink.touch_all(&r).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
@@ -899,14 +915,20 @@ async fn many_tensors(
             let many_took = t.elapsed();
             let t = Instant::now();
             rdt::data::trace::timeline("driver into start", i as u64);
-            let r = src.many(MANY_N, each).transport(transport).remote();
+            let r = src
+                .many(MANY_N, each, transport.name().to_string())
+                .transport(transport)
+                .remote();
             let sum = rt.get(sink.update(&r, MANY_N, each).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
             rdt::data::trace::timeline("driver into end", i as u64);
             let into_took = t.elapsed();
             let t = Instant::now();
-            let r = src.many(MANY_N, each).transport(transport).remote();
+            let r = src
+                .many(MANY_N, each, transport.name().to_string())
+                .transport(transport)
+                .remote();
             let sum = rt.get(sink.load(&r, MANY_N, each).remote()).await?;
             assert_eq!(sum, first_bytes);
             drop(r);
@@ -920,8 +942,14 @@ async fn many_tensors(
         // The same two objects produced once and passed again (a consumer
         // reading a producer's kept weights: what `bench_nixl` times on
         // GPUs): the consumer's side of the per-tensor cost alone.
-        let r_one = src.tensor(MANY_N * each).transport(transport).remote();
-        let r_many = src.many(MANY_N, each).transport(transport).remote();
+        let r_one = src
+            .tensor(MANY_N * each, transport.name().to_string())
+            .transport(transport)
+            .remote();
+        let r_many = src
+            .many(MANY_N, each, transport.name().to_string())
+            .transport(transport)
+            .remote();
         rt.wait(&r_one).await?;
         rt.wait(&r_many).await?;
         let (mut one_kept, mut many_kept) = (Vec::new(), Vec::new());
@@ -1323,7 +1351,10 @@ async fn timeline() -> rdt::Result<()> {
     // `bench_nccl --timeline` times them ("driver pass start" 0 and 4096).
     rt.create_collective_group(&[src.id(), sink.id()], Transport::Tcp)
         .await?;
-    let r = src.tensor(4096).transport(Transport::Tcp).remote();
+    let r = src
+        .tensor(4096, "tcp".to_string())
+        .transport(Transport::Tcp)
+        .remote();
     rt.wait(&r).await?;
     // `--passes N`: N untimed passes first (200 by default), e.g. to
     // profile the pass with `perf` (`RDT_TIMELINE=0` then).
