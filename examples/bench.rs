@@ -36,7 +36,11 @@
 //!   4 KiB against one tensor of the same 40.96 MB, both kept by the
 //!   producer and passed again every time (a weights sync), with their
 //!   ratio (`--size 40960000` runs this case alone, `--iters N` sets its
-//!   passes). Consumers read received tensors in place
+//!   passes). Then the weight update: 1 000 tensors of 64 KiB that the
+//!   producer rewrites in place between versions, received with
+//!   `load_into` into the consumer's preallocated tensors, warm median of
+//!   5 versions, beside a warm in-process copy of the same tensors
+//!   (`--size 65536000` runs this case alone). Consumers read received tensors in place
 //!   (`with_bytes_unchecked`): a snapshot copy of shared memory would make
 //!   a hand-off look like a copy. Both cases read one byte in every
 //!   4 KiB (the first of each small tensor, every 4 KiB of the big one),
@@ -74,6 +78,8 @@ pub struct Source {
     kept: std::collections::HashMap<String, Tensor>,
     /// The many-tensor object, per transport likewise.
     many: std::collections::HashMap<String, Vec<Tensor>>,
+    /// The weight-update case's weights, per transport likewise.
+    weights: std::collections::HashMap<String, Vec<Tensor>>,
 }
 
 #[rdt::actor]
@@ -82,6 +88,7 @@ impl Source {
         Source {
             kept: Default::default(),
             many: Default::default(),
+            weights: Default::default(),
         }
     }
 
@@ -104,6 +111,25 @@ impl Source {
     /// A fresh tensor of `n` bytes (the soak allocates every time).
     async fn fresh(&mut self, n: usize) -> Tensor {
         Tensor::full(1u8, &[n])
+    }
+
+    /// The trainer's weights for `transport`: `n` tensors of `each` bytes,
+    /// made once and handed out again.
+    async fn weights(&mut self, n: usize, each: usize, transport: String) -> Vec<Tensor> {
+        let w = self.weights.entry(transport).or_default();
+        if w.len() != n || w.first().is_some_and(|t| t.nbytes() != each) {
+            *w = (0..n).map(|_| Tensor::zeros(DType::U8, &[each])).collect();
+        }
+        w.clone()
+    }
+
+    /// A training step: rewrites every weight for `transport` in place
+    /// (each byte becomes `version`).
+    async fn step(&mut self, version: u8, transport: String) -> rdt::Result<()> {
+        for t in self.weights.get(&transport).into_iter().flatten() {
+            t.with_bytes_mut(|b| b.fill(version))?;
+        }
+        Ok(())
     }
 
     /// A tensor of `bytes` bytes, allocated once per transport and handed
@@ -852,6 +878,91 @@ async fn transports(rt: &Runtime, quick: bool) -> rdt::Result<Vec<Row>> {
     if only_size.is_none_or(|s| s == MANY_N * many_each()) {
         rows.extend(many_tensors(rt, &src, &sink, only_transport.as_deref(), quick).await?);
     }
+    // `--size 65536000` selects this case alone.
+    if only_size.is_none_or(|s| s == WEIGHTS_N * WEIGHTS_EACH) {
+        rows.extend(weight_update(rt, &src, &sink, only_transport.as_deref()).await?);
+    }
+    Ok(rows)
+}
+
+/// The weight update: 1 000 tensors of 64 KiB (f32 tensors of 16 384
+/// elements, 64 MiB in all).
+const WEIGHTS_N: usize = 1_000;
+const WEIGHTS_EACH: usize = 64 << 10;
+
+/// A weight update per transport: the trainer rewrites its weights in
+/// place (untimed), then a pass hands them to the rollout, which receives
+/// them into its own preallocated tensors with `load_into` (timed), warm
+/// median of 5 versions after one unmeasured; beside one warm in-process
+/// copy of the same tensors into preallocated ones.
+async fn weight_update(
+    rt: &Runtime,
+    src: &SourceHandle,
+    sink: &SinkHandle,
+    only_transport: Option<&str>,
+) -> rdt::Result<Vec<Row>> {
+    const VERSIONS: usize = 5;
+    let case = "weight update 1000 x 64 KiB (load_into)";
+    let mut rows = Vec::new();
+    for transport in cpu_transports() {
+        if only_transport.is_some_and(|t| t != transport.name()) {
+            continue;
+        }
+        let name = transport.name().to_string();
+        let mut samples = Vec::new();
+        for version in 0..=VERSIONS {
+            rt.get(src.weights(WEIGHTS_N, WEIGHTS_EACH, name.clone()).remote())
+                .await?;
+            rt.get(src.step(version as u8 + 1, name.clone()).remote())
+                .await?;
+            let t = Instant::now();
+            let r = src
+                .weights(WEIGHTS_N, WEIGHTS_EACH, name.clone())
+                .transport(transport)
+                .remote();
+            let sum = rt
+                .get(sink.load(&r, WEIGHTS_N, WEIGHTS_EACH).remote())
+                .await?;
+            drop(r);
+            if version > 0 {
+                samples.push(t.elapsed());
+            }
+            assert_eq!(
+                sum,
+                (version as u64 + 1) * WEIGHTS_N as u64,
+                "version {version} landed"
+            );
+        }
+        rows.push(row(
+            "transports",
+            case,
+            transport.name(),
+            Kind::Bandwidth,
+            (WEIGHTS_N * WEIGHTS_EACH) as u64,
+            samples,
+        ));
+    }
+    let from: Vec<Vec<u8>> = (0..WEIGHTS_N).map(|_| vec![1u8; WEIGHTS_EACH]).collect();
+    let mut to: Vec<Vec<u8>> = (0..WEIGHTS_N).map(|_| vec![0u8; WEIGHTS_EACH]).collect();
+    let mut samples = Vec::new();
+    for version in 0..=VERSIONS {
+        let t = Instant::now();
+        for (d, s) in to.iter_mut().zip(&from) {
+            d.copy_from_slice(std::hint::black_box(s));
+        }
+        std::hint::black_box(&to);
+        if version > 0 {
+            samples.push(t.elapsed());
+        }
+    }
+    rows.push(row(
+        "transports",
+        case,
+        "memcpy",
+        Kind::Bandwidth,
+        (WEIGHTS_N * WEIGHTS_EACH) as u64,
+        samples,
+    ));
     Ok(rows)
 }
 
@@ -1202,7 +1313,10 @@ fn print(rows: &[Row]) {
         }
     }
     for r in rows.iter().filter(|r| {
-        matches!(r.transport.as_str(), "object_store" | "tcp" | "nixl") && r.suite == "transports"
+        r.suite == "transports"
+            && (matches!(r.transport.as_str(), "object_store" | "tcp" | "nixl")
+                // Into the consumer's own tensors, shm copies too.
+                || (r.transport == "shm" && r.case.starts_with("weight update")))
     }) {
         if let Some(m) = rows
             .iter()
