@@ -160,6 +160,17 @@ gpu_test!(device_present, async {
     assert_eq!(z.to_cpu().unwrap().to_vec::<f64>().unwrap(), vec![0.0; 7]);
 });
 
+// DLPack is host memory only for now: a CUDA tensor is refused with the
+// reason (the consumer's stream), and nothing is exported.
+gpu_test!(a_cuda_tensor_is_refused_by_dlpack_with_the_reason, async {
+    assert!(require_gpu() >= 1);
+    let t = Tensor::cuda_zeros(DType::F32, &[4], 0).unwrap();
+    let Err(e) = t.to_dlpack() else {
+        panic!("a CUDA tensor went to DLPack");
+    };
+    assert!(e.to_string().contains("stream"), "{e}");
+});
+
 // Views of one flat CUDA buffer (overlapping ones, one of another dtype,
 // and the buffer itself) pass as one object over `cuda_ipc`, `nixl` and
 // the object store, each with its own bytes.

@@ -37,6 +37,9 @@ pub mod wire;
 pub use cuda::host_pool;
 pub use cuda_ipc::CudaIpcTransport;
 pub use device::{Device, GpuUuid};
+/// The DLPack crate rdt's [`Tensor::to_dlpack`] and [`Tensor::from_dlpack`]
+/// speak, re-exported so a program uses the same version.
+pub use dlpark;
 pub use dtype::{DType, Element};
 pub use metas_wire::MAX_TENSORS;
 pub use object_store::ObjectStoreTransport;
@@ -44,8 +47,8 @@ pub use shape::Shape;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;
 pub use tensor::{
-    DeviceBytes, ExternalBytes, ExternalMemory, MakeTensors, Tensor, TensorError, TensorList,
-    TensorMeta,
+    DeviceBytes, DlpackTensor, DlpackTensorLegacy, ExternalBytes, ExternalMemory, MakeTensors,
+    Tensor, TensorError, TensorList, TensorMeta,
 };
 pub use transport::{
     Exported, FirstReader, GroupRef, GroupSpec, ObjectKey, Peer, ReceiveStart, Sidedness, Target,

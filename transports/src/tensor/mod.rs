@@ -46,6 +46,7 @@ use crate::{device::Device, dtype::DType, dtype::Element, shape::Shape};
 
 mod access;
 mod cuda;
+mod dlpack;
 pub(crate) mod list;
 mod ops;
 mod storage;
@@ -57,6 +58,7 @@ use storage::*;
 use tensor::*;
 
 pub use cuda::DeviceBytes;
+pub use dlpack::{DlpackTensor, DlpackTensorLegacy};
 pub use list::{MakeTensors, TensorList};
 pub use storage::{ExternalBytes, ExternalMemory, Storage, TensorError};
 pub use tensor::{Tensor, TensorMeta};

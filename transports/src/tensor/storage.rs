@@ -53,6 +53,9 @@ pub enum TensorError {
     /// A CUDA operation failed or CUDA is not usable here.
     #[error("{0}")]
     Cuda(String),
+    /// A tensor cannot go to DLPack, or a DLPack tensor cannot come in.
+    #[error("DLPack: {0}")]
+    Dlpack(String),
 }
 
 impl From<crate::cuda::CudaError> for TensorError {
