@@ -27,7 +27,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])
 ' > "$out/tests.txt"
-cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example bench_nixl --example quickstart --example bench
+cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example bench_nixl --example quickstart --example bench --example interop_candle
 # Cargo's target folder (CARGO_TARGET_DIR where it is set).
 tgt="${CARGO_TARGET_DIR:-target}"
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
@@ -36,6 +36,7 @@ cp "$tgt/release/examples/bench_nccl" "$out/bin/bench_nccl"
 cp "$tgt/release/examples/bench_nixl" "$out/bin/bench_nixl"
 cp "$tgt/release/examples/quickstart" "$out/bin/quickstart"
 cp "$tgt/release/examples/bench" "$out/bin/bench"
+cp "$tgt/release/examples/interop_candle" "$out/bin/interop_candle"
 rm "$out/tests.txt"
 # The commit the bundle was built from (with -dirty for uncommitted
 # changes), recorded by the benchmark in every row.
@@ -120,6 +121,11 @@ q=${PIPESTATUS[0]}
 grep -q "via cuda_ipc" "$logs/quickstart.log" || { echo "quickstart did not use the GPU"; q=1; }
 [ "$q" = 0 ] || rc=$q
 echo "== quickstart exit: $q"
+echo "== interop_candle (a candle tensor through DLPack to an actor and back)"
+"$here/bin/interop_candle" 2>&1 | tee "$logs/interop_candle.log"
+q=${PIPESTATUS[0]}
+[ "$q" = 0 ] || rc=$q
+echo "== interop_candle exit: $q"
 # The gpu tests: the one-GPU tests, then the two-GPU tests (#[ignore]d in
 # the binary) where two GPUs are visible or RDT_EXPECT_GPUS asks for two
 # (then fewer is a failure: the tests assert it). The summary adds up
