@@ -9,9 +9,9 @@ pub enum DType {
     F32,
     /// 64-bit IEEE float.
     F64,
-    /// 16-bit IEEE float (storage only: rdt does no arithmetic on it).
+    /// 16-bit IEEE float (`half::f16`).
     F16,
-    /// bfloat16 (storage only).
+    /// bfloat16 (`half::bf16`).
     BF16,
     /// Signed 8-bit integer.
     I8,
@@ -88,3 +88,23 @@ macro_rules! element {
     )*};
 }
 element!(f32 => F32, f64 => F64, i8 => I8, i16 => I16, i32 => I32, i64 => I64, u8 => U8, u32 => U32, u64 => U64);
+
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f64(self) -> f64 {
+        half::f16::to_f64(self)
+    }
+    fn from_f64(v: f64) -> Self {
+        half::f16::from_f64(v)
+    }
+}
+
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f64(self) -> f64 {
+        half::bf16::to_f64(self)
+    }
+    fn from_f64(v: f64) -> Self {
+        half::bf16::from_f64(v)
+    }
+}

@@ -41,6 +41,9 @@ pub use device::{Device, GpuUuid};
 /// speak, re-exported so a program uses the same version.
 pub use dlpark;
 pub use dtype::{DType, Element};
+/// The `f16` and `bf16` types rdt's tensors hold ([`Element`]), re-exported
+/// so a program uses the same version.
+pub use half;
 pub use metas_wire::MAX_TENSORS;
 pub use object_store::ObjectStoreTransport;
 pub use shape::Shape;

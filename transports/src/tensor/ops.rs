@@ -38,8 +38,9 @@ impl Tensor {
         })
     }
 
-    /// Sum of all elements, as `f64`, for any numeric element type (`F16`
-    /// and `BF16`: the raw 16-bit words, a checksum).
+    /// Sum of all elements, as `f64`, for any element type (`F16` and
+    /// `BF16` as their numbers; [`raw_word_sum`](Self::raw_word_sum) is the
+    /// checksum of their bits).
     ///
     /// A CUDA tensor is summed on its device by an NVRTC-compiled kernel
     /// (see [`cuda::ops`]; blocks until the result is back; the order of
@@ -48,7 +49,10 @@ impl Tensor {
     /// first; [`cuda::ops::nvrtc_available`] says which.
     pub fn sum(&self) -> Result<f64, TensorError> {
         if self.is_cuda() {
-            if cuda::ops::nvrtc_available().is_ok() {
+            // The device kernel of the 16-bit floats sums raw words: their
+            // numbers are summed on the host.
+            let half = matches!(self.dtype, DType::F16 | DType::BF16);
+            if !half && cuda::ops::nvrtc_available().is_ok() {
                 let n = self.numel();
                 let dtype = self.dtype;
                 return Ok(self.with_device_buffer(|d| {
@@ -61,10 +65,10 @@ impl Tensor {
             ($t:ty, $b:expr) => {
                 // Aligned storage (the usual case) is read in place.
                 match bytemuck::try_cast_slice::<u8, $t>($b) {
-                    Ok(v) => v.iter().map(|&x| x as f64).sum::<f64>(),
+                    Ok(v) => v.iter().map(|&x| Element::to_f64(x)).sum::<f64>(),
                     Err(_) => $b
                         .chunks_exact(std::mem::size_of::<$t>())
-                        .map(|c| bytemuck::pod_read_unaligned::<$t>(c) as f64)
+                        .map(|c| Element::to_f64(bytemuck::pod_read_unaligned::<$t>(c)))
                         .sum::<f64>(),
                 }
             };
@@ -80,9 +84,39 @@ impl Tensor {
             DType::U8 | DType::Bool => sum_as!(u8, b),
             DType::U32 => sum_as!(u32, b),
             DType::U64 => sum_as!(u64, b),
-            // Storage-only types: sum the raw 16-bit words; good enough for
-            // checksums, documented as such.
-            DType::F16 | DType::BF16 => sum_as!(u16, b),
+            DType::F16 => sum_as!(half::f16, b),
+            DType::BF16 => sum_as!(half::bf16, b),
+        })
+    }
+
+    /// The sum of an `F16` or `BF16` tensor's raw 16-bit words, as `f64`: a
+    /// checksum exact for any bits (NaNs included), the same on the host
+    /// and on a device (summed there by a kernel where NVRTC is present).
+    ///
+    /// # Errors
+    /// Another dtype (its [`sum`](Self::sum) is exact enough), or a failed
+    /// CUDA step.
+    pub fn raw_word_sum(&self) -> Result<f64, TensorError> {
+        if !matches!(self.dtype, DType::F16 | DType::BF16) {
+            return Err(TensorError::Mismatch(format!(
+                "raw_word_sum is the checksum of 16-bit floats; this tensor is {}",
+                self.dtype
+            )));
+        }
+        if self.is_cuda() {
+            if cuda::ops::nvrtc_available().is_ok() {
+                let n = self.numel();
+                let dtype = self.dtype;
+                return Ok(self.with_device_buffer(|d| {
+                    cuda::ops::sum(d.gpu(), dtype, d.device_ptr(), n)
+                })??);
+            }
+            return self.to_cpu()?.raw_word_sum();
+        }
+        self.with_bytes(|b| {
+            b.chunks_exact(2)
+                .map(|c| u16::from_ne_bytes([c[0], c[1]]) as f64)
+                .sum::<f64>()
         })
     }
 

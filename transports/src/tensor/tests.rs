@@ -342,3 +342,30 @@ fn empty_external_memory_is_fine() {
     t.with_bytes_mut(|b| assert!(b.is_empty())).unwrap();
     assert_eq!(t.sum().unwrap(), 0.0);
 }
+
+/// `f16` and `bf16` are elements: `full`, `to_vec` and `add_scalar_` take
+/// them, and `sum` adds their numbers; `raw_word_sum` is the checksum of
+/// their bits.
+#[test]
+fn half_precision_tensors_hold_numbers_and_sum_them() {
+    use half::{bf16, f16};
+    let h = Tensor::full(f16::from_f32(1.5), &[4]);
+    assert_eq!(h.dtype(), DType::F16);
+    assert_eq!(h.to_vec::<f16>().unwrap(), [f16::from_f32(1.5); 4]);
+    assert_eq!(h.sum().unwrap(), 6.0, "numbers, not raw words");
+    let b = Tensor::full(bf16::from_f32(-2.0), &[3]);
+    b.add_scalar_(bf16::from_f32(0.5)).unwrap();
+    assert_eq!(b.to_vec::<bf16>().unwrap(), [bf16::from_f32(-1.5); 3]);
+    assert_eq!(b.sum().unwrap(), -4.5);
+    // The bits: 0xbfc0 is bf16's -1.5.
+    assert_eq!(b.raw_word_sum().unwrap(), 3.0 * f64::from(0xbfc0u16));
+    let nan = Tensor::full(bf16::NAN, &[2]);
+    assert!(nan.sum().unwrap().is_nan());
+    assert_eq!(
+        nan.raw_word_sum().unwrap(),
+        2.0 * f64::from(bf16::NAN.to_bits()),
+        "a checksum exact for any bits"
+    );
+    let e = Tensor::full(1.0f32, &[2]).raw_word_sum().unwrap_err();
+    assert!(e.to_string().contains("16-bit floats"), "{e}");
+}
