@@ -41,6 +41,10 @@ pub use device::{Device, GpuUuid};
 /// speak, re-exported so a program uses the same version.
 pub use dlpark;
 pub use dtype::{DType, Element};
+/// The CUDA binding whose types rdt's CUDA API names (a stream handle in
+/// [`cuda::DeviceBuffer`], say), re-exported so a program that brings its
+/// own device memory uses the same version and features.
+pub use cudarc;
 /// The `f16` and `bf16` types rdt's tensors hold ([`Element`]), re-exported
 /// so a program uses the same version.
 pub use half;
