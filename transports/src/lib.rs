@@ -36,15 +36,15 @@ pub mod wire;
 // pinning it uses).
 pub use cuda::host_pool;
 pub use cuda_ipc::CudaIpcTransport;
+/// The CUDA binding whose types rdt's CUDA API names (a stream handle in
+/// [`cuda::DeviceBuffer`], say), re-exported so a program that brings its
+/// own device memory uses the same version and features.
+pub use cudarc;
 pub use device::{Device, GpuUuid};
 /// The DLPack crate rdt's [`Tensor::to_dlpack`] and [`Tensor::from_dlpack`]
 /// speak, re-exported so a program uses the same version.
 pub use dlpark;
 pub use dtype::{DType, Element};
-/// The CUDA binding whose types rdt's CUDA API names (a stream handle in
-/// [`cuda::DeviceBuffer`], say), re-exported so a program that brings its
-/// own device memory uses the same version and features.
-pub use cudarc;
 /// The `f16` and `bf16` types rdt's tensors hold ([`Element`]), re-exported
 /// so a program uses the same version.
 pub use half;
