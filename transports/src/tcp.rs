@@ -786,6 +786,44 @@ mod tests {
         .unwrap();
     }
 
+    /// A transfer lands in one buffer (a large one from the host pool),
+    /// each tensor a slice of it at an offset aligned for any dtype, with
+    /// its bytes intact, pass after pass.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_transfer_lands_in_one_buffer_each_tensor_aligned() {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            let a = TcpTransport::start(1, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let b = TcpTransport::start(2, b"s", "127.0.0.1:0", Duration::from_secs(5)).unwrap();
+            let ts = vec![
+                Tensor::full(1u8, &[3]),
+                Tensor::arange::<f64>(1 << 16),
+                Tensor::zeros(crate::DType::I32, &[0]),
+                Tensor::full(2u8, &[5]),
+            ];
+            let ex = a.export(1, &ts).await.unwrap();
+            for xfer in 30..33 {
+                let cx = TransferCtx::new(xfer);
+                a.send(&peer(&b, 2), &cx, &ts).await.unwrap();
+                let got = b.receive(&peer(&a, 1), &cx, &ex).await.unwrap();
+                let at: Vec<usize> = (got.iter())
+                    .map(|y| y.with_bytes(|b| b.as_ptr() as usize).unwrap())
+                    .collect();
+                for ((x, y), &at) in ts.iter().zip(&got).zip(&at) {
+                    assert!(x.equal(y).unwrap(), "pass {xfer}");
+                    if y.nbytes() > 0 {
+                        assert_eq!(at % ALIGN, 0, "pass {xfer}: aligned");
+                    }
+                }
+                // One buffer: 3 bytes, then 512 KiB at 64, then 5 bytes
+                // at the next multiple of 64.
+                assert_eq!((at[1] - at[0], at[3] - at[0]), (64, 64 + (512 << 10)));
+                assert_eq!(got[1].to_vec::<f64>().unwrap()[65_535], 65_535.0);
+            }
+        })
+        .await
+        .unwrap();
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn moves_several_tensors_in_either_order() {
         tokio::time::timeout(Duration::from_secs(20), async {
