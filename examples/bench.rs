@@ -1180,6 +1180,9 @@ async fn soak(rt: &Runtime, passes: usize) -> rdt::Result<Vec<Row>> {
             rt.get(&s).await?;
             samples.push(t.elapsed());
         }
+        // A one-sided transfer's entry stays until its consumer's
+        // acknowledgement, which may come after the call's reply.
+        rt.transfers_settled().await;
         let live = rt.live_objects();
         let end = (
             rss_kib(src.pid().unwrap_or(0)),

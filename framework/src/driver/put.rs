@@ -106,10 +106,20 @@ impl Runtime {
                 return Err(e.into());
             }
         };
+        // Nothing awaits from the export to `insert_held`, which hands the
+        // registration to the table: a cancelled call drops the export's
+        // own guards, and an error here releases what it made.
+        let exported = match WireExported::new(exported) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = inst.release(id).await;
+                return Err(e);
+            }
+        };
         let wv = WireValue {
             data: Blob::new(payload.data),
             transport,
-            exported: WireExported::new(exported)?,
+            exported,
             refs,
         };
         let held = crate::owner::DriverHeld::new(id, payload.tensors, inst);
