@@ -45,20 +45,7 @@ struct Columns {
 }
 
 /// Every dtype, by its code on the wire (its declaration order).
-const DTYPES: [DType; 12] = [
-    DType::F32,
-    DType::F64,
-    DType::F16,
-    DType::BF16,
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::U8,
-    DType::U32,
-    DType::U64,
-    DType::Bool,
-];
+const DTYPES: [DType; 12] = DType::ALL;
 
 pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {

@@ -396,20 +396,7 @@ mod tests {
     #[test]
     fn every_dtype_and_a_view_round_trip_and_so_does_the_legacy_abi() {
         let base = Tensor::from_slice(&[7u8; 64], &[64]).unwrap();
-        for dtype in [
-            DType::F32,
-            DType::F64,
-            DType::F16,
-            DType::BF16,
-            DType::I8,
-            DType::I16,
-            DType::I32,
-            DType::I64,
-            DType::U8,
-            DType::U32,
-            DType::U64,
-            DType::Bool,
-        ] {
+        for dtype in DType::ALL {
             let n = 16 / dtype.size();
             let v = base.view(16, dtype, &[n]).unwrap();
             let back = Tensor::from_dlpack(v.to_dlpack().unwrap()).unwrap();

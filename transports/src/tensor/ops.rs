@@ -52,12 +52,10 @@ impl Tensor {
             // The device kernel of the 16-bit floats sums raw words: their
             // numbers are summed on the host.
             let half = matches!(self.dtype, DType::F16 | DType::BF16);
-            if !half && cuda::ops::nvrtc_available().is_ok() {
-                let n = self.numel();
-                let dtype = self.dtype;
-                return Ok(self.with_device_buffer(|d| {
-                    cuda::ops::sum(d.gpu(), dtype, d.device_ptr(), n)
-                })??);
+            if !half {
+                if let Some(s) = self.sum_on_device() {
+                    return s;
+                }
             }
             return self.to_cpu()?.sum();
         }
@@ -104,12 +102,8 @@ impl Tensor {
             )));
         }
         if self.is_cuda() {
-            if cuda::ops::nvrtc_available().is_ok() {
-                let n = self.numel();
-                let dtype = self.dtype;
-                return Ok(self.with_device_buffer(|d| {
-                    cuda::ops::sum(d.gpu(), dtype, d.device_ptr(), n)
-                })??);
+            if let Some(s) = self.sum_on_device() {
+                return s;
             }
             return self.to_cpu()?.raw_word_sum();
         }
@@ -118,6 +112,17 @@ impl Tensor {
                 .map(|c| u16::from_ne_bytes([c[0], c[1]]) as f64)
                 .sum::<f64>()
         })
+    }
+
+    /// The sum of a CUDA tensor by the device kernel of its dtype (the
+    /// 16-bit floats' sums their raw words), or `None` without NVRTC.
+    fn sum_on_device(&self) -> Option<Result<f64, TensorError>> {
+        cuda::ops::nvrtc_available().ok()?;
+        let (n, dtype) = (self.numel(), self.dtype);
+        Some(
+            self.with_device_buffer(|d| cuda::ops::sum(d.gpu(), dtype, d.device_ptr(), n))
+                .and_then(|r| r.map_err(Into::into)),
+        )
     }
 
     /// Are dtype, shape and bytes identical?
