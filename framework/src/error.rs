@@ -190,6 +190,20 @@ pub enum Error {
         /// What does not fit.
         message: String,
     },
+    /// A weight-sync version that is not newer than the one held.
+    #[error("weight version {version} is not newer than version {current}, which is live here; versions only increase (publish with a greater number, or drop the stale one)")]
+    StaleVersion {
+        /// The version refused.
+        version: u64,
+        /// The version held.
+        current: u64,
+    },
+    /// A weight sync's two sides disagree on the parameters' layout.
+    #[error("the parameters' layouts differ: {difference}; build both sides' ParamSet from the same weights::Layout (names, dtypes and shapes)")]
+    LayoutMismatch {
+        /// The first difference, in the layout's sorted order.
+        difference: String,
+    },
 }
 
 /// The most failed objects a dependency error names on its way back to

@@ -28,6 +28,7 @@ mod protocol;
 mod refs;
 pub mod timeline;
 mod transport;
+pub mod weights;
 mod worker;
 
 pub use actor::Actor;

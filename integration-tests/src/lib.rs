@@ -6,6 +6,7 @@
 pub mod actors;
 pub mod capture;
 pub mod fault_soak;
+pub mod weight_sync;
 
 use std::future::Future;
 use std::time::Duration;

@@ -80,3 +80,9 @@ impl WorkerShared {
         })
     }
 }
+
+/// Does this worker's store hold an object with `tensor`'s storage (a
+/// value not yet freed)? `false` outside an actor.
+pub(crate) fn tensor_held(tensor: &Tensor) -> bool {
+    WORKER.get().is_some_and(|w| w.store.holds_storage(tensor))
+}

@@ -97,6 +97,7 @@ pub use crate::protocol::boot::WorkerStart;
 use crate::protocol::inline_value;
 use crate::protocol::{self, Delivery, ToDriver, ToWorker};
 use crate::transport::Transport;
+pub(crate) use arrival::tensor_held;
 pub use arrival::{wait_tensor_freed, wait_tensor_freed_timeout};
 pub use boot::{boot_before_main, init};
 pub use context::{runtime, try_runtime, ActorRuntime};

@@ -1,0 +1,220 @@
+//! Weight-sync test actors: a trainer that writes version v as bytes all
+//! equal to [`byte_of`]`(v)`, and a rollout whose reader thread checks
+//! that every step sees one version whole.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdt::prelude::*;
+use rdt::weights::{Layout, ParamSet, Published, Publisher, Snapshot, Subscriber, Swap};
+use serde::{Deserialize, Serialize};
+
+/// Every byte of version `v`'s arenas.
+pub fn byte_of(version: u64) -> u8 {
+    (version % 251) as u8 + 1
+}
+
+/// A small layout of mixed dtypes, `scale` making its tensors larger.
+pub fn test_layout(scale: usize) -> Layout {
+    Layout::new([
+        (
+            "model.embed_tokens.weight",
+            DType::BF16,
+            vec![64 * scale, 32],
+        ),
+        (
+            "model.layers.0.mlp.up_proj.weight",
+            DType::F32,
+            vec![32, 16 * scale],
+        ),
+        ("model.layers.0.self_attn.q_proj.bias", DType::F16, vec![32]),
+        ("model.norm.weight", DType::BF16, vec![32]),
+    ])
+    .unwrap()
+}
+
+/// The trainer: a [`Publisher`] over the transport it was made with.
+#[rdt::actor]
+pub struct SyncTrainer {
+    publisher: Publisher,
+}
+
+#[rdt::actor]
+impl SyncTrainer {
+    /// `(layout, transport name)`.
+    fn new(args: (Layout, String)) -> Self {
+        let transport = match args.1.as_str() {
+            "tcp" => Transport::Tcp,
+            "nixl" => Transport::Nixl,
+            "object_store" => Transport::ObjectStore,
+            _ => Transport::Shm,
+        };
+        let first = ParamSet::cpu(&args.0).expect("host memory");
+        SyncTrainer {
+            publisher: Publisher::new(first, transport),
+        }
+    }
+
+    /// The layout subscribers check.
+    async fn layout(&self) -> Layout {
+        self.publisher.layout().clone()
+    }
+
+    /// A training step: version `version` written into a buffer no reader
+    /// holds, then published.
+    async fn publish(&mut self, version: u64) -> rdt::Result<Published> {
+        let buffer = self.publisher.next_buffer()?;
+        for a in buffer.arenas() {
+            a.fill_(byte_of(version))?;
+        }
+        self.publisher.publish(version, &buffer).await
+    }
+
+    /// The buffers the publisher made so far.
+    async fn buffers(&self) -> usize {
+        self.publisher.stats().buffers
+    }
+
+    /// Versions published (one export each).
+    async fn exports(&self) -> u64 {
+        self.publisher.stats().exports
+    }
+}
+
+/// What a rollout's reader thread saw.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ReadStats {
+    /// Steps read.
+    pub steps: u64,
+    /// Steps whose bytes were not all of the version they were labelled
+    /// with.
+    pub mixed: u64,
+    /// The versions seen, in order, each once.
+    pub versions: Vec<u64>,
+}
+
+/// The rollout: a [`Subscriber`] and, on demand, a reader thread.
+#[rdt::actor]
+pub struct SyncRollout {
+    sub: Subscriber,
+    reader: Option<(Arc<AtomicBool>, std::thread::JoinHandle<ReadStats>)>,
+    held: Option<(Published, Snapshot)>,
+}
+
+/// Are all of a snapshot's bytes `byte`?
+fn snapshot_whole(snap: &Snapshot, byte: u8) -> rdt::Result<bool> {
+    let mut all = true;
+    for a in &snap.arenas {
+        all &= a.with_bytes(|b| b.iter().all(|&x| x == byte))?;
+    }
+    Ok(all)
+}
+
+/// Are all of `params`' bytes `byte`?
+fn uniform(params: &ParamSet, byte: u8) -> rdt::Result<bool> {
+    let mut all = true;
+    for a in params.arenas() {
+        all &= a.with_bytes(|b| b.iter().all(|&x| x == byte))?;
+    }
+    Ok(all)
+}
+
+#[rdt::actor]
+impl SyncRollout {
+    /// `(layout, in place?)`.
+    fn new(args: (Layout, bool)) -> Self {
+        let swap = if args.1 {
+            Swap::InPlace
+        } else {
+            Swap::DoubleBuffered
+        };
+        let params = ParamSet::cpu(&args.0).expect("host memory");
+        SyncRollout {
+            sub: Subscriber::new(params, swap).expect("a second buffer"),
+            reader: None,
+            held: None,
+        }
+    }
+
+    /// Checks the publisher's layout.
+    async fn subscribe(&mut self, publisher: Layout) -> rdt::Result<()> {
+        self.sub.subscribe(&publisher)
+    }
+
+    /// Receives a version; returns the live version and whether its bytes
+    /// are all that version's.
+    async fn receive(&mut self, p: Published) -> rdt::Result<(u64, bool)> {
+        let r = self.sub.receive(&p).await?;
+        let cur = self.sub.weights().current();
+        assert_eq!(cur.version(), Some(r.version));
+        Ok((r.version, uniform(&cur, byte_of(r.version))?))
+    }
+
+    /// The live version and whether its bytes are whole.
+    async fn live(&self) -> rdt::Result<(Option<u64>, bool)> {
+        let cur = self.sub.weights().current();
+        let whole = match cur.version() {
+            Some(v) => uniform(&cur, byte_of(v))?,
+            None => uniform(&cur, 0)?,
+        };
+        Ok((cur.version(), whole))
+    }
+
+    /// Objects this worker received, over any transport.
+    async fn received(&self) -> u64 {
+        rdt::runtime().metrics().received.values().sum()
+    }
+
+    /// A slow reader: takes the version's tensors themselves (a `get`,
+    /// which over `shm` maps the trainer's memory) and keeps them, with
+    /// the version, until [`release`](Self::release). Says whether they
+    /// hold that version's bytes only.
+    async fn take(&mut self, p: Published) -> rdt::Result<bool> {
+        let snap = rdt::runtime().get(&p.weights).await?;
+        let whole = snapshot_whole(&snap, byte_of(p.version))?;
+        self.held = Some((p, snap));
+        Ok(whole)
+    }
+
+    /// Lets go of what [`take`](Self::take) kept, saying whether it still
+    /// held its version's bytes only.
+    async fn release(&mut self) -> rdt::Result<bool> {
+        let (p, snap) = self.held.take().expect("take first");
+        snapshot_whole(&snap, byte_of(p.version))
+    }
+
+    /// Starts a reader thread: steps of `step_us` each, every one taking
+    /// the live parameters and checking them whole.
+    async fn start_reading(&mut self, step_us: u64) {
+        let stop = Arc::new(AtomicBool::new(false));
+        let weights = self.sub.weights();
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            let mut stats = ReadStats::default();
+            while !flag.load(Ordering::Acquire) {
+                let cur = weights.current();
+                let byte = cur.version().map_or(0, byte_of);
+                if !uniform(&cur, byte).unwrap() {
+                    stats.mixed += 1;
+                }
+                if let Some(v) = cur.version() {
+                    if stats.versions.last() != Some(&v) {
+                        stats.versions.push(v);
+                    }
+                }
+                stats.steps += 1;
+                std::thread::sleep(Duration::from_micros(step_us));
+            }
+            stats
+        });
+        self.reader = Some((stop, handle));
+    }
+
+    /// Stops the reader thread and returns what it saw.
+    async fn stop_reading(&mut self) -> ReadStats {
+        let (stop, handle) = self.reader.take().expect("start_reading first");
+        stop.store(true, Ordering::Release);
+        handle.join().expect("the reader thread")
+    }
+}
