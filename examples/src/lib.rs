@@ -4,6 +4,8 @@
 
 use serde::Serialize;
 
+pub mod sync;
+
 /// What a row's time is.
 #[derive(Serialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
