@@ -45,6 +45,9 @@
 //!   a hand-off look like a copy. Both cases read one byte in every
 //!   4 KiB (the first of each small tensor, every 4 KiB of the big one),
 //!   so both fault in the same pages of a fresh mapping.
+//! - `weightsync`: `rdt::weights` end to end per transport and rollout
+//!   count beside warm in-process copies of the same bytes, and the
+//!   many-tensor series (see `bench_weightsync.rs`).
 //! - `timeline`: no rows; a few tiny calls, 4 KiB passes of a kept tensor
 //!   over `tcp` in a group (two-sided, as `nccl`), and cached `cuda_ipc`
 //!   hand-offs with `RDT_TIMELINE` on everywhere (where each one's time
@@ -68,6 +71,9 @@ use rdt::__bench::size_socket_buffers;
 use rdt::prelude::*;
 use rdt_examples::{arg_value, Kind, Row};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[path = "bench_weightsync.rs"]
+mod weightsync;
 
 #[rdt::actor]
 pub struct Source {
@@ -1419,17 +1425,19 @@ async fn main() -> rdt::Result<()> {
         "control" => control(&rt, quick).await?,
         "transports" => transports(&rt, quick).await?,
         "soak" => soak(&rt, passes).await?,
+        "weightsync" => weightsync::weightsync(&rt).await?,
         "all" => {
             let mut r = control(&rt, quick).await?;
             r.extend(transports(&rt, quick).await?);
             r
         }
         other => {
-            eprintln!("unknown suite {other:?}; suites: control, transports, soak, all, timeline");
+            eprintln!("unknown suite {other:?}; suites: control, transports, soak, weightsync, all, timeline");
             std::process::exit(2);
         }
     };
     print(&rows);
+    weightsync::print_ratios(&rows);
     if let Some(path) = json {
         std::fs::write(&path, serde_json::to_string_pretty(&rows).unwrap()).expect("write JSON");
         println!("wrote {path}");

@@ -67,6 +67,7 @@ async fn main() -> rdt::Result<()> {
         transport: transport.clone(),
         gpu,
         in_place: args.in_place,
+        verify: true,
     };
     let gpus = u32::from(gpu);
     let trainer = rt.spawn::<Trainer>(setup.clone()).gpus(gpus).await?;

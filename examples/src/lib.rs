@@ -61,6 +61,19 @@ pub struct Row {
     /// GPU suites: the commit the bundle was built from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub commit: Option<String>,
+    /// `weightsync`: rollouts served per version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rollouts: Option<usize>,
+    /// `weightsync`: tensors per version.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<usize>,
+    /// `weightsync`: exports of the trainer's memory over the run (one
+    /// per version, whatever the rollouts).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exports: Option<u64>,
+    /// `weightsync`: the largest peak resident memory of a rollout, KiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_kib: Option<u64>,
 }
 
 impl Row {
@@ -93,6 +106,10 @@ impl Row {
             placement: None,
             device_name: None,
             commit: None,
+            rollouts: None,
+            tensors: None,
+            exports: None,
+            peak_rss_kib: None,
         }
     }
 

@@ -66,6 +66,9 @@ pub struct SyncSetup {
     /// Rollouts: receive straight into the live parameters (no second
     /// buffer; readers wait for the receive).
     pub in_place: bool,
+    /// Rollouts: checksum the live parameters after every receive (the
+    /// benchmark asks for it apart, untimed).
+    pub verify: bool,
 }
 
 fn params_for(s: &SyncSetup) -> rdt::Result<ParamSet> {
@@ -88,7 +91,8 @@ fn transport_named(name: &str) -> Transport {
 pub struct Step {
     /// The version published.
     pub published: Published,
-    /// The checksum of its bytes, as the trainer wrote them.
+    /// The checksum of its bytes, as the trainer wrote them (NaN from
+    /// `publish` alone).
     pub checksum: f64,
     /// The step (writing the new weights), µs.
     pub step_us: f64,
@@ -106,6 +110,8 @@ pub struct Step {
 #[rdt::actor]
 pub struct Trainer {
     publisher: Publisher,
+    /// The buffer the last step wrote, until it is published.
+    written: Option<ParamSet>,
 }
 
 #[rdt::actor]
@@ -114,6 +120,7 @@ impl Trainer {
         let first = params_for(&setup).expect("the trainer's parameters");
         Trainer {
             publisher: Publisher::new(first, transport_named(&setup.transport)),
+            written: None,
         }
     }
 
@@ -125,6 +132,16 @@ impl Trainer {
     /// A training step (each parameter set to a value of this version),
     /// then the publish of the version.
     async fn step(&mut self, version: u64) -> rdt::Result<Step> {
+        let (checksum, step_us) = self.write(version).await?;
+        let mut step = self.publish(version).await?;
+        step.checksum = checksum;
+        step.step_us = step_us;
+        Ok(step)
+    }
+
+    /// The training step alone: the next version written into a buffer
+    /// no rollout reads. Returns its checksum and the time it took (µs).
+    async fn write(&mut self, version: u64) -> rdt::Result<(f64, f64)> {
         let started = Instant::now();
         let buffer = self.publisher.next_buffer()?;
         for (i, (_, t)) in buffer.iter().enumerate() {
@@ -136,14 +153,23 @@ impl Trainer {
         }
         buffer.ready().await?;
         let checksum = buffer.checksum()?;
-        let step_us = started.elapsed().as_secs_f64() * 1e6;
+        self.written = Some(buffer);
+        Ok((checksum, started.elapsed().as_secs_f64() * 1e6))
+    }
+
+    /// The publish alone, of the buffer [`write`](Self::write) wrote.
+    async fn publish(&mut self, version: u64) -> rdt::Result<Step> {
+        let buffer = self
+            .written
+            .take()
+            .ok_or_else(|| rdt::Error::Protocol("write a version before publishing it".into()))?;
         let publishing = Instant::now();
         let published = self.publisher.publish(version, &buffer).await?;
         let stats = self.publisher.stats();
         Ok(Step {
             published,
-            checksum,
-            step_us,
+            checksum: f64::NAN,
+            step_us: 0.0,
             publish_us: publishing.elapsed().as_secs_f64() * 1e6,
             buffers: stats.buffers,
             exports: stats.exports,
@@ -195,6 +221,7 @@ struct Inference {
 #[rdt::actor]
 pub struct Rollout {
     sub: Subscriber,
+    verify: bool,
     /// When updates ran (from the receive's start to its flip).
     updates: Arc<Mutex<Vec<(Instant, Instant)>>>,
     inference: Option<Inference>,
@@ -211,6 +238,7 @@ impl Rollout {
         };
         Rollout {
             sub: Subscriber::new(params, swap).expect("a second buffer"),
+            verify: setup.verify,
             updates: Default::default(),
             inference: None,
         }
@@ -227,15 +255,24 @@ impl Rollout {
         let started = Instant::now();
         let r = self.sub.receive(&published).await?;
         self.updates.lock().push((started, Instant::now()));
-        let live = self.sub.weights().current();
+        let checksum = if self.verify {
+            self.sub.weights().current().checksum()?
+        } else {
+            f64::NAN
+        };
         Ok(Got {
             version: r.version,
-            checksum: live.checksum()?,
+            checksum,
             waited_us: r.waited.as_secs_f64() * 1e6,
             transfer_us: r.transfer.as_secs_f64() * 1e6,
             flip_us: r.flip.as_secs_f64() * 1e6,
             peak_rss_kib: peak_rss_kib(),
         })
+    }
+
+    /// The checksum of the live parameters.
+    async fn checksum(&self) -> rdt::Result<f64> {
+        self.sub.weights().current().checksum()
     }
 
     /// Starts the inference loop: steps of `step_us` each, every one

@@ -242,6 +242,76 @@ impl Tensor {
     }
 }
 
+impl Tensor {
+    /// Copies `src`'s host bytes (as many as this tensor's) into this
+    /// tensor's with one copy: read where they are, under `src`'s read
+    /// lock, and written under this storage's write lock. Memory shared
+    /// with other processes is read or written with raw-pointer copies (no
+    /// reference to it is formed), as everywhere here. A copy within one
+    /// storage stages the bytes first (its lock cannot be taken twice).
+    pub(crate) fn copy_host_from(&self, src: &Tensor) -> Result<(), TensorError> {
+        self.require_host()?;
+        src.require_host()?;
+        let len = self.nbytes();
+        if src.nbytes() != len {
+            return Err(TensorError::Mismatch(format!(
+                "copying {} bytes into {len}",
+                src.nbytes()
+            )));
+        }
+        if Arc::ptr_eq(&self.storage, &src.storage) {
+            let bytes = src.copy_bytes()?;
+            return self.with_bytes_mut(|b| b.copy_from_slice(&bytes));
+        }
+        // Two storages, locked in one order (by address): two copies in
+        // opposite directions at once cannot deadlock.
+        let src_first = Arc::as_ptr(&src.storage) < Arc::as_ptr(&self.storage);
+        let (from_mem, mut to_mem) = if src_first {
+            let f = src.storage.mem.read();
+            (f, self.storage.mem.write())
+        } else {
+            let t = self.storage.mem.write();
+            (src.storage.mem.read(), t)
+        };
+        let (from_range, to_range) = (src.range(), self.range());
+        let from: *const u8 = match &*from_mem {
+            Memory::Owned(v) => v[from_range].as_ptr(),
+            Memory::Shared(b) => b[from_range].as_ptr(),
+            Memory::External(e) => {
+                assert!(
+                    from_range.end <= e.len(),
+                    "a tensor lies within its storage"
+                );
+                // SAFETY: within the `e.len()` bytes valid while `e` lives
+                // (the `ExternalMemory` contract; asserted).
+                unsafe { e.as_ptr().cast_const().add(from_range.start) }
+            }
+            Memory::Cuda(_) => unreachable!("require_host rejects CUDA storage"),
+        };
+        let to: *mut u8 = match &mut *to_mem {
+            Memory::External(e) => {
+                assert!(to_range.end <= e.len(), "a tensor lies within its storage");
+                // SAFETY: as for the source.
+                unsafe { e.as_ptr().add(to_range.start) }
+            }
+            // SAFETY: not external memory (matched above): the slice is
+            // this storage's own private bytes, under its write lock.
+            other => (unsafe { private_slice_mut(other) })[to_range].as_mut_ptr(),
+        };
+        if len > 0 {
+            // SAFETY: both ranges are `len` bytes valid while the guards
+            // live (checked above). They may overlap only if two storages
+            // share external memory, so the copy is `copy` (a memmove),
+            // which allows that; no reference is formed over memory another
+            // process may share.
+            unsafe { std::ptr::copy(from, to, len) };
+        }
+        drop(to_mem);
+        drop(from_mem);
+        Ok(())
+    }
+}
+
 /// The bytes of a host memory as a mutable slice, turning shared wire bytes
 /// into owned ones first (invariant 4).
 ///

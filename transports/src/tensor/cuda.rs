@@ -260,12 +260,8 @@ impl Tensor {
             )));
         }
         match (self.is_cuda(), src.is_cuda()) {
-            (false, false) => {
-                // Copied out first: `src` may share this storage, whose
-                // write lock the copy in takes.
-                let bytes = src.copy_bytes()?;
-                self.with_bytes_mut(|b| b.copy_from_slice(&bytes))
-            }
+            // One copy, straight from the source's memory.
+            (false, false) => self.copy_host_from(src),
             // `to_cpu` gives fresh private memory: read in place.
             (false, true) => src
                 .to_cpu()?

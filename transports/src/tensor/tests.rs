@@ -369,3 +369,56 @@ fn half_precision_tensors_hold_numbers_and_sum_them() {
     let e = Tensor::full(1.0f32, &[2]).raw_word_sum().unwrap_err();
     assert!(e.to_string().contains("16-bit floats"), "{e}");
 }
+
+#[test]
+fn copy_from_copies_once_between_any_host_memories_and_views() {
+    // Shared external memory into owned memory and back, at view offsets.
+    for shared in [Some(true), Some(false), None] {
+        let (ext, _) = external(shared);
+        let owned = Tensor::from_slice(&[0u8; 8], &[8]).unwrap();
+        let dst = owned.view(2, DType::U8, &[4]).unwrap();
+        dst.copy_from(&ext).unwrap();
+        assert_eq!(owned.to_vec::<u8>().unwrap(), [0, 0, 1, 2, 3, 4, 0, 0]);
+        let src = Tensor::from_slice(&[9u8, 8, 7, 6], &[4]).unwrap();
+        ext.copy_from(&src).unwrap();
+        assert_eq!(ext.to_vec::<u8>().unwrap(), [9, 8, 7, 6]);
+    }
+    // Wire bytes (copy on write): the source's other holders keep theirs.
+    let wire =
+        Tensor::from_shared_bytes(DType::U8, &[3], bytes::Bytes::from_static(&[5, 5, 5])).unwrap();
+    let keep = wire.clone();
+    wire.copy_from(&Tensor::from_slice(&[1u8, 2, 3], &[3]).unwrap())
+        .unwrap();
+    assert_eq!(
+        keep.to_vec::<u8>().unwrap(),
+        [1, 2, 3],
+        "clones share the storage"
+    );
+    // Two views of one storage, overlapping or not.
+    let flat = Tensor::arange::<u8>(8);
+    let head = flat.view(0, DType::U8, &[4]).unwrap();
+    let tail = flat.view(4, DType::U8, &[4]).unwrap();
+    tail.copy_from(&head).unwrap();
+    assert_eq!(flat.to_vec::<u8>().unwrap(), [0, 1, 2, 3, 0, 1, 2, 3]);
+}
+
+#[test]
+fn copies_in_opposite_directions_at_once_do_not_deadlock() {
+    let a = Tensor::full(1.0f32, &[1024]);
+    let b = Tensor::full(2.0f32, &[1024]);
+    let (done, finished) = std::sync::mpsc::channel();
+    for (dst, src) in [(a.clone(), b.clone()), (b.clone(), a.clone())] {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            for _ in 0..20_000 {
+                dst.copy_from(&src).unwrap();
+            }
+            done.send(()).unwrap();
+        });
+    }
+    for _ in 0..2 {
+        finished
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .expect("both copies end");
+    }
+}
