@@ -8,10 +8,12 @@
 //!   flip, the receive's wait for its buffer's last readers, each
 //!   rollout's peak memory and the trainer's exports (one per version,
 //!   whatever the rollouts).
-//! - Floors: one warm in-process copy of the same tensors (per tensor, as
-//!   a rollout copying from a trainer in its own process would), and for
-//!   N rollouts N such copies at once on N threads; on a GPU, a flat device
-//!   copy and a per-tensor copy loop of the same bytes.
+//! - Floors: one warm in-process copy of the same tensors (`memcpy`: per
+//!   tensor, as a rollout copying from a trainer in its own process would;
+//!   `memcpy_flat`: as one copy), and for N rollouts N such copies at once
+//!   on N threads; the two-process floors of one reader (`raw_tcp`,
+//!   `raw_nixl`, as in the transports suite); on a GPU, a flat device copy
+//!   and a per-tensor copy loop of the same bytes.
 //! - The many-tensor series: 1, 100, 1 000 and 10 000 tensors of the same
 //!   40.96 MB per version, one rollout, per transport; µs per tensor
 //!   against one tensor.
@@ -278,7 +280,34 @@ pub async fn weightsync(rt: &Runtime) -> rdt::Result<Vec<Row>> {
                 n,
                 tensors,
             ));
+            // The same bytes as one flat copy each (what an arena moves).
+            let flat = host_copies(1, bytes as usize, n);
+            rows.push(with(
+                row(
+                    &case("version", n),
+                    "memcpy_flat",
+                    device,
+                    Kind::Bandwidth,
+                    bytes * n as u64,
+                    flat,
+                ),
+                n,
+                tensors,
+            ));
         }
+        // The two-process floors of the same bytes, one reader.
+        let label = format!("{model} x1");
+        let relabel = |r: Row| Row {
+            suite: SUITE.into(),
+            case: case("version", 1),
+            ..with(r, 1, tensors)
+        };
+        rows.push(relabel(super::bench_raw_tcp(bytes as usize, WARM, &label)));
+        rows.extend(
+            super::bench_raw_nixl(&[(bytes as usize, WARM, label.as_str())])
+                .into_iter()
+                .map(relabel),
+        );
     }
     for t in transports(gpu) {
         for &n in &counts {
@@ -369,9 +398,19 @@ pub fn print_ratios(rows: &[Row]) {
     let ws: Vec<&Row> = rows.iter().filter(|r| r.suite == SUITE).collect();
     for r in ws.iter().filter(|r| {
         r.case.starts_with("version ")
-            && !matches!(r.transport.as_str(), "memcpy" | "device_copy" | "copy_loop")
+            && !matches!(
+                r.transport.as_str(),
+                "memcpy" | "memcpy_flat" | "device_copy" | "copy_loop" | "raw_tcp" | "raw_nixl"
+            )
     }) {
-        for floor in ["memcpy", "device_copy", "copy_loop"] {
+        let own_floor = format!("raw_{}", r.transport);
+        for floor in [
+            "memcpy",
+            "memcpy_flat",
+            "device_copy",
+            "copy_loop",
+            own_floor.as_str(),
+        ] {
             if let Some(f) = ws.iter().find(|b| b.case == r.case && b.transport == floor) {
                 println!(
                     "ratio: {} {} takes {:.2}x {floor} of the same bytes ({} exports)",

@@ -123,7 +123,14 @@ impl ParamSet {
         let arenas: Vec<Tensor> = lens
             .iter()
             .map(|&len| match place {
-                Place::Cpu => Ok(Tensor::zeros(DType::U8, &[len])),
+                Place::Cpu => {
+                    // Written once here so that its pages are faulted in
+                    // now, not by the first versions' receives (a fresh
+                    // allocation maps the zero page until it is written).
+                    let t = Tensor::zeros(DType::U8, &[len]);
+                    t.with_bytes_mut(|b| b.fill(0))?;
+                    Ok(t)
+                }
                 Place::Cuda(ordinal) => Tensor::cuda_zeros(DType::U8, &[len], ordinal),
             })
             .collect::<std::result::Result<_, _>>()?;
