@@ -90,7 +90,8 @@ async fn main() -> rdt::Result<()> {
     // ANCHOR_END: setup
 
     // receive: the slowest rollout's, from its start to the flip; wall:
-    // the driver's, the rollouts' checksums included.
+    // the driver's, from the step's call to the last rollout's answer
+    // (the step and the rollouts' checksums included).
     println!(
         "{:>7} {:>9} {:>11} {:>11} {:>9} {:>8} {:>8} {:>8}",
         "version", "step ms", "publish ms", "receive ms", "wall ms", "GB/s", "flip us", "exports"
@@ -98,15 +99,17 @@ async fn main() -> rdt::Result<()> {
     let mut bad = 0;
     // ANCHOR: loop
     for version in 1..=args.versions {
-        let step = rt.get(trainer.step(version).remote()).await?;
         let started = Instant::now();
-        // One publish, every rollout: each receives from the same export.
+        // The trainer steps and publishes; the ref of that call goes to
+        // every rollout at once, each receiving from the one export.
+        let step = trainer.step(version).remote();
         let calls: Vec<_> = rollouts
             .iter()
-            .map(|r| r.receive(step.published.clone()).remote())
+            .map(|r| r.receive_step(&step).remote())
             .collect();
         let got = rt.get_all(&calls).await?;
         let received = started.elapsed();
+        let step = rt.get(&step).await?;
         for (i, g) in got.iter().enumerate() {
             if g.version != version || g.checksum != step.checksum {
                 eprintln!(

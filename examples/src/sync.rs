@@ -270,6 +270,13 @@ impl Rollout {
         })
     }
 
+    /// [`receive`](Self::receive) of a trainer's [`Step`]: passed as the
+    /// ref of the trainer's `publish` call, the driver fans a version out
+    /// without waiting for the publish to return first.
+    async fn receive_step(&mut self, step: Step) -> rdt::Result<Got> {
+        self.receive(step.published).await
+    }
+
     /// The checksum of the live parameters.
     async fn checksum(&self) -> rdt::Result<f64> {
         self.sub.weights().current().checksum()
