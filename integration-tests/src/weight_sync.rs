@@ -151,6 +151,12 @@ impl SyncRollout {
         Ok((r.version, uniform(&cur, byte_of(r.version))?))
     }
 
+    /// [`receive`](Self::receive) of a version passed as the ref of the
+    /// trainer's `publish` call.
+    async fn receive_published(&mut self, p: Published) -> rdt::Result<(u64, bool)> {
+        self.receive(p).await
+    }
+
     /// The live version and whether its bytes are whole.
     async fn live(&self) -> rdt::Result<(Option<u64>, bool)> {
         let cur = self.sub.weights().current();

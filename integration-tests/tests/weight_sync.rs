@@ -291,3 +291,38 @@ async fn a_subscriber_that_dies_mid_version_leaves_the_others_and_the_trainer_un
     })
     .await;
 }
+
+/// The publish call's ref passed straight to every rollout (the driver
+/// never decodes the `Published`, the rollouts borrow the version's ref
+/// nested in it). A rollout once met that ref before the driver knew it
+/// (its value came straight from the trainer, ahead of the trainer's
+/// `Put`) and failed with `Freed` (PD-2).
+async fn fan_out_on_the_publish_ref(transport: &str) {
+    let rt = Runtime::start().await.unwrap();
+    let (t, rs) = setup(&rt, transport, 3).await;
+    for v in 1..=150 {
+        let p = t.publish(v).remote();
+        let calls: Vec<_> = rs
+            .iter()
+            .map(|r| r.receive_published(&p).remote())
+            .collect();
+        for c in calls {
+            assert_eq!(
+                rt.get(c).await.unwrap(),
+                (v, true),
+                "{transport} version {v}"
+            );
+        }
+    }
+    rt.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_version_fans_out_on_the_publish_ref_over_shm() {
+    deadline(60, fan_out_on_the_publish_ref("shm")).await;
+}
+
+#[tokio::test]
+async fn a_version_fans_out_on_the_publish_ref_over_tcp() {
+    deadline(60, fan_out_on_the_publish_ref("tcp")).await;
+}
