@@ -45,7 +45,8 @@
 //! - **OW-7 (one connection):** messages to one actor go out on one ordered
 //!   connection, so a `Free` never overtakes the delivery it frees.
 //! - **OW-9 (straight from the producer):** an object of a one-sided
-//!   transport or through the driver, still pending when a consumer on
+//!   transport or through the driver, holding no refs (PD-2), still
+//!   pending when a consumer on
 //!   the driver's host needs it, is delivered by its producer
 //!   (`ToWorker::DeliverTo`), not through `waiting`: its
 //!   transfer and the consumer's `Receiving` copy are recorded when the

@@ -25,7 +25,11 @@
 //!   driver in the `CallDone` too, which keeps it). Errors stay on the
 //!   driver's path, which owns failure (OW-4). A value through the driver
 //!   whose straight bytes did not all come is not stored by the consumer:
-//!   the driver delivers its own copy, or the error (OW-11).
+//!   the driver delivers its own copy, or the error (OW-11). A value that
+//!   holds refs stays on the driver's path too: a ref the method made
+//!   (`put_with`) is known to the driver only once it read the producer's
+//!   `Put`, on another connection than the consumer's `Borrow` and `Get`,
+//!   so a consumer that met it first would find no such object (CL-2).
 //! - **PD-3 (links off the actor's thread):** a link is made by a task of
 //!   the control loop when the first order for that consumer comes; the
 //!   actor's thread only uses links that are up, so a pass never waits for
@@ -324,7 +328,8 @@ pub(super) fn deliver_result(
         Sidedness::ThroughDriver => p.straight_large || v.exported.nbytes() < STRAIGHT_LARGE_FROM,
         Sidedness::TwoSided => false,
     };
-    if orders.is_empty() || !goes {
+    // PD-2: refs in the value go through the driver, after the CallDone.
+    if orders.is_empty() || !goes || !v.refs.is_empty() {
         return Vec::new();
     }
     let from = p.me(shared, v.transport);
