@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the quickstart, the `gpu` integration tests and the CUDA, NCCL and NIXL benchmarks in release mode
+# Builds the quickstart, the `gpu` integration tests, the weight-sync example and the CUDA, NCCL, NIXL and weight-sync benchmarks in release mode
 # into .gpu/ (self-contained: no Rust toolchain or network needed where it
 # runs), with .gpu/run.sh to run them all on a GPU host.
 #   scripts/gpu-bundle.sh            # build the bundle
@@ -27,7 +27,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])
 ' > "$out/tests.txt"
-cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example bench_nixl --example quickstart --example bench --example interop_candle
+cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example bench_nixl --example quickstart --example bench --example interop_candle --example weight_sync
 # Cargo's target folder (CARGO_TARGET_DIR where it is set).
 tgt="${CARGO_TARGET_DIR:-target}"
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
@@ -37,6 +37,7 @@ cp "$tgt/release/examples/bench_nixl" "$out/bin/bench_nixl"
 cp "$tgt/release/examples/quickstart" "$out/bin/quickstart"
 cp "$tgt/release/examples/bench" "$out/bin/bench"
 cp "$tgt/release/examples/interop_candle" "$out/bin/interop_candle"
+cp "$tgt/release/examples/weight_sync" "$out/bin/weight_sync"
 rm "$out/tests.txt"
 # The commit the bundle was built from (with -dirty for uncommitted
 # changes), recorded by the benchmark in every row.
@@ -173,6 +174,27 @@ echo "== bench_nixl"
 "$here/bin/bench_nixl" --json "$logs/nixl.json" 2>&1 | tee "$logs/bench_nixl.log"
 x=${PIPESTATUS[0]}; [ "$x" = 0 ] || rc=$x
 echo "== bench_nixl exit: $x"
+# Weight sync on the GPU (cuda_ipc, colocated on GPU 0): the example with
+# every checksum checked, then the weightsync suite (the 1 000 x 64 KiB
+# case and the many-tensor series over cuda_ipc and nixl; the 8b layout,
+# 16 GB, and fan-out of 1.5b over cuda_ipc only: same-GPU nixl goes
+# through UCX's TCP path, 190 s a version for 8b).
+echo "== weight_sync example (toy, 4 rollouts)"
+"$here/bin/weight_sync" --model toy --rollouts 4 2>&1 | tee "$logs/weight_sync_toy.log"
+w=${PIPESTATUS[0]}; [ "$w" = 0 ] || rc=$w
+echo "== weight_sync example exit: $w"
+echo "== bench weightsync"
+"$here/bin/bench" weightsync --json "$logs/weightsync.json" 2>&1 | tee "$logs/bench_weightsync.log"
+w=${PIPESTATUS[0]}; [ "$w" = 0 ] || rc=$w
+echo "== bench weightsync exit: $w"
+echo "== bench weightsync --model 8b (cuda_ipc, 1 rollout)"
+"$here/bin/bench" weightsync --model 8b --rollouts 1 --transport cuda_ipc --json "$logs/weightsync-8b.json" 2>&1 | tee "$logs/bench_weightsync_8b.log"
+w=${PIPESTATUS[0]}; [ "$w" = 0 ] || rc=$w
+echo "== bench weightsync --model 8b exit: $w"
+echo "== bench weightsync --model 1.5b (cuda_ipc, 1 and 4 rollouts)"
+"$here/bin/bench" weightsync --model 1.5b --rollouts 1,4 --transport cuda_ipc --json "$logs/weightsync-1.5b.json" 2>&1 | tee "$logs/bench_weightsync_1.5b.log"
+w=${PIPESTATUS[0]}; [ "$w" = 0 ] || rc=$w
+echo "== bench weightsync --model 1.5b exit: $w"
 # The control plane on this host (CPU only): bare socket echo vs a tiny
 # actor call, the floor under every pass above.
 echo "== bench control"

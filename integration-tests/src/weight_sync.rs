@@ -42,15 +42,21 @@ pub struct SyncTrainer {
 
 #[rdt::actor]
 impl SyncTrainer {
-    /// `(layout, transport name)`.
+    /// `(layout, transport name)`; over `cuda_ipc`, the parameters are
+    /// on the worker's GPU.
     fn new(args: (Layout, String)) -> Self {
         let transport = match args.1.as_str() {
             "tcp" => Transport::Tcp,
             "nixl" => Transport::Nixl,
             "object_store" => Transport::ObjectStore,
+            "cuda_ipc" => Transport::CudaIpc,
             _ => Transport::Shm,
         };
-        let first = ParamSet::cpu(&args.0).expect("host memory");
+        let first = if transport == Transport::CudaIpc {
+            ParamSet::cuda(&args.0, 0).expect("GPU memory")
+        } else {
+            ParamSet::cpu(&args.0).expect("host memory")
+        };
         SyncTrainer {
             publisher: Publisher::new(first, transport),
         }
@@ -111,8 +117,13 @@ fn snapshot_whole(snap: &Snapshot, byte: u8) -> rdt::Result<bool> {
     Ok(all)
 }
 
-/// Are all of `params`' bytes `byte`?
+/// Are all of `params`' bytes `byte`? (On a GPU: is their checksum that
+/// of such bytes, every 16-bit word `byte * 257`.)
 fn uniform(params: &ParamSet, byte: u8) -> rdt::Result<bool> {
+    if params.is_cuda() {
+        let words = (params.nbytes() / 2) as f64;
+        return Ok(params.checksum()? == words * f64::from(byte) * 257.0);
+    }
     let mut all = true;
     for a in params.arenas() {
         all &= a.with_bytes(|b| b.iter().all(|&x| x == byte))?;
@@ -122,14 +133,18 @@ fn uniform(params: &ParamSet, byte: u8) -> rdt::Result<bool> {
 
 #[rdt::actor]
 impl SyncRollout {
-    /// `(layout, in place?)`.
-    fn new(args: (Layout, bool)) -> Self {
+    /// `(layout, in place?, on the worker's GPU?)`.
+    fn new(args: (Layout, bool, bool)) -> Self {
         let swap = if args.1 {
             Swap::InPlace
         } else {
             Swap::DoubleBuffered
         };
-        let params = ParamSet::cpu(&args.0).expect("host memory");
+        let params = if args.2 {
+            ParamSet::cuda(&args.0, 0).expect("GPU memory")
+        } else {
+            ParamSet::cpu(&args.0).expect("host memory")
+        };
         SyncRollout {
             sub: Subscriber::new(params, swap).expect("a second buffer"),
             reader: None,

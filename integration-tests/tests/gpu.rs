@@ -939,3 +939,6 @@ mod nccl;
 
 #[path = "gpu/nixl.rs"]
 mod nixl;
+
+#[path = "gpu/weight_sync.rs"]
+mod weight_sync;

@@ -34,7 +34,7 @@ async fn setup_with(
     let mut rollouts = Vec::new();
     for _ in 0..n {
         rollouts.push(
-            rt.spawn::<SyncRollout>((layout.clone(), in_place))
+            rt.spawn::<SyncRollout>((layout.clone(), in_place, false))
                 .await
                 .unwrap(),
         );
@@ -102,7 +102,10 @@ async fn ws_1_a_layout_mismatch_is_refused_before_any_byte_moves() {
             .collect();
         theirs[1].2 = vec![32, 65];
         let wrong = rdt::weights::Layout::new(theirs).unwrap();
-        let r = rt.spawn::<SyncRollout>((wrong, false)).await.unwrap();
+        let r = rt
+            .spawn::<SyncRollout>((wrong, false, false))
+            .await
+            .unwrap();
         let layout = rt.get(t.layout().remote()).await.unwrap();
         let e = rt.get(r.subscribe(layout).remote()).await.unwrap_err();
         match e.application_error::<rdt::Error>() {
@@ -148,7 +151,7 @@ async fn a_late_subscriber_gets_the_current_version_and_then_the_next() {
         }
         // The driver kept the newest version for late joiners.
         let late = rt
-            .spawn::<SyncRollout>((test_layout(4), false))
+            .spawn::<SyncRollout>((test_layout(4), false, false))
             .await
             .unwrap();
         let layout = rt.get(t.layout().remote()).await.unwrap();
