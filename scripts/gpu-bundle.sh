@@ -116,17 +116,26 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 echo "== LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.total --format=csv 2>&1 || true
 rc=0
+# RDT_GPU_PARTS=a,b,... runs only those parts (quickstart, interop, tests,
+# cuda, nccl, nixl, weightsync, control), to fit a run into a time limit.
+want() { [ -z "${RDT_GPU_PARTS:-}" ] || [[ ",$RDT_GPU_PARTS," == *",$1,"* ]]; }
+if want quickstart; then
 echo "== quickstart (the README's first command; on a GPU host it must pick cuda_ipc)"
 "$here/bin/quickstart" 2>&1 | tee "$logs/quickstart.log"
 q=${PIPESTATUS[0]}
 grep -q "via cuda_ipc" "$logs/quickstart.log" || { echo "quickstart did not use the GPU"; q=1; }
 [ "$q" = 0 ] || rc=$q
 echo "== quickstart exit: $q"
+fi
+if want interop; then
 echo "== interop_candle (a candle tensor through DLPack to an actor and back)"
 "$here/bin/interop_candle" 2>&1 | tee "$logs/interop_candle.log"
 q=${PIPESTATUS[0]}
 [ "$q" = 0 ] || rc=$q
 echo "== interop_candle exit: $q"
+fi
+passed=0; failed=0; skipped=0
+if want tests; then
 # The gpu tests: the one-GPU tests, then the two-GPU tests (#[ignore]d in
 # the binary) where two GPUs are visible or RDT_EXPECT_GPUS asks for two
 # (then fewer is a failure: the tests assert it). The summary adds up
@@ -162,18 +171,26 @@ if [ "$gpus" -ge 2 ] || [ "${RDT_EXPECT_GPUS:-0}" -ge 2 ] 2>/dev/null; then
 else
   echo "== gpu tests, two GPUs: not run ($gpus GPU(s) visible): $two skipped"
 fi
+fi
+if want cuda; then
 echo "== bench_cuda"
 "$here/bin/bench_cuda" --json "$logs/cuda.json" 2>&1 | tee "$logs/bench_cuda.log"
 b=${PIPESTATUS[0]}; [ "$b" = 0 ] || rc=$b
 echo "== bench_cuda exit: $b"
+fi
+if want nccl; then
 echo "== bench_nccl"
 "$here/bin/bench_nccl" --json "$logs/nccl.json" 2>&1 | tee "$logs/bench_nccl.log"
 n=${PIPESTATUS[0]}; [ "$n" = 0 ] || rc=$n
 echo "== bench_nccl exit: $n"
+fi
+if want nixl; then
 echo "== bench_nixl"
 "$here/bin/bench_nixl" --json "$logs/nixl.json" 2>&1 | tee "$logs/bench_nixl.log"
 x=${PIPESTATUS[0]}; [ "$x" = 0 ] || rc=$x
 echo "== bench_nixl exit: $x"
+fi
+if want weightsync; then
 # Weight sync on the GPU (cuda_ipc, colocated on GPU 0): the example with
 # every checksum checked, then the weightsync suite (the 1 000 x 64 KiB
 # case and the many-tensor series over cuda_ipc and nixl; the 8b layout,
@@ -195,12 +212,15 @@ echo "== bench weightsync --model 1.5b (cuda_ipc, 1 and 4 rollouts)"
 "$here/bin/bench" weightsync --model 1.5b --rollouts 1,4 --transport cuda_ipc --json "$logs/weightsync-1.5b.json" 2>&1 | tee "$logs/bench_weightsync_1.5b.log"
 w=${PIPESTATUS[0]}; [ "$w" = 0 ] || rc=$w
 echo "== bench weightsync --model 1.5b exit: $w"
+fi
+if want control; then
 # The control plane on this host (CPU only): bare socket echo vs a tiny
 # actor call, the floor under every pass above.
 echo "== bench control"
 "$here/bin/bench" control --json "$logs/control.json" 2>&1 | tee "$logs/bench_control.log"
 c=${PIPESTATUS[0]}; [ "$c" = 0 ] || rc=$c
 echo "== bench control exit: $c"
+fi
 echo "gpu tests: $passed passed, $failed failed, $skipped skipped"
 exit $rc
 RUN
