@@ -38,6 +38,8 @@ pub fn test_layout(scale: usize) -> Layout {
 #[rdt::actor]
 pub struct SyncTrainer {
     publisher: Publisher,
+    /// The trainer's own parameters, for `publish_copy`.
+    own: Option<ParamSet>,
 }
 
 #[rdt::actor]
@@ -59,6 +61,7 @@ impl SyncTrainer {
         };
         SyncTrainer {
             publisher: Publisher::new(first, transport),
+            own: None,
         }
     }
 
@@ -75,6 +78,30 @@ impl SyncTrainer {
             a.fill_(byte_of(version))?;
         }
         self.publisher.publish(version, &buffer).await
+    }
+
+    /// The other way to publish: the trainer's own parameters (kept
+    /// here, trained in place: every byte set to `byte_of(version)`)
+    /// copied into a buffer no reader holds, and published.
+    async fn publish_copy(&mut self, version: u64) -> rdt::Result<Published> {
+        let own = match &self.own {
+            Some(own) => own.clone(),
+            None => {
+                let own = self.publisher.next_buffer()?.empty_like()?;
+                self.own = Some(own.clone());
+                own
+            }
+        };
+        for a in own.arenas() {
+            a.fill_(byte_of(version))?;
+        }
+        let p = self.publisher.publish_copy(version, &own).await?;
+        // The trainer goes on training at once: the next step's writes
+        // land in its own parameters, never in the published copy.
+        for a in own.arenas() {
+            a.fill_(0u8)?;
+        }
+        Ok(p)
     }
 
     /// The buffers the publisher made so far.

@@ -329,3 +329,25 @@ async fn a_version_fans_out_on_the_publish_ref_over_shm() {
 async fn a_version_fans_out_on_the_publish_ref_over_tcp() {
     deadline(60, fan_out_on_the_publish_ref("tcp")).await;
 }
+
+#[tokio::test]
+async fn publish_copy_publishes_a_snapshot_the_trainer_may_overwrite_at_once() {
+    deadline(60, async {
+        let rt = Runtime::start().await.unwrap();
+        let (t, rs) = setup(&rt, "shm", 2).await;
+        for v in 1..=5 {
+            let p: Published = rt.get(t.publish_copy(v).remote()).await.unwrap();
+            // The trainer has zeroed its own parameters since: the
+            // version's bytes are the copy's.
+            for r in &rs {
+                assert_eq!(
+                    rt.get(r.receive(p.clone()).remote()).await.unwrap(),
+                    (v, true)
+                );
+            }
+        }
+        assert_eq!(rt.get(t.exports().remote()).await.unwrap(), 5);
+        rt.shutdown().await;
+    })
+    .await;
+}
