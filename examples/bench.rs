@@ -786,20 +786,24 @@ fn cpu_transports() -> Vec<Transport> {
         Transport::Nixl,
     ]
     .into_iter()
-    .filter(|t| {
-        if !t.is_implemented() {
-            eprintln!("skipping {t}: not implemented in this build");
+    .filter(|t| usable(*t))
+    .collect()
+}
+
+/// Can this build and machine run `t` (NIXL installed, for `nixl`)? Says
+/// why not on stderr.
+fn usable(t: Transport) -> bool {
+    if !t.is_implemented() {
+        eprintln!("skipping {t}: not implemented in this build");
+        return false;
+    }
+    if t == Transport::Nixl {
+        if let Err(e) = rdt::data::nixl::available() {
+            eprintln!("skipping {t}: {e}");
             return false;
         }
-        if *t == Transport::Nixl {
-            if let Err(e) = rdt::data::nixl::available() {
-                eprintln!("skipping {t}: {e}");
-                return false;
-            }
-        }
-        true
-    })
-    .collect()
+    }
+    true
 }
 
 /// `--transport NAME` and `--size BYTES` narrow the transports suite (for
@@ -1138,15 +1142,7 @@ async fn many_tensors(
 }
 
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next())
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
+    rdt_examples::status_kib(Some(pid), "VmRSS:")
 }
 
 async fn soak(rt: &Runtime, passes: usize) -> rdt::Result<Vec<Row>> {

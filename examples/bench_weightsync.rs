@@ -27,10 +27,13 @@ use std::time::Instant;
 
 use rdt::prelude::*;
 use rdt::weights::Layout;
-use rdt_examples::sync::{flat_layout, model_layout, Rollout, SyncSetup, Trainer};
+use rdt_examples::sync::{flat_layout, model_layout, spawn_sync, SyncSetup};
 use rdt_examples::{arg_value, Kind, Row};
 
 const WARM: usize = 5;
+/// The first version into each of a rollout's two buffers is cold (its
+/// pages, a transport's registration of it): two cold versions.
+const COLD: u64 = 2;
 const SUITE: &str = "weightsync";
 
 /// One configuration's versions: the cold one, the warm ones, and what
@@ -47,30 +50,20 @@ struct Run {
     peak_rss_kib: u64,
 }
 
+/// The transports of the suite: the CPU ones of the transports suite, or
+/// `cuda_ipc` and `nixl` on a GPU; `--transport NAME` one of them.
 fn transports(gpu: bool) -> Vec<Transport> {
     let only = arg_value("--transport");
-    let all: &[Transport] = if gpu {
-        &[Transport::CudaIpc, Transport::Nixl]
+    let all = if gpu {
+        [Transport::CudaIpc, Transport::Nixl]
+            .into_iter()
+            .filter(|t| super::usable(*t))
+            .collect()
     } else {
-        &[
-            Transport::ObjectStore,
-            Transport::Tcp,
-            Transport::Shm,
-            Transport::Nixl,
-        ]
+        super::cpu_transports()
     };
-    all.iter()
-        .copied()
+    all.into_iter()
         .filter(|t| only.as_deref().is_none_or(|o| o == t.name()))
-        .filter(|t| {
-            if *t == Transport::Nixl {
-                if let Err(e) = rdt::data::nixl::available() {
-                    eprintln!("skipping nixl: {e}");
-                    return false;
-                }
-            }
-            t.is_implemented()
-        })
         .collect()
 }
 
@@ -90,22 +83,7 @@ async fn sync_run(
         in_place: false,
         verify: false,
     };
-    let gpus = u32::from(gpu);
-    let trainer = rt.spawn::<Trainer>(setup.clone()).gpus(gpus).await?;
-    let mut rollouts = Vec::new();
-    for _ in 0..n {
-        rollouts.push(rt.spawn::<Rollout>(setup.clone()).gpus(gpus).await?);
-    }
-    if t.is_collective() {
-        let mut members = vec![trainer.id()];
-        members.extend(rollouts.iter().map(|r| r.id()));
-        rt.create_collective_group(&members, t).await?;
-    }
-    let published_layout = rt.get(trainer.layout().remote()).await?;
-    for r in &rollouts {
-        rt.get(r.subscribe(published_layout.clone()).remote())
-            .await?;
-    }
+    let (trainer, rollouts) = spawn_sync(rt, &setup, n).await?;
     let mut run = Run {
         cold_us: vec![],
         warm_us: vec![],
@@ -116,9 +94,6 @@ async fn sync_run(
         buffers: 0,
         peak_rss_kib: 0,
     };
-    // The first version into each of a rollout's two buffers is cold
-    // (its pages, a transport's registration of it): two cold versions.
-    const COLD: u64 = 2;
     for version in 1..=(WARM as u64 + COLD) {
         let (checksum, _) = rt.get(trainer.write(version).remote()).await?;
         let started = Instant::now();
@@ -368,7 +343,7 @@ pub async fn weightsync(rt: &Runtime) -> rdt::Result<Vec<Row>> {
             eprintln!(
                 "{t} x{n}: {} exports for {} versions, {} trainer buffers",
                 run.exports,
-                WARM + 1,
+                WARM as u64 + COLD,
                 run.buffers
             );
         }

@@ -134,7 +134,9 @@ fn lines(
             || name.contains("copies")
             || name.contains("bar");
         let style = ShapeStyle::from(&color).stroke_width(if floor { 1 } else { 3 });
-        let pts: Vec<(f64, f64)> = pts.iter().map(|&(x, y)| (fx(x), y)).collect();
+        // Drawn in order of x, whatever order the rows came in.
+        let mut pts: Vec<(f64, f64)> = pts.iter().map(|&(x, y)| (fx(x), y)).collect();
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
         c.draw_series(LineSeries::new(pts.clone(), style))?
             .label(name.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], style));
@@ -176,9 +178,6 @@ fn main() -> Plot {
                     .push((r.bytes as f64 / (1 << 20) as f64, g));
             }
         }
-        for v in series.values_mut() {
-            v.sort_by(|a, b| a.0.total_cmp(&b.0));
-        }
         lines(
             &args.out.join("cpu-transports.svg"),
             "One tensor per pass on the CPU: GB/s against size, beside the raw floors",
@@ -207,9 +206,6 @@ fn main() -> Plot {
                 .push((r.tensors.unwrap_or(1) as f64, r.median_us / 1e3));
         }
         if !per_count.is_empty() {
-            for v in per_count.values_mut() {
-                v.sort_by(|a, b| a.0.total_cmp(&b.0));
-            }
             lines(
                 &args.out.join("weightsync-tensors.svg"),
                 "40.96 MB per version as 1 to 10 000 tensors: ms per version (flat: no per-tensor cost)",
@@ -239,9 +235,6 @@ fn main() -> Plot {
                 .entry(name)
                 .or_default()
                 .push((r.rollouts.unwrap_or(1) as f64, r.median_us / 1e3));
-        }
-        for v in per_rollouts.values_mut() {
-            v.sort_by(|a, b| a.0.total_cmp(&b.0));
         }
         let mut marks = Vec::new();
         if let Some(p) = &args.ray {

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use rdt::prelude::*;
-use rdt_examples::sync::{model_layout, percentile, Rollout, SyncSetup, Trainer};
+use rdt_examples::sync::{model_layout, percentile, spawn_sync, SyncSetup};
 
 /// Weight sync between a trainer and rollouts.
 #[derive(Parser, Debug)]
@@ -69,22 +69,8 @@ async fn main() -> rdt::Result<()> {
         in_place: args.in_place,
         verify: true,
     };
-    let gpus = u32::from(gpu);
-    let trainer = rt.spawn::<Trainer>(setup.clone()).gpus(gpus).await?;
-    let mut rollouts = Vec::new();
-    for _ in 0..args.rollouts {
-        rollouts.push(rt.spawn::<Rollout>(setup.clone()).gpus(gpus).await?);
-    }
-    let t: Transport = transport.parse()?;
-    if t.is_collective() {
-        let mut members = vec![trainer.id()];
-        members.extend(rollouts.iter().map(|r| r.id()));
-        rt.create_collective_group(&members, t).await?;
-    }
-    // Each rollout checks the trainer's layout once, by name.
-    let layout = rt.get(trainer.layout().remote()).await?;
+    let (trainer, rollouts) = spawn_sync(&rt, &setup, args.rollouts).await?;
     for r in &rollouts {
-        rt.get(r.subscribe(layout.clone()).remote()).await?;
         rt.get(r.start_inference(args.step_us).remote()).await?;
     }
     // ANCHOR_END: setup

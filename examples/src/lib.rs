@@ -157,6 +157,24 @@ pub fn arg_value(name: &str) -> Option<String> {
         .cloned()
 }
 
+/// A `/proc/<pid>/status` field in KiB (`VmRSS:`, `VmHWM:`), of process
+/// `pid` or of this one; 0 where `/proc` does not tell.
+pub fn status_kib(pid: Option<u32>, field: &str) -> u64 {
+    let path = match pid {
+        Some(pid) => format!("/proc/{pid}/status"),
+        None => "/proc/self/status".to_string(),
+    };
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// Microseconds since `t0`.
 pub fn us_since(t0: std::time::Instant) -> f64 {
     t0.elapsed().as_secs_f64() * 1e6

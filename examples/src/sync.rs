@@ -215,6 +215,36 @@ struct Inference {
     thread: std::thread::JoinHandle<Gaps>,
 }
 
+// ANCHOR: spawn
+/// A trainer and `n` rollouts made from `setup` (each on a GPU of its own
+/// worker where `setup.gpu`), in one collective group over a collective
+/// transport, every rollout subscribed: it checked the trainer's layout
+/// once, by name.
+pub async fn spawn_sync(
+    rt: &Runtime,
+    setup: &SyncSetup,
+    n: usize,
+) -> rdt::Result<(TrainerHandle, Vec<RolloutHandle>)> {
+    let gpus = u32::from(setup.gpu);
+    let trainer = rt.spawn::<Trainer>(setup.clone()).gpus(gpus).await?;
+    let mut rollouts = Vec::new();
+    for _ in 0..n {
+        rollouts.push(rt.spawn::<Rollout>(setup.clone()).gpus(gpus).await?);
+    }
+    let t: Transport = setup.transport.parse()?;
+    if t.is_collective() {
+        let mut members = vec![trainer.id()];
+        members.extend(rollouts.iter().map(|r| r.id()));
+        rt.create_collective_group(&members, t).await?;
+    }
+    let layout = rt.get(trainer.layout().remote()).await?;
+    for r in &rollouts {
+        rt.get(r.subscribe(layout.clone()).remote()).await?;
+    }
+    Ok((trainer, rollouts))
+}
+// ANCHOR_END: spawn
+
 // ANCHOR: rollout
 /// A rollout: its own parameters, a subscriber receiving every version
 /// into them, and an inference loop reading them all along.
@@ -340,15 +370,7 @@ impl Rollout {
 /// This process's peak resident memory (`VmHWM`), KiB; 0 where `/proc`
 /// does not tell.
 pub fn peak_rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.split_whitespace().next())
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
+    crate::status_kib(None, "VmHWM:")
 }
 
 /// The `p`-th percentile (0–100) of `v`; NaN when empty.

@@ -137,8 +137,13 @@ pub struct SyncRollout {
 
 /// Are all of a snapshot's bytes `byte`?
 fn snapshot_whole(snap: &Snapshot, byte: u8) -> rdt::Result<bool> {
+    all_bytes(&snap.arenas, byte)
+}
+
+/// Are all bytes of these host tensors `byte`?
+fn all_bytes(arenas: &[Tensor], byte: u8) -> rdt::Result<bool> {
     let mut all = true;
-    for a in &snap.arenas {
+    for a in arenas {
         all &= a.with_bytes(|b| b.iter().all(|&x| x == byte))?;
     }
     Ok(all)
@@ -151,11 +156,7 @@ fn uniform(params: &ParamSet, byte: u8) -> rdt::Result<bool> {
         let words = (params.nbytes() / 2) as f64;
         return Ok(params.checksum()? == words * f64::from(byte) * 257.0);
     }
-    let mut all = true;
-    for a in params.arenas() {
-        all &= a.with_bytes(|b| b.iter().all(|&x| x == byte))?;
-    }
-    Ok(all)
+    all_bytes(params.arenas(), byte)
 }
 
 #[rdt::actor]
@@ -264,5 +265,28 @@ impl SyncRollout {
         let (stop, handle) = self.reader.take().expect("start_reading first");
         stop.store(true, Ordering::Release);
         handle.join().expect("the reader thread")
+    }
+}
+
+/// Publishes `version` and passes the publish call's ref to every
+/// rollout at once (the driver never decodes the `Published`); asserts
+/// each one holds that version, whole.
+pub async fn publish_to_all(
+    rt: &Runtime,
+    trainer: &SyncTrainerHandle,
+    rollouts: &[SyncRolloutHandle],
+    version: u64,
+) {
+    let p = trainer.publish(version).remote();
+    let calls: Vec<_> = rollouts
+        .iter()
+        .map(|r| r.receive_published(&p).remote())
+        .collect();
+    for c in calls {
+        assert_eq!(
+            rt.get(c).await.unwrap(),
+            (version, true),
+            "version {version}"
+        );
     }
 }

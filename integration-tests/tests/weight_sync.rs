@@ -304,18 +304,7 @@ async fn fan_out_on_the_publish_ref(transport: &str) {
     let rt = Runtime::start().await.unwrap();
     let (t, rs) = setup(&rt, transport, 3).await;
     for v in 1..=150 {
-        let p = t.publish(v).remote();
-        let calls: Vec<_> = rs
-            .iter()
-            .map(|r| r.receive_published(&p).remote())
-            .collect();
-        for c in calls {
-            assert_eq!(
-                rt.get(c).await.unwrap(),
-                (v, true),
-                "{transport} version {v}"
-            );
-        }
+        publish_to_all(&rt, &t, &rs, v).await;
     }
     rt.shutdown().await;
 }

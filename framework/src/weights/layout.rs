@@ -1,7 +1,6 @@
 //! A parameter set's layout: names, dtypes and shapes in one canonical
 //! order, its digest, and the first difference between two (WS-1).
 
-use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use rdt_transport::{DType, Tensor};
@@ -97,8 +96,8 @@ impl Layout {
         Ok(Layout { params })
     }
 
-    /// The layout of named tensors (a map, or any pairs of a name and a
-    /// tensor).
+    /// The layout of named tensors: a `HashMap` or `BTreeMap` of them
+    /// (`Layout::of(&map)`), or any pairs of a name and a tensor.
     pub fn of<'a, N: AsRef<str> + 'a>(
         tensors: impl IntoIterator<Item = (&'a N, &'a Tensor)>,
     ) -> Result<Layout> {
@@ -107,16 +106,6 @@ impl Layout {
                 .into_iter()
                 .map(|(n, t)| (n.as_ref().to_string(), t.dtype(), t.shape().to_vec())),
         )
-    }
-
-    /// The layout of a map of tensors.
-    pub fn of_map(tensors: &HashMap<String, Tensor>) -> Result<Layout> {
-        Layout::of(tensors)
-    }
-
-    /// The layout of a sorted map of tensors.
-    pub fn of_btree(tensors: &BTreeMap<String, Tensor>) -> Result<Layout> {
-        Layout::of(tensors)
     }
 
     /// The parameters, sorted by name.
@@ -141,10 +130,7 @@ impl Layout {
 
     /// The parameter called `name`.
     pub fn get(&self, name: &str) -> Option<&ParamSpec> {
-        self.params
-            .binary_search_by(|p| p.name.as_str().cmp(name))
-            .ok()
-            .map(|i| &self.params[i])
+        self.index_of(name).map(|i| &self.params[i])
     }
 
     /// Where `name` is in the canonical order.

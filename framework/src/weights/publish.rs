@@ -139,12 +139,7 @@ impl Publisher {
     /// As [`ActorRuntime::put_with`](crate::ActorRuntime::put_with): drop
     /// it only once it returned.
     pub async fn publish(&mut self, version: u64, buffer: &ParamSet) -> Result<Published> {
-        if let Some(last) = self.last.filter(|&l| version <= l) {
-            return Err(Error::StaleVersion {
-                version,
-                current: last,
-            });
-        }
+        self.check_newer(version)?;
         if !self.buffers.iter().any(|b| b.same_buffer(buffer)) {
             return Err(Error::Protocol(
                 "Publisher::publish takes a buffer from Publisher::next_buffer; to publish other parameters, use publish_copy".into(),
@@ -177,12 +172,7 @@ impl Publisher {
     ///
     /// As [`publish`](Self::publish).
     pub async fn publish_copy(&mut self, version: u64, params: &ParamSet) -> Result<Published> {
-        if let Some(last) = self.last.filter(|&l| version <= l) {
-            return Err(Error::StaleVersion {
-                version,
-                current: last,
-            });
-        }
+        self.check_newer(version)?;
         let started = Instant::now();
         let buffer = self.next_buffer()?;
         buffer.copy_from(params)?;
@@ -191,6 +181,17 @@ impl Publisher {
         let published = self.publish(version, &buffer).await?;
         self.stats.copy = copy;
         Ok(published)
+    }
+}
+
+impl Publisher {
+    /// WS-5 on the trainer's side: `version` is greater than the last one
+    /// published.
+    fn check_newer(&self, version: u64) -> Result<()> {
+        match self.last.filter(|&l| version <= l) {
+            Some(current) => Err(Error::StaleVersion { version, current }),
+            None => Ok(()),
+        }
     }
 }
 

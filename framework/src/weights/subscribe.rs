@@ -171,7 +171,6 @@ pub struct Subscriber {
     back: Option<(Arc<Slot>, Targets)>,
     /// The live buffer's targets (in place).
     live_targets: Targets,
-    version: Option<u64>,
 }
 
 impl Subscriber {
@@ -199,7 +198,6 @@ impl Subscriber {
             }),
             back,
             live_targets,
-            version: None,
         })
     }
 
@@ -223,7 +221,7 @@ impl Subscriber {
 
     /// The version live now.
     pub fn version(&self) -> Option<u64> {
-        self.version
+        *self.live.slot.lock().0.version.lock()
     }
 
     /// How new versions come in.
@@ -266,7 +264,7 @@ impl Subscriber {
                 ),
             });
         }
-        if let Some(current) = self.version.filter(|&v| published.version <= v) {
+        if let Some(current) = self.version().filter(|&v| published.version <= v) {
             return Err(Error::StaleVersion {
                 version: published.version,
                 current,
@@ -324,7 +322,6 @@ impl Subscriber {
                 }
             }
         };
-        self.version = Some(published.version);
         metrics::histogram!("rdt_weights_flip_seconds").record(received.flip.as_secs_f64());
         metrics::histogram!("rdt_weights_receive_seconds").record(received.transfer.as_secs_f64());
         Ok(received)

@@ -33,14 +33,7 @@ gpu_test!(
         let rt = Runtime::start().await.unwrap();
         let (t, rs) = colocated(&rt, 2).await;
         for v in 1..=8 {
-            let p = t.publish(v).remote();
-            let calls: Vec<_> = rs
-                .iter()
-                .map(|r| r.receive_published(&p).remote())
-                .collect();
-            for c in calls {
-                assert_eq!(rt.get(c).await.unwrap(), (v, true), "version {v}");
-            }
+            publish_to_all(&rt, &t, &rs, v).await;
         }
         // One export per version, whatever the rollouts.
         assert_eq!(rt.get(t.exports().remote()).await.unwrap(), 8);
