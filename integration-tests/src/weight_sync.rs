@@ -234,14 +234,18 @@ impl SyncRollout {
     }
 
     /// Starts a reader thread: steps of `step_us` each, every one taking
-    /// the live parameters and checking them whole.
+    /// the live parameters and checking them whole; the last one begins
+    /// after `stop_reading` was called.
     async fn start_reading(&mut self, step_us: u64) {
         let stop = Arc::new(AtomicBool::new(false));
         let weights = self.sub.weights();
         let flag = stop.clone();
         let handle = std::thread::spawn(move || {
             let mut stats = ReadStats::default();
-            while !flag.load(Ordering::Acquire) {
+            // A step begins after each look at the flag, so one more step
+            // runs once the stop is asked: it sees what was live by then.
+            loop {
+                let stopping = flag.load(Ordering::Acquire);
                 let cur = weights.current();
                 let byte = cur.version().map_or(0, byte_of);
                 if !uniform(&cur, byte).unwrap() {
@@ -253,6 +257,9 @@ impl SyncRollout {
                     }
                 }
                 stats.steps += 1;
+                if stopping {
+                    break;
+                }
                 std::thread::sleep(Duration::from_micros(step_us));
             }
             stats
