@@ -204,6 +204,16 @@ pub enum Error {
         /// The first difference, in the layout's sorted order.
         difference: String,
     },
+    /// Tensors were asked to land on a device the receiving process does
+    /// not have ([`Place`](crate::Place)). Refused before any byte moved:
+    /// the object is untouched.
+    #[error("{receiver} cannot receive onto the device asked for: {reason}; ask for Place::Host or a CUDA ordinal it sees (nothing was moved, the object is still readable)")]
+    NoSuchDevice {
+        /// Who would have received (`driver`, or an actor's name).
+        receiver: String,
+        /// What it lacks.
+        reason: String,
+    },
 }
 
 /// The most failed objects a dependency error names on its way back to

@@ -38,7 +38,9 @@ pub use ids::{ActorId, GroupId, ObjectId};
 pub use log::WorkerLog;
 pub use rdt_macros::{actor, main, method};
 pub use rdt_transport::register_transport;
-pub use rdt_transport::{DType, Device, Element, Tensor, TensorError, TensorMeta};
+pub use rdt_transport::{
+    DType, Device, DeviceMap, Element, GpuUuid, Place, Tensor, TensorError, TensorMeta,
+};
 pub use refs::object_ref::{Arg, Call, ObjectRef, RawHandle};
 pub use refs::targets::Targets;
 pub use transport::Transport;
@@ -53,7 +55,7 @@ pub use rdt_transport as data;
 /// What most programs need.
 pub mod prelude {
     pub use crate::{actor, method, Arg, Error, ObjectRef, Result, Runtime, Tensor, Transport};
-    pub use crate::{DType, Device};
+    pub use crate::{DType, Device, Place};
 }
 
 /// Entry points for the fuzz targets (`fuzz/`); not a public API.

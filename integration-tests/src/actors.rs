@@ -495,6 +495,23 @@ impl Consumer {
             .collect()
     }
 
+    /// The sum of `t` and the device it is on here (where received
+    /// tensors land).
+    async fn sum_where(&mut self, t: Tensor) -> rdt::Result<(f64, String)> {
+        Ok((t.to_cpu()?.sum()?, t.device().to_string()))
+    }
+
+    /// [`sum_where`](Self::sum_where) of the object `r`, got here with
+    /// its tensors put in `place`.
+    async fn sum_on(
+        &mut self,
+        r: ObjectRef<Tensor>,
+        place: rdt::Place,
+    ) -> rdt::Result<(f64, String)> {
+        let t: Tensor = rdt::runtime().get_on(&r, place).await?;
+        Ok((t.to_cpu()?.sum()?, t.device().to_string()))
+    }
+
     /// Objects this worker received over `transport` (which path a value
     /// took).
     async fn received(&mut self, transport: String) -> rdt::Result<u64> {

@@ -40,7 +40,7 @@ pub use cuda_ipc::CudaIpcTransport;
 /// [`cuda::DeviceBuffer`], say), re-exported so a program that brings its
 /// own device memory uses the same version and features.
 pub use cudarc;
-pub use device::{Device, GpuUuid};
+pub use device::{Device, DeviceMap, GpuUuid, Mapped, Place};
 /// The DLPack crate rdt's [`Tensor::to_dlpack`] and [`Tensor::from_dlpack`]
 /// speak, re-exported so a program uses the same version.
 pub use dlpark;

@@ -39,7 +39,13 @@ use serde::{Deserialize, Serialize};
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
-use crate::{device::Device, tensor::Tensor, tensor::TensorMeta, transport::Exported, wire::Blob};
+use crate::{
+    device::{Device, Place},
+    tensor::Tensor,
+    tensor::TensorMeta,
+    transport::Exported,
+    wire::Blob,
+};
 
 /// Tensors of fewer bytes share chunk blobs (see the module docs): below
 /// the size a receiver reads into a pooled buffer of its own.
@@ -372,6 +378,14 @@ fn places(exported: &Exported) -> Result<Vec<(usize, Option<usize>)>, TransportE
 /// The blobs must be here ([`Exported::arrived`]); one still arriving or
 /// lost on the way is an error.
 pub fn unpack(exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
+    unpack_to(exported, None)
+}
+
+/// [`unpack`], with the tensors that were in device memory at their
+/// producer put in `place` instead of on their own GPU (`None`: as
+/// [`unpack`] does): host memory stays host memory, so a value asked for
+/// on the host is never copied to a device and back.
+pub fn unpack_to(exported: &Exported, place: Option<Place>) -> Result<Vec<Tensor>, TransportError> {
     let places = places(exported)?;
     let tensors = exported
         .metas
@@ -379,7 +393,7 @@ pub fn unpack(exported: &Exported) -> Result<Vec<Tensor>, TransportError> {
         .zip(places)
         .map(|(m, (blob, offset))| {
             let bytes = exported.inline[blob].bytes().map_err(not_arrived)?;
-            unpack_one(m, slice_of(bytes, offset, m))
+            unpack_one(m, slice_of(bytes, offset, m), place)
         })
         .collect::<Result<Vec<_>, _>>()?;
     check_received(NAME, &exported.metas, &tensors)?;
@@ -416,11 +430,19 @@ fn not_arrived(e: crate::wire::arriving::ArriveError) -> TransportError {
 
 /// The tensor `m` describes, over `bytes` without a copy, or copied to its
 /// device when this process can use CUDA.
-fn unpack_one(m: &TensorMeta, bytes: bytes::Bytes) -> Result<Tensor, TransportError> {
+fn unpack_one(
+    m: &TensorMeta,
+    bytes: bytes::Bytes,
+    place: Option<Place>,
+) -> Result<Tensor, TransportError> {
     let t = Tensor::from_shared_bytes(m.dtype, &m.shape, bytes)
         .map_err(|e| TransportError::new(NAME, e.to_string()))?;
-    match &m.device {
-        Device::Cuda { uuid, .. } if crate::cuda::available().is_ok() => {
+    match (&m.device, place) {
+        (Device::Cpu, _) | (_, Some(Place::Host)) => Ok(t),
+        (Device::Cuda { .. }, Some(Place::Cuda(o))) => t
+            .to_device(o as usize)
+            .map_err(|e| TransportError::new(NAME, e.to_string())),
+        (Device::Cuda { uuid, .. }, None) if crate::cuda::available().is_ok() => {
             let ord = crate::cuda::ordinal_of(uuid).unwrap_or(0);
             t.to_device(ord)
                 .map_err(|e| TransportError::new(NAME, e.to_string()))
@@ -453,7 +475,7 @@ pub async fn unpack_arriving(exported: &Exported) -> Result<Vec<Tensor>, Transpo
         let (Device::Cuda { uuid, .. }, Some(a), true) = (&m.device, b.still_arriving(), alone)
         else {
             let bytes = b.arrived().await.map_err(not_arrived)?;
-            tensors.push(unpack_one(m, slice_of(bytes, offset, m))?);
+            tensors.push(unpack_one(m, slice_of(bytes, offset, m), None)?);
             continue;
         };
         let ord = crate::cuda::ordinal_of(uuid).unwrap_or(0);

@@ -197,37 +197,10 @@ impl Target {
     ) -> Result<Vec<Tensor>, TransportError> {
         match self {
             Target::Any => Ok(received),
-            Target::Host => received
-                .into_iter()
-                .map(|t| {
-                    if t.is_cuda() {
-                        t.to_cpu().map_err(|e| {
-                            TransportError::new(transport, format!("copy to the host: {e}"))
-                        })
-                    } else {
-                        Ok(t)
-                    }
-                })
-                .collect(),
-            Target::Device(ordinal) => received
-                .into_iter()
-                .map(|t| {
-                    let here = match t.device() {
-                        crate::device::Device::Cuda { ordinal: o, .. } => *o as usize == *ordinal,
-                        crate::device::Device::Cpu => true,
-                    };
-                    if here {
-                        Ok(t)
-                    } else {
-                        t.to_device(*ordinal).map_err(|e| {
-                            TransportError::new(
-                                transport,
-                                format!("copy onto CUDA device {ordinal}: {e}"),
-                            )
-                        })
-                    }
-                })
-                .collect(),
+            Target::Host => place_all(transport, crate::Place::Host, received),
+            Target::Device(ordinal) => {
+                place_all(transport, crate::Place::Cuda(*ordinal as u32), received)
+            }
             Target::Tensors(targets) => {
                 check_received(transport, expected, targets).map_err(|e| {
                     TransportError::new(transport, format!("target tensors: {}", e.message))
@@ -241,6 +214,31 @@ impl Target {
             }
         }
     }
+}
+
+impl From<crate::Place> for Target {
+    fn from(p: crate::Place) -> Self {
+        match p {
+            crate::Place::Host => Target::Host,
+            crate::Place::Cuda(o) => Target::Device(o as usize),
+        }
+    }
+}
+
+/// `received`, each tensor put in `place` ([`Place::put`](crate::Place::put)).
+fn place_all(
+    transport: &str,
+    place: crate::Place,
+    received: Vec<Tensor>,
+) -> Result<Vec<Tensor>, TransportError> {
+    received
+        .into_iter()
+        .map(|t| {
+            place
+                .put(t)
+                .map_err(|e| TransportError::new(transport, format!("copy to {place}: {e}")))
+        })
+        .collect()
 }
 
 /// What the framework tells a transport about one transfer.

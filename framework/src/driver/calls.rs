@@ -99,9 +99,14 @@ impl Inner {
         rdt_transport::trace::timeline("driver submit", call);
         let mut arg_ids = Vec::new();
         let mut nested = Vec::new();
+        let mut places = Vec::new();
         for a in &wire_args {
             match a {
                 WireArg::Ref(r) => arg_ids.push(*r),
+                WireArg::RefOn(r, place) => {
+                    arg_ids.push(*r);
+                    places.push(*place);
+                }
                 WireArg::Value(v) => nested.extend_from_slice(&v.refs),
             }
         }
@@ -112,7 +117,10 @@ impl Inner {
                 detail: d.clone(),
             }),
         };
-        let early = error.or(dead).or_else(|| check_groups(st, actor, &arg_ids));
+        let early = error
+            .or(dead)
+            .or_else(|| check_places(st, actor, &places))
+            .or_else(|| check_groups(st, actor, &arg_ids));
         if let Some(e) = early {
             st.table.insert_done(id, Some(actor), ObjState::Failed(e));
             return None;
@@ -195,6 +203,23 @@ impl Inner {
         }
         self.sync_transfers(st);
     }
+}
+
+/// A call that puts an argument on a CUDA device its callee's process
+/// lacks (`ObjectRef::to_device`), refused before any transfer is ordered;
+/// the callee checks again where it has not said what it sees.
+fn check_places(st: &State, actor: u64, places: &[Place]) -> Option<Error> {
+    let a = st.actors.get(&actor)?;
+    let seen = a.cuda_devices?;
+    places.iter().find_map(|p| match *p {
+        Place::Cuda(o) if o >= seen => Some(Error::NoSuchDevice {
+            receiver: a.name.clone(),
+            reason: format!(
+                "an argument was asked onto {p}, and its process sees {seen} CUDA device(s)"
+            ),
+        }),
+        _ => None,
+    })
 }
 
 /// A call ended (its reply, its callee's death, or a send that failed):

@@ -17,9 +17,10 @@ impl Inner {
         }
         match msg {
             ToDriver::Spawned(r) => {
-                let r = r.map(|endpoints| {
+                let r = r.map(|spawned| {
                     if let Some(a) = st.actors.get_mut(&actor) {
-                        a.endpoints = endpoints.into_iter().collect();
+                        a.endpoints = spawned.endpoints.into_iter().collect();
+                        a.cuda_devices = Some(spawned.cuda_devices);
                     }
                 });
                 if let Some(tx) = st.spawning.remove(&actor) {

@@ -127,11 +127,31 @@ impl Runtime {
         }
     }
 
-    /// Like [`Runtime::get`], with every tensor read straight into this
-    /// process's host memory, whatever device it is on at its producer
-    /// (a checkpoint, an evaluation on the CPU). For objects on a
-    /// transport that serves the driver (`nixl`); others fail with a
-    /// message that says to use [`Runtime::get`].
+    /// Like [`Runtime::get`], with the value's tensors put in `place` of
+    /// this process: host memory ([`Place::Host`], a checkpoint or an
+    /// evaluation on the CPU) or one of its GPUs ([`Place::Cuda`]), whatever
+    /// device they were on at their producer. Over `nixl` the read lands
+    /// there directly; an object the driver reads through the object
+    /// store lands there from the bytes it carries (no round trip through
+    /// another device); elsewhere each tensor not in `place` already is
+    /// copied there once. A `place` this process does not have fails with
+    /// [`Error::NoSuchDevice`] before any byte moves, and the object stays
+    /// readable. Values on a collective transport fail as for
+    /// [`get`](Self::get).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get).
+    pub async fn get_on<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        place: Place,
+    ) -> Result<T> {
+        crate::refs::api::get_on(self, r, place).await
+    }
+
+    /// [`get_on`](Self::get_on) host memory: every tensor read into this
+    /// process's host memory, whatever device it is on at its producer.
     ///
     /// # Cancel safety
     ///
@@ -140,24 +160,7 @@ impl Runtime {
         &self,
         r: impl Borrow<ObjectRef<T>>,
     ) -> Result<T> {
-        let r = r.borrow();
-        let wv = self.inner.wait_value(r.id).await?;
-        wv.arrived().await?;
-        match driver_transport(wv.transport) {
-            Some(inst) => {
-                let tensors = self.get_direct(r.id, &wv, inst, Target::Host, None).await?;
-                let read = direct_read(&wv, tensors)?;
-                crate::refs::api::decode(self, r.id, &read)
-            }
-            None => Err(Error::TransportUnavailable {
-                name: wv.transport.to_string(),
-                reason: format!(
-                    "get_on_host reads an object directly into the driver, which {} cannot do; \
-                     use get (or return the tensors over nixl)",
-                    wv.transport
-                ),
-            }),
-        }
+        self.get_on(r, Place::Host).await
     }
 
     /// Gets several objects: every one is waited for and every direct read
@@ -426,6 +429,24 @@ impl crate::refs::api::Objects for Runtime {
     ) -> Result<(crate::refs::api::Read, Option<Vec<rdt_transport::Tensor>>)> {
         let (wv, tensors, copied) = self.land_in::<T>(id, targets).await?;
         Ok((direct_read(&wv, tensors)?, copied))
+    }
+
+    fn receiver(&self) -> String {
+        "the driver".into()
+    }
+
+    async fn read_on(&self, id: u64, place: Place) -> Result<crate::refs::api::Read> {
+        crate::refs::api::check_place(self, place)?;
+        match self.readable(id).await? {
+            Readable::Direct(wv, inst) => {
+                let tensors = self.get_direct(id, &wv, inst, place.into(), None).await?;
+                direct_read(&wv, tensors)
+            }
+            Readable::Inline(wv) => {
+                let tensors = object_store::unpack_to(wv.exported.get()?, Some(place))?;
+                direct_read(&wv, tensors)
+            }
+        }
     }
 
     async fn settled(&self, id: u64) -> Result<()> {

@@ -29,7 +29,7 @@ use crate::protocol::inline_value;
 use parking_lot::Mutex;
 use rdt_transport::object_store;
 use rdt_transport::rt::hot::{self, hot};
-use rdt_transport::{Blob, Target};
+use rdt_transport::{Blob, DeviceMap, Place, Target};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::net::UnixListener;

@@ -44,6 +44,7 @@ pub struct Spawn<A: Actor> {
     pub(super) gpus: GpuRequest,
     pub(super) name: Option<String>,
     pub(super) remote: bool,
+    pub(super) device_map: DeviceMap,
 }
 
 /// The GPUs a worker asks for (see [`Spawn::gpus`] and [`Spawn::on_gpus`]).
@@ -101,6 +102,30 @@ impl<A: Actor> Spawn<A> {
         };
         self
     }
+    /// The actor's device map: every value it receives (arguments, `get`s,
+    /// values passed inline) has the tensors from a GPU the map names put
+    /// in that entry's place of the actor's process, directly where the
+    /// transport can (a `nixl` READ into it), else copied there once from
+    /// where they landed. Keyed by the producer GPU's UUID, not its
+    /// ordinal (ordinals differ between processes); tensors in host
+    /// memory stay there, and tensors from a GPU the map does not name
+    /// land as without it. Spawning fails with [`Error::NoSuchDevice`] if
+    /// the actor's process lacks a place the map names.
+    ///
+    /// ```no_run
+    /// # use rdt::prelude::*;
+    /// # #[rdt::actor] pub struct A {}
+    /// # #[rdt::actor] impl A { fn new() -> Self { A {} } }
+    /// # async fn f(rt: Runtime, trainer_gpu: rdt::GpuUuid) -> rdt::Result<()> {
+    /// // Tensors from the trainer's GPU land in this actor's host memory.
+    /// let map = rdt::DeviceMap::new().map(trainer_gpu, Place::Host);
+    /// let evaluator = rt.spawn::<A>(()).device_map(map).await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn device_map(mut self, map: DeviceMap) -> Self {
+        self.device_map = map;
+        self
+    }
     /// A name for logs and errors (default `Type#id`).
     pub fn name(mut self, name: impl Into<String>) -> Self {
         self.name = Some(name.into());
@@ -142,13 +167,19 @@ impl<A: Actor> std::future::IntoFuture for Spawn<A> {
             let spawned = if self.remote {
                 self.rt
                     .inner
-                    .spawn_on_volunteer(A::NAME, short, self.name, args)
+                    .spawn_on_volunteer(A::NAME, short, self.name, (args, self.device_map))
                     .instrument(span.clone())
                     .await
             } else {
                 self.rt
                     .inner
-                    .spawn_raw(A::NAME, short, self.name, args, self.gpus)
+                    .spawn_raw(
+                        A::NAME,
+                        short,
+                        self.name,
+                        (args, self.device_map),
+                        self.gpus,
+                    )
                     .instrument(span.clone())
                     .await
             };
@@ -177,6 +208,7 @@ impl Runtime {
             gpus: GpuRequest::None,
             name: None,
             remote: false,
+            device_map: DeviceMap::new(),
         }
     }
 }
@@ -187,7 +219,7 @@ impl Inner {
         type_name: &str,
         short: &str,
         name: Option<String>,
-        args: Vec<u8>,
+        args: (Vec<u8>, DeviceMap),
         gpus: GpuRequest,
     ) -> Result<RawHandle> {
         let visible = match &gpus {
@@ -223,6 +255,7 @@ impl Inner {
                         .as_ref()
                         .and_then(|(_, d)| d.split(',').next())
                         .map(str::to_string),
+                    cuda_devices: None,
                 },
             );
         }
@@ -313,7 +346,7 @@ impl Inner {
         type_name: &str,
         id: u64,
         name: &str,
-        args: Vec<u8>,
+        (args, device_map): (Vec<u8>, DeviceMap),
         local: bool,
     ) -> ToWorker {
         ToWorker::Spawn(protocol::SpawnOrder {
@@ -335,6 +368,7 @@ impl Inner {
             peer_socket: if local { self.peer_socket(id) } else { None },
             straight_large_values: self.config.straight_large_values,
             log: self.config.worker_log.clone(),
+            device_map,
         })
     }
 
@@ -357,7 +391,7 @@ impl Inner {
         type_name: &str,
         short: &str,
         name: Option<String>,
-        args: Vec<u8>,
+        args: (Vec<u8>, DeviceMap),
     ) -> Result<RawHandle> {
         let deadline = tokio::time::Instant::now() + self.config.spawn_timeout;
         let v = loop {
@@ -390,6 +424,7 @@ impl Inner {
                     endpoints: HashMap::new(),
                     peer_socket: None,
                     gpu: None,
+                    cuda_devices: None,
                 },
             );
             st.conns.insert(id, v.conn.clone());

@@ -395,6 +395,9 @@ pub(crate) struct ActorInfo {
     /// (`CUDA_VISIBLE_DEVICES`'s first entry); `None` when the driver
     /// assigned none (a joined worker, a spawn without GPUs).
     pub gpu: Option<String>,
+    /// How many CUDA devices its process sees, once it said
+    /// (`SpawnedActor`).
+    pub cuda_devices: Option<u32>,
 }
 
 impl ActorInfo {

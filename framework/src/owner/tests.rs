@@ -91,6 +91,7 @@ impl Pair {
             endpoints: HashMap::new(),
             peer_socket: None,
             gpu: None,
+            cuda_devices: None,
         };
         Pair {
             table: OwnerTable::default(),

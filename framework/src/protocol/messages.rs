@@ -14,6 +14,9 @@ pub enum WireArg {
     Value(WireValue),
     /// Passed by ref: the worker waits for the object in its store.
     Ref(u64),
+    /// Passed by ref, its tensors put in this place of the callee's
+    /// process before the method runs (`ObjectRef::to_device`).
+    RefOn(u64, rdt_transport::Place),
 }
 
 /// A method call.
@@ -66,7 +69,7 @@ impl CallMsg {
     /// The objects its ref arguments name, in order.
     pub fn ref_args(&self) -> impl Iterator<Item = u64> + '_ {
         self.args.iter().filter_map(|a| match a {
-            WireArg::Ref(r) => Some(*r),
+            WireArg::Ref(r) | WireArg::RefOn(r, _) => Some(*r),
             WireArg::Value(_) => None,
         })
     }
@@ -132,6 +135,10 @@ pub struct SpawnOrder {
     pub straight_large_values: Option<bool>,
     /// How the worker logs (`RuntimeBuilder::worker_log`).
     pub log: crate::log::WorkerLog,
+    /// Where the tensors of values this actor receives land, by the GPU
+    /// they come from (`Spawn::device_map`).
+    #[serde(default)]
+    pub device_map: rdt_transport::DeviceMap,
 }
 
 /// A consumer as a producer reaches it to deliver a value straight
@@ -299,6 +306,17 @@ pub enum ToWorker {
     Shutdown,
 }
 
+/// A worker's answer to its spawn order, once its actor is constructed.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SpawnedActor {
+    /// The endpoints of this worker's transports, by transport name.
+    pub endpoints: Vec<(String, String)>,
+    /// How many CUDA devices its process sees (0: none, or no usable
+    /// CUDA), so the driver refuses a call that puts an argument on one
+    /// it lacks before any byte moves.
+    pub cuda_devices: u32,
+}
+
 /// Worker → driver.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum ToDriver {
@@ -315,7 +333,7 @@ pub enum ToDriver {
     },
     /// Reply to `Spawn`: the endpoints of this worker's transports, by
     /// transport name, or why the actor could not be constructed.
-    Spawned(std::result::Result<Vec<(String, String)>, Error>),
+    Spawned(std::result::Result<SpawnedActor, Error>),
     /// Answer to `Ping`.
     Pong,
     /// A call finished.

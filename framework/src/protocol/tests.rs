@@ -31,6 +31,10 @@ fn order(args: Blob) -> ToWorker {
         id_space: actor_id_space(1),
         transports: vec![],
         peer_socket: None,
+        device_map: rdt_transport::DeviceMap::new().map(
+            rdt_transport::GpuUuid::from_bytes([7; 16]),
+            rdt_transport::Place::Host,
+        ),
     })
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rdt_transport::{Tensor, TensorList};
+use rdt_transport::{Place, Tensor, TensorList};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -53,6 +53,21 @@ pub(crate) trait Objects: Sync {
         id: u64,
         targets: &Targets,
     ) -> impl Future<Output = Result<(Read, Option<Vec<Tensor>>)>>;
+
+    /// Who receives here, as [`Error::NoSuchDevice`] names it.
+    fn receiver(&self) -> String;
+
+    /// Object `id`, read here with its tensors put in `place` (checked
+    /// first: a place this process lacks fails before any byte moves).
+    /// By default a read, then a copy of each tensor not there already;
+    /// the driver lands them there directly where its transport can.
+    fn read_on(&self, id: u64, place: Place) -> impl Future<Output = Result<Read>> {
+        async move {
+            check_place(self, place)?;
+            let read = self.read(id).await?;
+            placed(read, place)
+        }
+    }
 
     /// Waits until object `id` settled, moving nothing.
     fn settled(&self, id: u64) -> impl Future<Output = Result<()>>;
@@ -112,6 +127,42 @@ pub(crate) async fn get<C: Objects, T: DeserializeOwned + 'static>(
     let id = r.borrow().id;
     let read = c.read(id).await?;
     decode(c, id, &read)
+}
+
+pub(crate) async fn get_on<C: Objects, T: DeserializeOwned + 'static>(
+    c: &C,
+    r: impl Borrow<ObjectRef<T>>,
+    place: Place,
+) -> Result<T> {
+    let id = r.borrow().id;
+    let read = c.read_on(id, place).await?;
+    decode(c, id, &read)
+}
+
+/// Refuses a `place` this process cannot put tensors in.
+pub(crate) fn check_place<C: Objects + ?Sized>(c: &C, place: Place) -> Result<()> {
+    place.usable_here().map_err(|reason| Error::NoSuchDevice {
+        receiver: c.receiver(),
+        reason,
+    })
+}
+
+/// `read` with every tensor put in `place` (a copy of each one that is
+/// not there already).
+pub(crate) fn placed(read: Read, place: Place) -> Result<Read> {
+    let tensors = match read.tensors {
+        ReadTensors::Made(t) => t,
+        ReadTensors::Stored(l) => l.to_vec(),
+    };
+    let tensors = tensors
+        .into_iter()
+        .map(|t| place.put(t))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| Error::Tensor(format!("putting a received tensor in {place}: {e}")))?;
+    Ok(Read {
+        data: read.data,
+        tensors: ReadTensors::Made(tensors),
+    })
 }
 
 pub(crate) async fn get_into<C: Objects, T: Serialize + DeserializeOwned + 'static>(

@@ -125,6 +125,7 @@ pub(crate) enum ArgOut {
     /// A value, or why it could not be encoded (the call then fails).
     Value(std::result::Result<Encoded, Error>),
     /// The ref's count, shared with the caller's ref: held until the call
-    /// was submitted (its `need` counted).
-    Ref(Arc<AnyRef>),
+    /// was submitted (its `need` counted), and where its tensors are put
+    /// in the callee (`ObjectRef::to_device`).
+    Ref(Arc<AnyRef>, Option<rdt_transport::Place>),
 }

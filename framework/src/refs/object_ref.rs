@@ -47,6 +47,27 @@ impl<T> ObjectRef<T> {
         self.id
     }
 
+    /// This ref as a method argument whose tensors the callee gets in
+    /// `place` of its own process: host memory, or one of its GPUs
+    /// (PyTorch RPC's device maps, per argument). They are copied there
+    /// from where they landed, once, before the method runs; tensors in
+    /// host memory stay there. A call that asks for a device its callee
+    /// lacks fails with [`Error::NoSuchDevice`] before any byte moves.
+    ///
+    /// ```no_run
+    /// # use rdt::prelude::*;
+    /// # #[rdt::actor] pub struct Eval {}
+    /// # #[rdt::actor] impl Eval { fn new() -> Self { Eval {} }
+    /// #   #[rdt::method] fn score(&mut self, w: Tensor) -> f64 { 0.0 } }
+    /// # async fn f(eval: EvalHandle, weights: ObjectRef<Tensor>) -> rdt::Result<()> {
+    /// // The evaluator reads the trainer's GPU weights in host memory.
+    /// let score = eval.score(weights.to_device(Place::Host)).remote();
+    /// # Ok(()) }
+    /// ```
+    pub fn to_device(&self, place: rdt_transport::Place) -> Arg<T> {
+        Arg::RefOn(self.clone(), place)
+    }
+
     /// Where its count is held.
     pub(crate) fn client(&self) -> &SharedClient {
         &self.held.client
@@ -85,6 +106,9 @@ pub enum Arg<T> {
     /// Resolved by the framework before the method runs; tensors move over
     /// the object's transport.
     Ref(ObjectRef<T>),
+    /// A ref whose tensors the callee gets in this place of its process
+    /// ([`ObjectRef::to_device`]).
+    RefOn(ObjectRef<T>, rdt_transport::Place),
 }
 
 impl<T> From<T> for Arg<T> {
@@ -141,7 +165,8 @@ pub(crate) fn wire_args(args: &[ArgOut]) -> (Vec<WireArg>, Option<Error>) {
                 Err(e) => error = error.or(Some(e)),
             },
             ArgOut::Value(Err(e)) => error = error.or(Some(e.clone())),
-            ArgOut::Ref(r) => wire.push(WireArg::Ref(r.id)),
+            ArgOut::Ref(r, None) => wire.push(WireArg::Ref(r.id)),
+            ArgOut::Ref(r, Some(place)) => wire.push(WireArg::RefOn(r.id, *place)),
         }
     }
     (wire, error)
@@ -241,7 +266,8 @@ impl<T> Call<T> {
                 what: format!("an argument of {}.{}", self.handle.name, self.method_name),
                 message: e.to_string(),
             })),
-            Arg::Ref(r) => ArgOut::Ref(r.held),
+            Arg::Ref(r) => ArgOut::Ref(r.held, None),
+            Arg::RefOn(r, place) => ArgOut::Ref(r.held, Some(place)),
         });
     }
 

@@ -365,6 +365,26 @@ impl ActorRuntime {
         crate::refs::api::get(self, r).await
     }
 
+    /// Like [`ActorRuntime::get`], with the value's tensors put in `place`
+    /// of this actor's process: host memory ([`Place::Host`](crate::Place))
+    /// or one of its GPUs, whatever device they were on at their producer.
+    /// Each tensor not in `place` already is copied there once, from
+    /// where it landed (over `cuda_ipc`, straight from the producer's
+    /// memory). A `place` this process does not have fails with
+    /// [`Error::NoSuchDevice`] before any byte moves, and the object stays
+    /// readable.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`get`](Self::get).
+    pub async fn get_on<T: DeserializeOwned + 'static>(
+        &self,
+        r: impl Borrow<ObjectRef<T>>,
+        place: crate::Place,
+    ) -> Result<T> {
+        crate::refs::api::get_on(self, r, place).await
+    }
+
     /// Like [`ActorRuntime::get`], with the object's tensors received into
     /// `targets`: one per tensor of the value, in the order the value
     /// holds them (a tensor held twice counts once), each of the same
@@ -691,6 +711,10 @@ impl crate::refs::api::Objects for ActorRuntime {
             tensors: crate::refs::api::ReadTensors::Stored(v.tensors),
         };
         Ok((read, copied))
+    }
+
+    fn receiver(&self) -> String {
+        self.w.name.to_string()
     }
 
     async fn settled(&self, id: u64) -> Result<()> {

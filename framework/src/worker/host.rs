@@ -280,26 +280,58 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
         match a {
             // Large ones may still be arriving (cut-through).
             WireArg::Value(v) => {
-                let (data, tensors) = super::unpack_inline(&v).await?;
+                let (data, tensors) = super::unpack_inline(&shared.device_map, &v).await?;
                 values.push((data, Arc::new(tensors.into())))
             }
             WireArg::Ref(id) => {
                 refs.push(id);
-                // Hot: the delivery usually comes within the window (the
-                // producer's reply and the driver's `Deliver` are a few
-                // socket hops away); a thread that parked here pays a
-                // scheduler wake-up on the call's critical path.
-                match hot(shared.arrival(id)).await {
-                    Slot::Ready(v) => {
-                        rdt_transport::trace::timeline("argument resolved", id);
-                        values.push((v.data, v.tensors))
-                    }
-                    Slot::Failed(e) => return Err(Error::dependency(id, e)),
-                }
+                values.push(resolve_ref(&shared, id).await?);
+            }
+            WireArg::RefOn(id, place) => {
+                refs.push(id);
+                let (data, tensors) = resolve_ref(&shared, id).await?;
+                // The driver refused this before ordering the transfer
+                // (every spawned actor says what it sees); checked again
+                // once the argument is here, so its receive settles first
+                // (XF-5).
+                place.usable_here().map_err(|reason| Error::NoSuchDevice {
+                    receiver: shared.name.to_string(),
+                    reason,
+                })?;
+                let placed = tensors
+                    .to_vec()
+                    .into_iter()
+                    .map(|t| place.put(t))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+                    .map_err(|e| {
+                        Error::dependency(
+                            id,
+                            Error::Tensor(format!("putting the argument's tensor in {place}: {e}")),
+                        )
+                    })?;
+                values.push((data, Arc::new(placed.into())));
             }
         }
     }
     Ok(Resolved { values, refs })
+}
+
+/// A ref argument's value once it is in the store.
+async fn resolve_ref(
+    shared: &WorkerShared,
+    id: u64,
+) -> Result<(Bytes, Arc<rdt_transport::TensorList>)> {
+    // Hot: the delivery usually comes within the window (the producer's
+    // reply and the driver's `Deliver` are a few socket hops away); a
+    // thread that parked here pays a scheduler wake-up on the call's
+    // critical path.
+    match hot(shared.arrival(id)).await {
+        Slot::Ready(v) => {
+            rdt_transport::trace::timeline("argument resolved", id);
+            Ok((v.data, v.tensors))
+        }
+        Slot::Failed(e) => Err(Error::dependency(id, e)),
+    }
 }
 
 /// Runs one call and sends its result to the driver from this thread (no

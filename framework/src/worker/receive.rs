@@ -138,8 +138,17 @@ pub(super) fn on_deliver(
                 // Targets are ordered by the value's bytes (TG-1), which
                 // may still be arriving: they come before the receive
                 // writes into anything.
+                // The actor's device map, from where the producer has
+                // the tensors: one place for them all is where the
+                // receive lands them; the rest are put there after.
+                let mapped = shared
+                    .device_map
+                    .places(exported.metas.iter().map(|m| m.device));
                 let (target, gate, _writing) = match shared.take_targets(object) {
-                    None => (Target::Any, None, None),
+                    None => match &mapped {
+                        rdt_transport::Mapped::One(place) => (Target::from(*place), None, None),
+                        _ => (Target::Any, None, None),
+                    },
                     Some(registered) => {
                         let landing = registered.landing.clone();
                         let target = match d.value.data.arrived().await {
@@ -170,6 +179,11 @@ pub(super) fn on_deliver(
                     .receive_list(&from, &cx, exported)
                     .await
                     .map_err(Error::from)?;
+                let tensors = match cx.target {
+                    // Targets a `get_into` gave are where it wants them.
+                    Target::Tensors(_) => tensors,
+                    _ => apply_map(&mapped, tensors)?,
+                };
                 rdt_transport::trace::timeline("receive returned", xfer);
                 // The non-tensor part, large enough to stream, may still
                 // be arriving.
@@ -354,7 +368,8 @@ pub(super) fn on_deliver_inline(
         Ok((data, tensors)) => shared.received_value(t, data, tensors.into()),
         Err(e) => Slot::Failed(e),
     };
-    let mut unpacking = Box::pin(async move { unpack_inline(&value).await });
+    let map = shared.device_map.clone();
+    let mut unpacking = Box::pin(async move { unpack_inline(&map, &value).await });
     // All here: stored at once, with no task and no tombstone.
     if let Some(got) = (&mut unpacking).now_or_never() {
         return shared.store.insert(object, slot(shared, got));
@@ -397,7 +412,7 @@ pub(super) fn on_deliver_straight_inline(
                     "failpoint rdt::straight_inline_receive".into(),
                 ));
             }
-            unpack_inline(&value).await
+            unpack_inline(&shared.device_map, &value).await
         };
         let (slot, ack) = tokio::select! {
             got = unpack => match got {
@@ -431,11 +446,51 @@ pub(super) fn on_deliver_straight_inline(
 /// The data and tensors of a value through the driver, once its bytes are
 /// in; a CUDA tensor still arriving is copied to its device step by step
 /// as its bytes land (`object_store::unpack_arriving`).
-pub(crate) async fn unpack_inline(v: &crate::protocol::WireValue) -> Result<(Bytes, Vec<Tensor>)> {
+pub(crate) async fn unpack_inline(
+    map: &rdt_transport::DeviceMap,
+    v: &crate::protocol::WireValue,
+) -> Result<(Bytes, Vec<Tensor>)> {
     v.exported.head_arrived().await?;
-    let tensors = object_store::unpack_arriving(v.exported.get()?).await?;
+    let exported = v.exported.get()?;
+    let tensors = object_store::unpack_arriving(exported).await?;
     v.arrived().await?;
+    let mapped = map.places(exported.metas.iter().map(|m| m.device));
+    let tensors = apply_map(&mapped, tensors.into())?.into_vec();
     Ok((v.data_bytes()?, tensors))
+}
+
+/// `tensors` put where the actor's device map sends them (`mapped`, from
+/// the devices their producer had them on).
+pub(super) fn apply_map(
+    mapped: &rdt_transport::Mapped,
+    tensors: rdt_transport::TensorList,
+) -> Result<rdt_transport::TensorList> {
+    use rdt_transport::Mapped;
+    let put = |place: rdt_transport::Place, t: Tensor| {
+        place.put(t).map_err(|e| {
+            Error::Tensor(format!(
+                "putting a received tensor in {place}, as the actor's device map says: {e}"
+            ))
+        })
+    };
+    let placed = match mapped {
+        Mapped::Unmapped => return Ok(tensors),
+        Mapped::One(place) => tensors
+            .into_vec()
+            .into_iter()
+            .map(|t| put(*place, t))
+            .collect::<Result<Vec<_>>>()?,
+        Mapped::Each(places) => tensors
+            .into_vec()
+            .into_iter()
+            .zip(places)
+            .map(|(t, p)| match p {
+                Some(place) => put(*place, t),
+                None => Ok(t),
+            })
+            .collect::<Result<Vec<_>>>()?,
+    };
+    Ok(placed.into())
 }
 
 /// Runs a transfer's `work` until it ends or its abort handle fires, then

@@ -6,6 +6,9 @@ use super::*;
 /// transfers, and the actor's side of the runtime (`client`).
 pub(crate) struct WorkerShared {
     pub(super) name: Arc<str>,
+    /// Where the tensors of values this actor receives land
+    /// (`Spawn::device_map`).
+    pub(super) device_map: rdt_transport::DeviceMap,
     pub(super) store: Store,
     pub(super) tx: protocol::Sender,
     /// Transfers this worker takes part in, by id: the sender aborts the

@@ -57,6 +57,7 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
             name: boot_name.clone(),
             store: Store::default(),
             tx: tx.clone(),
+            device_map: order.device_map.clone(),
             transfers: Mutex::new(HashMap::new()),
             receiving: Mutex::new(HashMap::new()),
             received: Default::default(),
@@ -124,6 +125,14 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
                 }),
             },
         };
+        // A device map naming a place this process lacks fails the spawn
+        // before the actor could receive anything.
+        let constructed = constructed.and_then(|a| {
+            order.device_map.usable_here().map(|()| a).map_err(|reason| Error::NoSuchDevice {
+                receiver: boot_name.to_string(),
+                reason,
+            })
+        });
         let actor = match constructed {
             Ok(a) => a,
             Err(e) => {
@@ -141,7 +150,10 @@ pub(super) fn worker_main<A: RdtActor>(start: WorkerStart) -> Result<()> {
         let mut ctx = actix::Context::new();
         ctx.set_mailbox_capacity(host::MAILBOX);
         let addr = ctx.run(Host::<A>::new(actor, shared.clone()));
-        let _ = tx.send(&ToDriver::Spawned(Ok(endpoints)));
+        let _ = tx.send(&ToDriver::Spawned(Ok(protocol::SpawnedActor {
+            endpoints,
+            cuda_devices: rdt_transport::cuda::device_count() as u32,
+        })));
         // CUDA IPC upkeep: close mappings of slabs their producer retired,
         // free retired slabs nobody maps any more. Only when there is
         // something to look at (never in a process that did not use CUDA
