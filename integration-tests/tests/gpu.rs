@@ -934,6 +934,9 @@ gpu_test!(a_dead_importer_keeps_no_memory, async {
     assert_eq!(rt.get(p.slab_bytes().remote()).await.unwrap(), 0);
 });
 
+#[path = "gpu/device_maps.rs"]
+mod device_maps;
+
 #[path = "gpu/nccl.rs"]
 mod nccl;
 
