@@ -27,7 +27,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
         print(m["executable"])
 ' > "$out/tests.txt"
-cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example bench_nixl --example quickstart --example bench --example interop_candle --example weight_sync
+cargo build -p rdt-examples --release --example bench_cuda --example bench_nccl --example bench_nixl --example quickstart --example bench --example interop_candle --example interop_cudarc --example weight_sync
 # Cargo's target folder (CARGO_TARGET_DIR where it is set).
 tgt="${CARGO_TARGET_DIR:-target}"
 while read -r exe; do cp "$exe" "$out/bin/gpu-tests"; done < "$out/tests.txt"
@@ -37,6 +37,7 @@ cp "$tgt/release/examples/bench_nixl" "$out/bin/bench_nixl"
 cp "$tgt/release/examples/quickstart" "$out/bin/quickstart"
 cp "$tgt/release/examples/bench" "$out/bin/bench"
 cp "$tgt/release/examples/interop_candle" "$out/bin/interop_candle"
+cp "$tgt/release/examples/interop_cudarc" "$out/bin/interop_cudarc"
 cp "$tgt/release/examples/weight_sync" "$out/bin/weight_sync"
 rm "$out/tests.txt"
 # The commit the bundle was built from (with -dirty for uncommitted
@@ -133,6 +134,11 @@ echo "== interop_candle (a candle tensor through DLPack to an actor and back)"
 q=${PIPESTATUS[0]}
 [ "$q" = 0 ] || rc=$q
 echo "== interop_candle exit: $q"
+echo "== interop_cudarc (a cudarc CudaSlice through DLPack over cuda_ipc to an actor and back into cudarc)"
+"$here/bin/interop_cudarc" 2>&1 | tee "$logs/interop_cudarc.log"
+q=${PIPESTATUS[0]}
+[ "$q" = 0 ] || rc=$q
+echo "== interop_cudarc exit: $q"
 fi
 passed=0; failed=0; skipped=0
 if want tests; then

@@ -1243,6 +1243,35 @@ impl GpuProducer {
         (t.freed_bytes, t.waiting_bytes)
     }
 
+    /// `n` f32 equal to `v` in another library's device memory (plain
+    /// `cuMemAlloc`, or pool memory where `pooled`), brought in through
+    /// DLPack and returned over `cuda_ipc`.
+    #[rdt::method(tensor_transport = "cuda_ipc")]
+    async fn dlpack_make(&mut self, v: f32, n: usize, pooled: bool) -> rdt::Result<Tensor> {
+        use crate::dlpack_cuda::{make, Alloc};
+        make(v, n, if pooled { Alloc::Pooled } else { Alloc::Plain })
+    }
+
+    /// Like `dlpack_make`, kept here too (its clone in `kept`).
+    #[rdt::method(tensor_transport = "cuda_ipc")]
+    async fn dlpack_make_kept(&mut self, v: f32, n: usize) -> rdt::Result<Tensor> {
+        let t = crate::dlpack_cuda::make(v, n, crate::dlpack_cuda::Alloc::Plain)?;
+        self.kept.push(t.clone());
+        Ok(t)
+    }
+
+    /// Tensors this process exported over `cuda_ipc` by a device copy.
+    async fn export_copies(&mut self) -> u64 {
+        rdt::data::cuda_ipc::stats().export_copies
+    }
+
+    /// Deleters of foreign memory that ran here, after a `trim` (which
+    /// lets adopted allocations nobody maps any more go).
+    async fn dlpack_deleters(&mut self) -> u64 {
+        rdt::data::cuda::alloc::trim();
+        crate::dlpack_cuda::DELETERS_RUN.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Bytes this process holds in slabs (in use, cached or retiring).
     async fn slab_bytes(&mut self) -> usize {
         rdt::data::cuda::alloc::slab_bytes().values().sum()
@@ -1582,6 +1611,12 @@ impl GpuConsumer {
     async fn ipc_stats(&mut self) -> (u64, u64, u64) {
         let s = rdt::data::cuda_ipc::stats();
         (s.opened, s.cached, s.events_opened)
+    }
+
+    /// `t` read out through DLPack (`dlpack_cuda::read_out`): the same
+    /// device address, and the sum read from there.
+    async fn dlpack_read(&mut self, t: Tensor) -> rdt::Result<(bool, f64)> {
+        crate::dlpack_cuda::read_out(&t)
     }
 
     /// Closes mappings of slabs their producer retired; returns (closed by

@@ -5,6 +5,7 @@
 
 pub mod actors;
 pub mod capture;
+pub mod dlpack_cuda;
 pub mod fault_soak;
 pub mod weight_sync;
 

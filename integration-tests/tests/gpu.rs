@@ -937,6 +937,9 @@ gpu_test!(a_dead_importer_keeps_no_memory, async {
 #[path = "gpu/device_maps.rs"]
 mod device_maps;
 
+#[path = "gpu/interop.rs"]
+mod interop;
+
 #[path = "gpu/nccl.rs"]
 mod nccl;
 

@@ -17,53 +17,66 @@ async fn on_gpu0(rt: &Runtime) -> (GpuProducerHandle, rdt::GpuUuid) {
     (p, uuid)
 }
 
-gpu_test!(dm_gpu_a_cuda_value_lands_on_the_host_over_each_transport, async {
-    require_gpu();
-    rdt_integration_tests::logs();
-    let rt = Runtime::start().await.unwrap();
-    let (p, _) = on_gpu0(&rt).await;
-    let c = rt.spawn::<Consumer>(()).on_gpus([0]).await.unwrap();
-    for t in FROM_GPU {
-        let r = p.make(3.0, ELEMS).tensor_transport(t).unwrap().remote();
-        let want = 3.0 * ELEMS as f64;
-        // In the driver.
-        let v: Tensor = rt.get_on(&r, Place::Host).await.unwrap();
-        assert!(v.device().is_cpu(), "over {t}: {}", v.device());
-        assert_eq!(v.sum().unwrap(), want, "over {t}");
-        // In an actor, by get_on and per argument.
-        let (sum, device) = rt.get(c.sum_on(r.clone(), Place::Host).remote()).await.unwrap();
-        assert_eq!((sum, device.as_str()), (want, "cpu"), "get_on over {t}");
-        let (sum, device) = rt
-            .get(c.sum_where(r.to_device(Place::Host)).remote())
+gpu_test!(
+    dm_gpu_a_cuda_value_lands_on_the_host_over_each_transport,
+    async {
+        require_gpu();
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let (p, _) = on_gpu0(&rt).await;
+        let c = rt.spawn::<Consumer>(()).on_gpus([0]).await.unwrap();
+        for t in FROM_GPU {
+            let r = p.make(3.0, ELEMS).tensor_transport(t).unwrap().remote();
+            let want = 3.0 * ELEMS as f64;
+            // In the driver.
+            let v: Tensor = rt.get_on(&r, Place::Host).await.unwrap();
+            assert!(v.device().is_cpu(), "over {t}: {}", v.device());
+            assert_eq!(v.sum().unwrap(), want, "over {t}");
+            // In an actor, by get_on and per argument.
+            let (sum, device) = rt
+                .get(c.sum_on(r.clone(), Place::Host).remote())
+                .await
+                .unwrap();
+            assert_eq!((sum, device.as_str()), (want, "cpu"), "get_on over {t}");
+            let (sum, device) = rt
+                .get(c.sum_where(r.to_device(Place::Host)).remote())
+                .await
+                .unwrap();
+            assert_eq!((sum, device.as_str()), (want, "cpu"), "to_device over {t}");
+            // Without a place, it stays on a GPU.
+            let (sum, device) = rt.get(c.sum_where(&r).remote()).await.unwrap();
+            assert_eq!(sum, want);
+            assert!(device.starts_with("cuda:"), "over {t}: {device}");
+        }
+        rt.shutdown().await;
+    }
+);
+
+gpu_test!(
+    dm_gpu_a_device_map_sends_the_producers_gpu_to_host_memory,
+    async {
+        require_gpu();
+        rdt_integration_tests::logs();
+        let rt = Runtime::start().await.unwrap();
+        let (p, gpu0) = on_gpu0(&rt).await;
+        let c = rt
+            .spawn::<Consumer>(())
+            .on_gpus([0])
+            .device_map(rdt::DeviceMap::new().map(gpu0, Place::Host))
             .await
             .unwrap();
-        assert_eq!((sum, device.as_str()), (want, "cpu"), "to_device over {t}");
-        // Without a place, it stays on a GPU.
-        let (sum, device) = rt.get(c.sum_where(&r).remote()).await.unwrap();
-        assert_eq!(sum, want);
-        assert!(device.starts_with("cuda:"), "over {t}: {device}");
+        for t in FROM_GPU {
+            let r = p.make(4.0, ELEMS).tensor_transport(t).unwrap().remote();
+            let (sum, device) = rt.get(c.sum_where(&r).remote()).await.unwrap();
+            assert_eq!(
+                (sum, device.as_str()),
+                (4.0 * ELEMS as f64, "cpu"),
+                "over {t}"
+            );
+        }
+        rt.shutdown().await;
     }
-    rt.shutdown().await;
-});
-
-gpu_test!(dm_gpu_a_device_map_sends_the_producers_gpu_to_host_memory, async {
-    require_gpu();
-    rdt_integration_tests::logs();
-    let rt = Runtime::start().await.unwrap();
-    let (p, gpu0) = on_gpu0(&rt).await;
-    let c = rt
-        .spawn::<Consumer>(())
-        .on_gpus([0])
-        .device_map(rdt::DeviceMap::new().map(gpu0, Place::Host))
-        .await
-        .unwrap();
-    for t in FROM_GPU {
-        let r = p.make(4.0, ELEMS).tensor_transport(t).unwrap().remote();
-        let (sum, device) = rt.get(c.sum_where(&r).remote()).await.unwrap();
-        assert_eq!((sum, device.as_str()), (4.0 * ELEMS as f64, "cpu"), "over {t}");
-    }
-    rt.shutdown().await;
-});
+);
 
 gpu_test!(dm_gpu_a_device_beyond_the_callees_gpus_is_refused, async {
     let n = require_gpu() as u32;
@@ -102,7 +115,10 @@ gpu_test2!(dm_gpu_a_value_from_gpu_0_lands_on_gpu_1, async {
         let r = p.make(5.0, ELEMS).tensor_transport(t).unwrap().remote();
         let (sum, device) = rt.get(c.sum_where(&r).remote()).await.unwrap();
         assert_eq!(sum, 5.0 * ELEMS as f64, "over {t}");
-        assert!(device.contains(&gpu1), "over {t}: landed on {device}, not {gpu1}");
+        assert!(
+            device.contains(&gpu1),
+            "over {t}: landed on {device}, not {gpu1}"
+        );
     }
     // The driver, asked for its GPU 1, gets it there.
     let r = p.make(6.0, ELEMS).transport(Transport::Nixl).remote();

@@ -100,6 +100,9 @@ pub(crate) struct Slab {
     /// Run just before the slab is freed: what other parts of rdt made of
     /// its memory (a NIXL registration) is undone while it still exists.
     before_free: Mutex<Vec<Box<dyn FnOnce() + Send>>>,
+    /// For an allocation of another library adopted by [`adopt`]: what
+    /// keeps it alive (dropped instead of `cuMemFree`), one per import.
+    foreign: Option<Mutex<Vec<Box<dyn Send + Sync>>>>,
 }
 
 impl Slab {
@@ -150,7 +153,11 @@ impl Slab {
     }
 
     fn give(&self, off: usize, len: usize) {
-        self.free.give(off, len)
+        // An adopted allocation is never allocated from: its ranges are
+        // the imports over it.
+        if self.foreign.is_none() {
+            self.free.give(off, len)
+        }
     }
 
     /// Has rdt's stream passed every use of memory freed in this slab (5)?
@@ -175,8 +182,16 @@ impl Drop for Slab {
             f();
         }
         // Only the allocator drops slabs, and only unused ones whose
-        // importers are all gone (invariant 3).
-        if self.gpu.bind().is_ok() {
+        // importers are all gone (invariant 3). An adopted allocation goes
+        // back to its library: its owners' drops free it.
+        if let Some(owners) = &self.foreign {
+            // The library may reuse the memory at once: rdt's work on it
+            // ends first.
+            if let Err(e) = self.gpu.synchronize() {
+                tracing::warn!("adopted slab {}: waiting for rdt's stream: {e}", self.id);
+            }
+            drop(std::mem::take(&mut *owners.lock()));
+        } else if self.gpu.bind().is_ok() {
             // SAFETY: `base` came from cuMemAlloc; no range and no importer
             // uses it any more.
             let r = unsafe { cudarc::driver::result::free_sync(self.base) };
@@ -212,6 +227,10 @@ struct Allocator {
     /// Unused slabs waiting for importers to close their mappings
     /// (invariant 3).
     retiring: Vec<Arc<Slab>>,
+    /// Allocations of other libraries adopted as slabs ([`adopt`]), by
+    /// local ordinal and base address: retired once no range of theirs
+    /// and no pending range holds them.
+    foreign: HashMap<(usize, u64), Arc<Slab>>,
 }
 
 fn allocator() -> &'static Mutex<Allocator> {
@@ -231,10 +250,23 @@ pub(crate) fn reclaim() {
 }
 
 fn reclaim_locked(a: &mut Allocator) {
-    if a.pending.is_empty() && a.retiring.is_empty() {
+    if a.pending.is_empty() && a.retiring.is_empty() && a.foreign.is_empty() {
         return;
     }
     let Ok(c) = counters() else { return };
+    // An adopted allocation only the allocator holds is unused: retired
+    // as any slab (invariant 3), or let go at once if never exported.
+    let unused: Vec<(usize, u64)> = (a.foreign.iter())
+        .filter(|(_, s)| Arc::strong_count(s) == 1)
+        .map(|(k, _)| *k)
+        .collect();
+    for k in unused {
+        let s = a.foreign.remove(&k).expect("listed above");
+        if let Some(r) = s.record() {
+            c.set_flag(Region::Slab, r, RETIRING);
+            a.retiring.push(s);
+        }
+    }
     a.pending.retain(|p| {
         if !c.held(Region::Range, p.slot) {
             p.slab.give(p.offset, p.len);
@@ -253,7 +285,7 @@ fn reclaim_locked(a: &mut Allocator) {
 /// [`reclaim`] would look at)?
 pub(crate) fn waiting_for_importers() -> bool {
     let a = allocator().lock();
-    !a.pending.is_empty() || !a.retiring.is_empty()
+    !a.pending.is_empty() || !a.retiring.is_empty() || !a.foreign.is_empty()
 }
 
 /// What [`trim`] did.
@@ -389,10 +421,83 @@ fn alloc_in(
         free: FreeList::new(slab_len),
         freed_mark: AtomicU64::new(0),
         before_free: Mutex::new(Vec::new()),
+        foreign: None,
     });
     let off = slab.take(want).expect("a fresh slab fits");
     slabs.push(slab.clone());
     Ok((SlabRange::new(slab, off, len, want), true))
+}
+
+/// `len` bytes at `ptr` on `gpu`, memory of another library kept alive by
+/// `owner`, as a range of a slab of rdt's: the allocation it lies in
+/// (`cuMemGetAddressRange`) adopted, so that `cuda_ipc` hands it to other
+/// processes by its IPC handle and `nixl` registers it, with no device
+/// copy. Imports over one allocation share its slab. `Err(owner)` where
+/// the allocation cannot be exported (`cuIpcGetMemHandle` refuses memory
+/// not from `cuMemAlloc`: stream-ordered pools, virtual memory,
+/// managed memory): the caller keeps the memory as it is, and `cuda_ipc`
+/// copies it once at export.
+///
+/// The owners drop (and the library frees the memory) once no range over
+/// the allocation is left here, no process holds a tensor over it, and
+/// every process that mapped it closed its mapping (invariants 1 and 3;
+/// checked where [`reclaim`] runs: allocations, the worker's
+/// housekeeping, [`trim`]).
+///
+/// # Safety
+/// `ptr..ptr + len` must be device memory usable in `gpu`'s context, kept
+/// allocated for as long as `owner` lives.
+pub(crate) unsafe fn adopt(
+    gpu: &Arc<Gpu>,
+    ptr: u64,
+    len: usize,
+    owner: Box<dyn Send + Sync>,
+) -> Result<SlabRange, Box<dyn Send + Sync>> {
+    let located = (|| -> Result<(u64, usize), CudaError> {
+        gpu.bind()?;
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: out-pointers to locals; the driver checks the address.
+        unsafe { cudarc::driver::sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| CudaError::call("cuMemGetAddressRange", e))?;
+        Ok((base, size))
+    })();
+    let Ok((base, size)) = located else {
+        return Err(owner);
+    };
+    if ptr + len as u64 > base + size as u64 {
+        return Err(owner);
+    }
+    let mut a = allocator().lock();
+    let slab = match a.foreign.get(&(gpu.ordinal(), base)) {
+        Some(s) => s.clone(),
+        None => {
+            let s = Arc::new(Slab {
+                id: NEXT_SLAB.fetch_add(1, Ordering::Relaxed),
+                gpu: gpu.clone(),
+                base,
+                len: size,
+                handle: OnceLock::new(),
+                free: FreeList::new(0),
+                freed_mark: AtomicU64::new(0),
+                before_free: Mutex::new(Vec::new()),
+                foreign: Some(Mutex::new(Vec::new())),
+            });
+            // Exportable, or not adopted at all.
+            if s.ipc_handle().is_err() {
+                return Err(owner);
+            }
+            a.foreign.insert((gpu.ordinal(), base), s.clone());
+            s
+        }
+    };
+    slab.foreign
+        .as_ref()
+        .expect("an adopted slab")
+        .lock()
+        .push(owner);
+    let offset = (ptr - base) as usize;
+    Ok(SlabRange::new(slab, offset, len, len))
 }
 
 /// Bytes held in slabs (in use, cached or retiring) on each local ordinal.

@@ -96,7 +96,15 @@ impl CudaIpcTransport {
                     h
                 }
                 None => {
-                    let ord = t.with_device_buffer(|d| d.gpu().ordinal()).map_err(err)?;
+                    let (ord, what) = t
+                        .with_device_buffer(|d| (d.gpu().ordinal(), d.buffer().describe()))
+                        .map_err(err)?;
+                    tracing::debug!(
+                        "cuda_ipc copies {} B of {what} once to export it: its allocation cannot be \
+                         handed to other processes as it is",
+                        t.nbytes()
+                    );
+                    super::stats::EXPORT_COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let c = t.to_device(ord).map_err(err)?;
                     let h = handle(&c)
                         .map_err(err)?

@@ -14,12 +14,26 @@
 //!   writes into the imported bytes: a write through the tensor copies them
 //!   first.
 //!
+//! # CUDA
+//! DLPack's struct carries no stream, so a CUDA tensor crosses with an
+//! explicit one, as Python's `__dlpack__(stream=...)` does:
+//! [`Tensor::to_dlpack_on`] orders the consumer's stream after every rdt
+//! operation on the tensor, and [`Tensor::from_dlpack_on`] records rdt's
+//! ready point after the work the producer enqueued on its stream. The
+//! plain `to_dlpack` and `from_dlpack` refuse device memory. An imported
+//! allocation from `cuMemAlloc` is adopted as rdt memory (`cuda::alloc`'s
+//! `adopt`), so `cuda_ipc` and `nixl` move it with no device copy; other
+//! device memory (a stream-ordered pool, virtual memory) is used as it is
+//! here, and `cuda_ipc` copies it once at export (counted in
+//! `cuda_ipc::stats().export_copies`).
+//!
+//! dlpark's own `cuda` feature is not used: it builds cudarc against the
+//! toolkit found at build time, where rdt loads the driver at run time
+//! (no toolkit needed to build).
+//!
 //! # Limits
-//! Host memory only (DLPack's CPU and CUDA-host devices): a CUDA tensor's
-//! exchange needs the consumer's stream, which DLPack's struct does not
-//! carry, and is refused here with an error saying so. Imported tensors
-//! must be row-major and contiguous (DLPack's strides absent or compact)
-//! with one lane per element, of a dtype rdt has.
+//! Imported tensors must be row-major and contiguous (DLPack's strides
+//! absent or compact) with one lane per element, of a dtype rdt has.
 
 use bytes::Bytes;
 use dlpark::ffi::{DataType, DataTypeCode, Device as DlDevice, DeviceType, Flags};
@@ -127,6 +141,10 @@ struct Imported<T>(T);
 // the deleter, from any thread. rdt only reads the bytes (`AsRef`) and
 // calls the deleter once (`Drop`).
 unsafe impl<T> Send for Imported<T> {}
+// SAFETY: shared references only read the bytes (`AsRef`), which nothing
+// writes while rdt holds them (module docs); the deleter runs on drop,
+// which takes the value by itself.
+unsafe impl<T> Sync for Imported<T> {}
 
 impl<T: TensorView> AsRef<[u8]> for Imported<T> {
     fn as_ref(&self) -> &[u8] {
@@ -138,7 +156,205 @@ impl<T: TensorView> AsRef<[u8]> for Imported<T> {
     }
 }
 
+/// What a managed tensor made by [`Tensor::to_dlpack_on`] of a CUDA
+/// tensor keeps: the tensor (its storage alive until the deleter runs) and
+/// where its bytes are.
+struct SharedDevice {
+    _tensor: Tensor,
+    ptr: u64,
+    ordinal: usize,
+    shape: Vec<i64>,
+    dtype: DataType,
+}
+
+impl TensorLike<RowMajorCompactLayout> for SharedDevice {
+    type Error = TensorError;
+
+    fn data_ptr(&self) -> *mut std::ffi::c_void {
+        self.ptr as *mut std::ffi::c_void
+    }
+
+    fn memory_layout(&self) -> RowMajorCompactLayout {
+        RowMajorCompactLayout::new(self.shape.clone())
+    }
+
+    fn device(&self) -> Result<DlDevice, TensorError> {
+        Ok(DlDevice::cuda(self.ordinal))
+    }
+
+    fn data_type(&self) -> Result<DataType, TensorError> {
+        Ok(self.dtype)
+    }
+
+    fn byte_offset(&self) -> u64 {
+        0
+    }
+}
+
+/// Device memory of another library that rdt could not adopt (see the
+/// module docs): used where it is, kept alive by the imported managed
+/// tensor.
+struct ForeignDevice {
+    gpu: Arc<crate::cuda::Gpu>,
+    ptr: u64,
+    len: usize,
+    owner: Option<Box<dyn Send + Sync>>,
+}
+
+// SAFETY: the range is the managed tensor's (its producer vouched for it
+// when it handed it over, and `from_dlpack_on`'s caller for its context),
+// alive while `owner` is; `Drop` waits for rdt's stream before letting
+// the owner go.
+unsafe impl crate::cuda::DeviceBuffer for ForeignDevice {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn gpu(&self) -> &Arc<crate::cuda::Gpu> {
+        &self.gpu
+    }
+    fn describe(&self) -> String {
+        format!(
+            "another library's device memory ({} B) on {}",
+            self.len,
+            self.gpu.uuid()
+        )
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for ForeignDevice {
+    fn drop(&mut self) {
+        // The library may reuse the memory at once: rdt's work on it ends
+        // first.
+        if let Err(e) = self.gpu.synchronize() {
+            tracing::warn!("imported device memory: waiting for rdt's stream: {e}");
+        }
+        drop(self.owner.take());
+    }
+}
+
+/// An imported tensor's dtype and shape, checked: one lane per element of
+/// a dtype rdt has, row-major contiguous.
+fn checked_layout<T: TensorView>(t: &T) -> Result<(DType, Vec<usize>), TensorError> {
+    let dtype = from_dl(t.data_type())?;
+    let shape: Vec<usize> = (t.shape().iter())
+        .map(|&d| usize::try_from(d))
+        .collect::<Result<_, _>>()
+        .map_err(|_| TensorError::Dlpack(format!("a negative dimension in {:?}", t.shape())))?;
+    if let Some(strides) = t.strides() {
+        let mut want = 1i64;
+        for (&dim, &stride) in shape.iter().zip(strides).rev() {
+            // A dimension of size 1 may have any stride.
+            if dim != 1 && stride != want {
+                return Err(TensorError::Dlpack(format!(
+                    "a DLPack tensor of shape {shape:?} with strides {strides:?} is not \
+                     row-major contiguous: make it contiguous first"
+                )));
+            }
+            want *= dim as i64;
+        }
+    }
+    Ok((dtype, shape))
+}
+
 impl Tensor {
+    /// This tensor as a managed DLPack tensor for a consumer that reads
+    /// it on `stream` (a stream of the consumer's library, in this
+    /// process): host tensors as [`to_dlpack`](Self::to_dlpack) makes
+    /// them (`stream` unused), CUDA tensors with no copy, `stream` made to
+    /// wait (on the GPU, no host sync) for every rdt operation on the
+    /// tensor so far, a transfer that received it included.
+    ///
+    /// The managed tensor keeps the storage alive until its deleter runs.
+    /// Device memory is shared, not copied on write: the consumer's writes
+    /// are seen by this tensor and its clones; order them before rdt's
+    /// next use with [`produced_on_stream`](Self::produced_on_stream).
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream of this process, in the context
+    /// of the tensor's device (its primary context, which rdt uses too),
+    /// or null (the legacy default stream).
+    pub unsafe fn to_dlpack_on(
+        &self,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<DlpackTensor, TensorError> {
+        if !self.is_cuda() {
+            return self.to_dlpack();
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.ready_on_stream(stream) }?;
+        let (ptr, ordinal) = self.with_device_buffer(|d| (d.device_ptr(), d.gpu().ordinal()))?;
+        let shared = SharedDevice {
+            _tensor: self.clone(),
+            ptr,
+            ordinal,
+            shape: self.shape.iter().map(|&d| d as i64).collect(),
+            dtype: to_dl(self.dtype),
+        };
+        DlpackTensor::new(shared)
+    }
+
+    /// A tensor over a managed DLPack tensor's memory, with no copy,
+    /// whose contents become valid when the work enqueued so far on
+    /// `stream` (the producer library's, in this process) completes: host
+    /// memory as [`from_dlpack`](Self::from_dlpack) takes it (`stream`
+    /// unused), CUDA memory of local device `device_id`, rdt's next use of
+    /// it (an op, a transfer) ordered after that work on the GPU.
+    ///
+    /// The tensor owns the managed tensor: its deleter runs once the last
+    /// clone of the tensor and every transfer of it are gone (for memory
+    /// other processes mapped, once they closed their mappings: at the
+    /// worker's housekeeping, or [`cuda::alloc::trim`](crate::cuda::alloc::trim)).
+    /// Memory from `cuMemAlloc` travels over `cuda_ipc` and `nixl` with no
+    /// device copy; other device memory is copied once at a `cuda_ipc`
+    /// export (see the module docs).
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream of this process, in the context
+    /// of the tensor's device, or null (the legacy default stream); the
+    /// managed tensor's memory must be device memory of that device, as
+    /// DLPack says it is.
+    ///
+    /// # Errors
+    /// As [`from_dlpack`](Self::from_dlpack) for the layout; a device
+    /// other than the host and CUDA, or a CUDA device this process does
+    /// not see. The managed tensor is dropped then (its deleter runs).
+    pub unsafe fn from_dlpack_on(
+        t: DlpackTensor,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<Tensor, TensorError> {
+        let dev = t.device();
+        if dev.device_type != DeviceType::Cuda {
+            return Self::from_dlpack(t);
+        }
+        let (dtype, shape) = checked_layout(&t)?;
+        let gpu = crate::cuda::gpu(dev.device_id as usize)?;
+        let ptr = t.data_ptr() as u64 + t.byte_offset() as u64;
+        let len = t.num_bytes();
+        let owner: Box<dyn Send + Sync> = Box::new(Imported(t));
+        // SAFETY: the managed tensor's memory, alive while `owner` is (the
+        // caller vouches for its device).
+        let buf: Box<dyn crate::cuda::DeviceBuffer> =
+            match unsafe { crate::cuda::alloc::adopt(&gpu, ptr, len, owner) } {
+                Ok(range) => Box::new(range),
+                Err(owner) => Box::new(ForeignDevice {
+                    gpu: gpu.clone(),
+                    ptr,
+                    len,
+                    owner: Some(owner),
+                }),
+            };
+        let tensor = Self::from_device_buffer(dtype, &shape, gpu.device(), buf)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { tensor.produced_on_stream(stream) }?;
+        Ok(tensor)
+    }
+
     /// This tensor as a managed DLPack tensor (DLPack 1.x, versioned),
     /// with no copy: the bytes stay alive until the other library runs the
     /// deleter, and they are shared read-only (flagged so); a later write
@@ -174,8 +390,8 @@ impl Tensor {
     fn shared_for_dlpack(&self) -> Result<(Shared, bool), TensorError> {
         if self.is_cuda() {
             return Err(TensorError::Dlpack(
-                "a CUDA tensor goes to DLPack with the consumer's stream, which is not supported yet: \
-                 copy it to the host (to_cpu) first"
+                "a CUDA tensor goes to DLPack with the consumer's stream: use \
+                 Tensor::to_dlpack_on(stream) (or to_cpu first)"
                     .into(),
             ));
         }
@@ -218,29 +434,13 @@ impl Tensor {
             DeviceType::Cpu | DeviceType::CudaHost => {}
             other => {
                 return Err(TensorError::Dlpack(format!(
-                    "a DLPack tensor on {other:?} {}: only host memory comes in for now",
+                    "a DLPack tensor on {other:?} {}: from_dlpack takes host memory; a CUDA \
+                     tensor comes in with its producer's stream (Tensor::from_dlpack_on)",
                     t.device().device_id
                 )))
             }
         }
-        let dtype = from_dl(t.data_type())?;
-        let shape: Vec<usize> = (t.shape().iter())
-            .map(|&d| usize::try_from(d))
-            .collect::<Result<_, _>>()
-            .map_err(|_| TensorError::Dlpack(format!("a negative dimension in {:?}", t.shape())))?;
-        if let Some(strides) = t.strides() {
-            let mut want = 1i64;
-            for (&dim, &stride) in shape.iter().zip(strides).rev() {
-                // A dimension of size 1 may have any stride.
-                if dim != 1 && stride != want {
-                    return Err(TensorError::Dlpack(format!(
-                        "a DLPack tensor of shape {shape:?} with strides {strides:?} is not \
-                         row-major contiguous: make it contiguous first"
-                    )));
-                }
-                want *= dim as i64;
-            }
-        }
+        let (dtype, shape) = checked_layout(&t)?;
         let bytes = Bytes::from_owner(Imported(t));
         Tensor::from_shared_bytes(dtype, &shape, bytes)
     }
@@ -408,6 +608,23 @@ mod tests {
     }
 
     #[test]
+    fn host_tensors_cross_with_a_stream_as_without_one() {
+        let null = std::ptr::null_mut();
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0], &[3]).unwrap();
+        // SAFETY: a host tensor: the stream is not used.
+        let out = unsafe { t.to_dlpack_on(null) }.unwrap();
+        assert!(out.read_only());
+        let (f, drops) = foreign(3, &[3]);
+        let managed = DlpackTensor::new::<_, RowMajorCompactLayout>(f).unwrap();
+        // SAFETY: host memory: the stream is not used.
+        let back = unsafe { Tensor::from_dlpack_on(managed, null) }.unwrap();
+        assert_eq!(back.to_vec::<f32>().unwrap(), [0.0, 1.0, 2.0]);
+        drop(back);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        drop(out);
+    }
+
+    #[test]
     fn what_cannot_come_in_is_refused_and_still_deleted() {
         // Device memory.
         let (mut f, drops) = foreign(4, &[4]);
@@ -417,7 +634,7 @@ mod tests {
         };
         let e = Tensor::from_dlpack(DlpackTensor::new::<_, RowMajorCompactLayout>(f).unwrap())
             .unwrap_err();
-        assert!(e.to_string().contains("only host memory"), "{e}");
+        assert!(e.to_string().contains("from_dlpack_on"), "{e}");
         assert_eq!(drops.load(Ordering::SeqCst), 1);
         // Column-major strides.
         let (mut f, drops) = foreign(6, &[2, 3]);
