@@ -21,6 +21,7 @@ pub mod nccl;
 pub mod nixl;
 pub mod object_store;
 pub mod paths;
+mod place;
 pub mod registry;
 pub mod rt;
 mod shape;
@@ -40,7 +41,7 @@ pub use cuda_ipc::CudaIpcTransport;
 /// [`cuda::DeviceBuffer`], say), re-exported so a program that brings its
 /// own device memory uses the same version and features.
 pub use cudarc;
-pub use device::{Device, DeviceMap, GpuUuid, Mapped, Place};
+pub use device::{Device, GpuUuid};
 /// The DLPack crate rdt's [`Tensor::to_dlpack`] and [`Tensor::from_dlpack`]
 /// speak, re-exported so a program uses the same version.
 pub use dlpark;
@@ -50,6 +51,7 @@ pub use dtype::{DType, Element};
 pub use half;
 pub use metas_wire::MAX_TENSORS;
 pub use object_store::ObjectStoreTransport;
+pub use place::{DeviceMap, Mapped, Place};
 pub use shape::Shape;
 pub use shm::ShmTransport;
 pub use tcp::TcpTransport;

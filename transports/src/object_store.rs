@@ -36,16 +36,11 @@ use futures::future::BoxFuture;
 
 use serde::{Deserialize, Serialize};
 
+use crate::place::Place;
 use crate::transport::{
     check_received, ObjectKey, Peer, Sidedness, TensorTransport, TransferCtx, TransportError,
 };
-use crate::{
-    device::{Device, Place},
-    tensor::Tensor,
-    tensor::TensorMeta,
-    transport::Exported,
-    wire::Blob,
-};
+use crate::{device::Device, tensor::Tensor, tensor::TensorMeta, transport::Exported, wire::Blob};
 
 /// Tensors of fewer bytes share chunk blobs (see the module docs): below
 /// the size a receiver reads into a pooled buffer of its own.

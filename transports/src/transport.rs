@@ -197,10 +197,12 @@ impl Target {
     ) -> Result<Vec<Tensor>, TransportError> {
         match self {
             Target::Any => Ok(received),
-            Target::Host => place_all(transport, crate::Place::Host, received),
-            Target::Device(ordinal) => {
-                place_all(transport, crate::Place::Cuda(*ordinal as u32), received)
-            }
+            Target::Host => place_all(transport, crate::place::Place::Host, received),
+            Target::Device(ordinal) => place_all(
+                transport,
+                crate::place::Place::Cuda(*ordinal as u32),
+                received,
+            ),
             Target::Tensors(targets) => {
                 check_received(transport, expected, targets).map_err(|e| {
                     TransportError::new(transport, format!("target tensors: {}", e.message))
@@ -216,19 +218,19 @@ impl Target {
     }
 }
 
-impl From<crate::Place> for Target {
-    fn from(p: crate::Place) -> Self {
+impl From<crate::place::Place> for Target {
+    fn from(p: crate::place::Place) -> Self {
         match p {
-            crate::Place::Host => Target::Host,
-            crate::Place::Cuda(o) => Target::Device(o as usize),
+            crate::place::Place::Host => Target::Host,
+            crate::place::Place::Cuda(o) => Target::Device(o as usize),
         }
     }
 }
 
-/// `received`, each tensor put in `place` ([`Place::put`](crate::Place::put)).
+/// `received`, each tensor put in `place` ([`Place::put`](crate::place::Place::put)).
 fn place_all(
     transport: &str,
-    place: crate::Place,
+    place: crate::place::Place,
     received: Vec<Tensor>,
 ) -> Result<Vec<Tensor>, TransportError> {
     received

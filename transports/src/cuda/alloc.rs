@@ -433,10 +433,8 @@ fn alloc_in(
 /// (`cuMemGetAddressRange`) adopted, so that `cuda_ipc` hands it to other
 /// processes by its IPC handle and `nixl` registers it, with no device
 /// copy. Imports over one allocation share its slab. `Err(owner)` where
-/// the allocation cannot be exported (`cuIpcGetMemHandle` refuses memory
-/// not from `cuMemAlloc`: stream-ordered pools, virtual memory,
-/// managed memory): the caller keeps the memory as it is, and `cuda_ipc`
-/// copies it once at export.
+/// `cuIpcGetMemHandle` refuses the allocation (pools, virtual or managed
+/// memory): the caller keeps it as it is; `cuda_ipc` copies it at export.
 ///
 /// The owners drop (and the library frees the memory) once no range over
 /// the allocation is left here, no process holds a tensor over it, and
