@@ -63,6 +63,13 @@ impl Place {
     }
 }
 
+impl Place {
+    /// Every tensor of `tensors` in this place ([`put`](Self::put)).
+    pub fn put_all(&self, tensors: Vec<Tensor>) -> Result<Vec<Tensor>, TensorError> {
+        tensors.into_iter().map(|t| self.put(t)).collect()
+    }
+}
+
 impl std::fmt::Display for Place {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -233,14 +233,9 @@ fn place_all(
     place: crate::place::Place,
     received: Vec<Tensor>,
 ) -> Result<Vec<Tensor>, TransportError> {
-    received
-        .into_iter()
-        .map(|t| {
-            place
-                .put(t)
-                .map_err(|e| TransportError::new(transport, format!("copy to {place}: {e}")))
-        })
-        .collect()
+    place
+        .put_all(received)
+        .map_err(|e| TransportError::new(transport, format!("copy to {place}: {e}")))
 }
 
 /// What the framework tells a transport about one transfer.

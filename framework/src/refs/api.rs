@@ -154,10 +154,8 @@ pub(crate) fn placed(read: Read, place: Place) -> Result<Read> {
         ReadTensors::Made(t) => t,
         ReadTensors::Stored(l) => l.to_vec(),
     };
-    let tensors = tensors
-        .into_iter()
-        .map(|t| place.put(t))
-        .collect::<std::result::Result<Vec<_>, _>>()
+    let tensors = place
+        .put_all(tensors)
         .map_err(|e| Error::Tensor(format!("putting a received tensor in {place}: {e}")))?;
     Ok(Read {
         data: read.data,

@@ -298,17 +298,12 @@ async fn resolve(shared: Arc<WorkerShared>, args: Vec<WireArg>) -> Result<Resolv
                     receiver: shared.name.to_string(),
                     reason,
                 })?;
-                let placed = tensors
-                    .to_vec()
-                    .into_iter()
-                    .map(|t| place.put(t))
-                    .collect::<std::result::Result<Vec<_>, _>>()
-                    .map_err(|e| {
-                        Error::dependency(
-                            id,
-                            Error::Tensor(format!("putting the argument's tensor in {place}: {e}")),
-                        )
-                    })?;
+                let placed = place.put_all(tensors.to_vec()).map_err(|e| {
+                    Error::dependency(
+                        id,
+                        Error::Tensor(format!("putting the argument's tensor in {place}: {e}")),
+                    )
+                })?;
                 values.push((data, Arc::new(placed.into())));
             }
         }
